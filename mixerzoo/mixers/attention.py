@@ -1,0 +1,184 @@
+"""Softmax-attention baselines: full causal ``attention``, token sliding window ``swa``, block sliding
+window ``bswa``. One implementation, three visibility rules.
+
+Every forward, training or decoding, goes through the same path: the new queries attend over
+``[cached keys ; new keys]`` under a boolean mask built from absolute positions, so continuation and
+token-by-token decode equal one parallel pass by construction. ``attention_reference`` is the plain
+softmax the fast SDPA path is tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..protocol import Mixer, MixerState
+from .qkv import QKVProjection
+
+__all__ = ["KVCache", "Attention", "SlidingWindowAttention", "BlockSlidingWindowAttention", "attention_reference"]
+
+
+@dataclasses.dataclass
+class KVCache(MixerState):
+    """State of the attention baselines.
+
+    Attributes:
+        k, v: cached keys (after RoPE, at their true positions) and values, ``(B, H_kv, S, D)``; they belong
+            to the ``S`` positions just before ``next_pos``.
+        next_pos: tokens seen so far (the position of the next token).
+        shift: previous-token projections for the token-shift option, else None.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    next_pos: int
+    shift: tuple | None = None
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scale: float | None = None) -> torch.Tensor:
+    """Readable softmax attention: ``softmax(q k^T * scale + log(mask)) v``.
+
+    Args:
+        q: ``(B, H, T, D)``; k, v: ``(B, H_kv, S, D)`` with ``H % H_kv == 0`` (GQA: each group of
+            ``H / H_kv`` query heads shares one key/value head).
+        mask: boolean ``(T, S)``, True where query ``t`` may see key ``s``; every row needs one True.
+        scale: defaults to ``1 / sqrt(D)``.
+
+    Returns:
+        ``(B, H, T, D)``.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    logits = (q.float() @ k.float().transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~mask, float("-inf"))
+    return (logits.softmax(-1) @ v.float()).to(q.dtype)
+
+
+class Attention(Mixer):
+    """Full causal softmax attention (``scaled_dot_product_attention``) with a KV cache as state.
+
+    Args:
+        d_model: model width.
+        n_heads: query heads.
+        n_kv_heads: key/value heads for grouped-query attention (default ``n_heads``).
+        head_dim: channels per head (default ``d_model // n_heads``).
+        positional: ``rope`` (default), ``{name: rope, rotary_fraction: 0.5, theta: 10000}`` or ``nope``.
+        qk_norm: per-head ``rms`` or ``layernorm`` on q and k, or none.
+        token_shift, value_residual: backbone options of the KVM paper (see :class:`QKVProjection`).
+        bias: biases on the q/k/v/o projections.
+        use_reference: compute with :func:`attention_reference` instead of SDPA (for tests).
+
+    State: :class:`KVCache`; grows by one key/value per token (bounded for ``swa``/``bswa``).
+    """
+
+    positional_encodings = ("rope", "nope")
+    uses_shared = True
+
+    def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, head_dim: int | None = None,
+                 positional: Any = "rope", qk_norm: str | None = None, token_shift: bool = False,
+                 value_residual: bool = False, bias: bool = False, use_reference: bool = False,
+                 layer_idx: int = 0) -> None:
+        super().__init__()
+        self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim, positional, qk_norm, token_shift,
+                                 value_residual, bias)
+        self.o_proj = nn.Linear(n_heads * self.qkv.head_dim, d_model, bias=bias)
+        self.use_reference = use_reference
+        self.layer_idx = layer_idx
+
+    # -- visibility rule: overridden by the windowed variants --------------------------------------------
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Boolean ``(T, S)``: may the query at absolute position ``q_pos[t]`` see the key at ``k_pos[s]``?"""
+        return k_pos[None, :] <= q_pos[:, None]
+
+    def keep_from(self, next_pos: int) -> int:
+        """First absolute position any future query (at ``>= next_pos``) can still see; older keys are dropped."""
+        return 0
+
+    def forward(self, x: torch.Tensor, state: KVCache | None = None, shared: dict | None = None
+                ) -> tuple[torch.Tensor, KVCache]:
+        """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` (a :class:`KVCache`) if given."""
+        B, T, _ = x.shape
+        p0 = 0 if state is None else state.next_pos
+        positions = torch.arange(p0, p0 + T, device=x.device)
+        q, k, v, shift = self.qkv(x, positions, None if state is None else state.shift, shared)
+        if state is not None and state.k.shape[2]:
+            k = torch.cat([state.k.to(k.dtype), k], dim=2)
+            v = torch.cat([state.v.to(v.dtype), v], dim=2)
+        S = k.shape[2]
+        k_pos = torch.arange(p0 + T - S, p0 + T, device=x.device)
+        pure_causal = S == T and type(self).visible is Attention.visible
+        if self.use_reference:
+            o = attention_reference(q, k, v, self.visible(positions, k_pos))
+        elif pure_causal:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.visible(positions, k_pos),
+                                               enable_gqa=q.shape[1] != k.shape[1])
+        y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        keep = max(self.keep_from(p0 + T) - (p0 + T - S), 0)
+        return y, KVCache(k=k[:, :, keep:], v=v[:, :, keep:], next_pos=p0 + T, shift=shift)
+
+
+class SlidingWindowAttention(Attention):
+    """Token sliding-window attention: each query sees itself and the previous ``window - 1`` tokens.
+
+    The cache keeps at most ``window - 1`` keys, so decoding memory is bounded. Other options as
+    :class:`Attention`.
+
+    Raises:
+        ValueError: ``window < 1``.
+    """
+
+    def __init__(self, d_model: int, window: int = 128, **kwargs: Any) -> None:
+        if window < 1:
+            raise ValueError(f"swa window must be >= 1 token, got {window}")
+        super().__init__(d_model, **kwargs)
+        self.window = window
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        diff = q_pos[:, None] - k_pos[None, :]
+        return (diff >= 0) & (diff < self.window)
+
+    def keep_from(self, next_pos: int) -> int:
+        return next_pos - self.window + 1
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}"
+
+
+class BlockSlidingWindowAttention(Attention):
+    """Block sliding-window attention (KVM paper, section 4): the sequence is cut into chunks of ``chunk_len``;
+    a query sees its own chunk causally plus the previous ``n_bswa_chunks - 1`` whole chunks.
+
+    The cache keeps at most ``n_bswa_chunks * chunk_len`` keys. Other options as :class:`Attention`.
+
+    Raises:
+        ValueError: ``chunk_len < 1`` or ``n_bswa_chunks < 1``.
+    """
+
+    def __init__(self, d_model: int, chunk_len: int = 64, n_bswa_chunks: int = 2, **kwargs: Any) -> None:
+        if chunk_len < 1 or n_bswa_chunks < 1:
+            raise ValueError(f"bswa needs chunk_len >= 1 and n_bswa_chunks >= 1, got {chunk_len}, {n_bswa_chunks}")
+        super().__init__(d_model, **kwargs)
+        self.chunk_len, self.n_bswa_chunks = chunk_len, n_bswa_chunks
+
+    @property
+    def min_seq_len(self) -> int:
+        return self.chunk_len
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        q_chunk, k_chunk = q_pos[:, None] // self.chunk_len, k_pos[None, :] // self.chunk_len
+        return (k_pos[None, :] <= q_pos[:, None]) & (k_chunk > q_chunk - self.n_bswa_chunks)
+
+    def keep_from(self, next_pos: int) -> int:
+        return (next_pos // self.chunk_len - self.n_bswa_chunks + 1) * self.chunk_len
+
+    def extra_repr(self) -> str:
+        return f"chunk_len={self.chunk_len}, n_bswa_chunks={self.n_bswa_chunks}"

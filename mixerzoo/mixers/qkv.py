@@ -1,0 +1,116 @@
+"""Query/key/value projection shared by attention-like mixers (attention, swa, bswa, and plugins).
+
+Holds the backbone options the KVM paper uses (appendix B), usable by every attention-like mixer:
+per-head q/k norm, token shift on projected q/k/v, value residual to the first layer's values, GQA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..positional import build_positional
+
+__all__ = ["QKVProjection", "head_norm"]
+
+
+def head_norm(kind: str | None, head_dim: int) -> nn.Module:
+    """Per-head normalisation over ``head_dim``: ``None``/``"none"``, ``"rms"`` or ``"layernorm"`` (with bias)."""
+    if kind in (None, "none", False):
+        return nn.Identity()
+    if kind == "rms":
+        return nn.RMSNorm(head_dim, eps=1e-6)
+    if kind == "layernorm":
+        return nn.LayerNorm(head_dim, eps=1e-5)
+    raise ValueError(f"qk_norm must be one of none, rms, layernorm; got {kind!r}")
+
+
+class QKVProjection(nn.Module):
+    """``x (B, T, d_model) -> q (B, H, T, D), k, v (B, H_kv, T, D)`` with positions applied to q and k.
+
+    Args:
+        d_model: model width.
+        n_heads: query heads ``H``.
+        n_kv_heads: key/value heads ``H_kv`` (GQA); ``H % H_kv == 0``. Default ``n_heads``.
+        head_dim: channels per head ``D``; default ``d_model // n_heads``.
+        positional: positional strategy spec (``"rope"``, ``{name: rope, rotary_fraction: 0.5}``, ``"nope"``).
+        qk_norm: per-head norm on q and k before the positional encoding: none, rms, layernorm.
+        token_shift: mix each projected q/k/v with the previous token's, ``a_t + mu * (a_{t-1} - a_t)``
+            with learned per-channel ``mu`` (init 0.5). The previous token's projections live in the state.
+        value_residual: ``v <- v + (v_first - v) * sigmoid(lambda)`` with ``v_first`` the values of the first
+            layer using this option in the same forward (learned per-channel ``lambda``, init 0).
+        bias: biases on the projections.
+
+    Raises:
+        ValueError: heads that do not divide ``d_model`` or ``n_heads``.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
+                 positional: Any = "rope", qk_norm: str | None = None, token_shift: bool = False,
+                 value_residual: bool = False, bias: bool = False) -> None:
+        super().__init__()
+        n_kv_heads = n_kv_heads or n_heads
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; set head_dim explicitly")
+            head_dim = d_model // n_heads
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads} (GQA groups)")
+        self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.q_norm = head_norm(qk_norm, head_dim)
+        self.k_norm = head_norm(qk_norm, head_dim)
+        self.pos = build_positional(positional, head_dim)
+        self.token_shift = token_shift
+        if token_shift:
+            widths = (n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim)
+            self.shift_mu = nn.ParameterList([nn.Parameter(torch.full((w,), 0.5)) for w in widths])
+        self.value_residual = value_residual
+        if value_residual:
+            self.v_lambda = nn.Parameter(torch.zeros(n_kv_heads * head_dim))
+
+    def _shift(self, a: torch.Tensor, mu: torch.Tensor, prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token shift along time of ``a (B, T, C)``; ``prev (B, C)`` is the token before ``a[:, 0]`` (zeros at start)."""
+        first = torch.zeros_like(a[:, :1]) if prev is None else prev[:, None].to(a.dtype)
+        shifted = torch.cat([first, a[:, :-1]], dim=1)
+        return a + mu * (shifted - a), a[:, -1]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, shift_state: tuple | None = None,
+                shared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+        """Project and encode.
+
+        Args:
+            x: ``(B, T, d_model)``.
+            positions: absolute positions ``(T,)`` of the tokens in ``x``.
+            shift_state: previous-token projections from the state (``None`` at sequence start).
+            shared: per-forward dict shared across layers (for the value residual).
+
+        Returns:
+            ``q (B, H, T, D)``, ``k (B, H_kv, T, D)``, ``v (B, H_kv, T, D)``, new shift state (or None).
+        """
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        new_shift = None
+        if self.token_shift:
+            prev = shift_state if shift_state is not None else (None, None, None)
+            (q, pq), (k, pk), (v, pv) = (self._shift(a, mu, p) for a, mu, p in zip((q, k, v), self.shift_mu, prev))
+            new_shift = (pq, pk, pv)
+        if self.value_residual and shared is not None:
+            if "v_first" not in shared:
+                shared["v_first"] = v
+            else:
+                v_first = shared["v_first"]
+                if v_first.shape != v.shape:
+                    raise ValueError(f"value_residual: first layer's values {tuple(v_first.shape)} do not match "
+                                     f"this layer's {tuple(v.shape)}; use the same n_kv_heads*head_dim in all layers")
+                v = v + (v_first - v) * torch.sigmoid(self.v_lambda)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.pos.apply(self.q_norm(q), positions)
+        k = self.pos.apply(self.k_norm(k), positions)
+        return q, k, v, new_shift

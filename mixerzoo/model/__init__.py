@@ -1,0 +1,7 @@
+"""The backbone: embedding -> blocks (pre-norm, sequence mixer, channel mixer) -> final norm -> head."""
+
+from .config import LMConfig, LayerSpec
+from .generation import generate
+from .lm import Block, LanguageModel
+
+__all__ = ["LMConfig", "LayerSpec", "LanguageModel", "Block", "generate"]

@@ -1,0 +1,170 @@
+"""Configuration of the hybrid LM: the layer pattern (``layer_types``) and each layer name's options.
+
+``layer_types`` follows the convention transformers and vLLM use for hybrids: a list of layer names cycled
+over ``n_layers`` (or one name per layer). Each name maps to its options in ``mixers``; the key ``mixer``
+names the registered mixer to build (default: the layer name itself), so two differently configured layers
+of the same mixer can coexist::
+
+    layer_types: [local, global]
+    mixers:
+      local:  {mixer: swa, window: 128}
+      global: {mixer: attention, positional: nope}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+from .. import registry
+
+__all__ = ["LMConfig", "LayerSpec", "ConfigError"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """One layer's mixer: its layer name in ``layer_types``, the registered mixer and its options."""
+
+    name: str
+    mixer: str
+    options: dict
+
+
+@dataclasses.dataclass
+class LMConfig:
+    """Every field of the backbone (all serialisable to JSON/YAML).
+
+    Attributes:
+        vocab_size: tokenizer vocabulary; the embedding is padded up to ``pad_vocab_multiple``.
+        d_model: model width. n_layers: number of blocks. n_heads: default heads handed to every mixer
+            that takes ``n_heads`` (a layer's own options override it).
+        layer_types: layer names cycled over ``n_layers`` (or exactly one per layer).
+        mixers: options per layer name (see module docstring).
+        channel_mixer: ``swiglu``, ``relu2`` or ``none``; d_ff: its hidden width (default by kind).
+        channel_token_shift: token shift in the ReLU² channel mixer (KVM backbone).
+        norm: ``rmsnorm`` or ``layernorm``; norm_eps.
+        tie_embeddings: share the embedding matrix with the output head.
+        init_std: std of the normal init of Linear/Embedding weights (biases zero).
+        out_init: residual output projections (``o_proj``, ``down_proj``): ``scaled`` (std
+            ``init_std / sqrt(2 n_layers)``, GPT-2) or ``zero`` (KVM paper, appendix B).
+    """
+
+    vocab_size: int
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    layer_types: list[str] = dataclasses.field(default_factory=lambda: ["attention"])
+    mixers: dict[str, dict[str, Any]] = dataclasses.field(default_factory=lambda: {"attention": {}})
+    channel_mixer: str = "swiglu"
+    d_ff: int | None = None
+    channel_token_shift: bool = False
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    out_init: str = "scaled"
+    pad_vocab_multiple: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "pad_vocab_multiple"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.d_ff is not None and self.d_ff < 1:
+            raise ConfigError(f"model.d_ff must be a positive integer or null, got {self.d_ff!r}")
+        if self.out_init not in ("scaled", "zero"):
+            raise ConfigError(f"model.out_init must be 'scaled' or 'zero', got {self.out_init!r}")
+        if isinstance(self.layer_types, str):
+            self.layer_types = [self.layer_types]
+        if not self.layer_types:
+            raise ConfigError("model.layer_types is empty; give at least one layer name, e.g. [attention]")
+        if len(self.layer_types) > self.n_layers:
+            raise ConfigError(f"model.layer_types has {len(self.layer_types)} entries for n_layers={self.n_layers}; "
+                              f"give at most n_layers names (they are cycled)")
+        self.mixers = {k: dict(v or {}) for k, v in (self.mixers or {}).items()}
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    def layer_specs(self) -> list[LayerSpec]:
+        """The resolved mixer of every layer.
+
+        Raises:
+            ConfigError: a layer name without an entry in ``mixers``.
+            UnknownNameError: a mixer name that is not installed (the message lists the installed ones).
+        """
+        specs = []
+        for i in range(self.n_layers):
+            name = self.layer_types[i % len(self.layer_types)]
+            if name not in self.mixers:
+                raise ConfigError(
+                    f"model.layer_types[{i % len(self.layer_types)}]={name!r} has no options under model.mixers "
+                    f"(which has {sorted(self.mixers) or 'nothing'}); add `{name}: {{}}` to model.mixers to use "
+                    f"the defaults of mixer {name!r}, or `{name}: {{mixer: <registered name>, ...}}`")
+            options = dict(self.mixers[name])
+            mixer = options.pop("mixer", name)
+            specs.append(LayerSpec(name=name, mixer=mixer, options=options))
+        return specs
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def accepted_parameters(factory: Any) -> tuple[set[str], bool]:
+    """Keyword names a factory (a class or function) accepts, following ``**kwargs`` up the class's MRO."""
+    names: set[str] = set()
+    targets = [c.__init__ for c in inspect.getmro(factory) if "__init__" in vars(c)] if inspect.isclass(factory) \
+        else [factory]
+    for fn in targets:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return names, True
+        var_kw = False
+        for p in params:
+            if p.kind is p.VAR_KEYWORD:
+                var_kw = True
+            elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
+                names.add(p.name)
+        if not var_kw:
+            return names, False
+    return names, True
+
+
+def build_mixer(spec: LayerSpec, layer_idx: int, config: LMConfig):
+    """Instantiate a layer's mixer from the registry with its options.
+
+    ``d_model`` always comes from the LM; ``n_heads``, ``layer_idx`` and ``n_layers`` are supplied as defaults
+    to factories that accept them.
+
+    Raises:
+        ConfigError: an option the mixer does not take, or a bad option value (names the field).
+    """
+    factory = registry.get(spec.mixer, "mixer")
+    accepted, open_ended = accepted_parameters(factory)
+    where = f"model.mixers.{spec.name}"
+    if "d_model" in spec.options:
+        raise ConfigError(f"{where}.d_model: the width comes from model.d_model; remove it from the layer options")
+    unknown = sorted(set(spec.options) - accepted)
+    if unknown and not open_ended:
+        raise ConfigError(f"{where}: mixer {spec.mixer!r} does not take option(s) {unknown}; it takes "
+                          f"{sorted(accepted - {'d_model', 'layer_idx', 'n_layers'})}")
+    kwargs = dict(spec.options)
+    for key, value in (("n_heads", config.n_heads), ("layer_idx", layer_idx), ("n_layers", config.n_layers)):
+        if key in accepted and key not in kwargs:
+            kwargs[key] = value
+    pos = kwargs.get("positional")
+    declared = getattr(factory, "positional_encodings", None)
+    if pos is not None and declared == ():
+        raise ConfigError(f"{where}.positional: mixer {spec.mixer!r} takes no positional encoding; remove it")
+    try:
+        return factory(d_model=config.d_model, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where} (mixer {spec.mixer!r}): {e}") from e

@@ -1,0 +1,140 @@
+"""The hybrid language model, readable top to bottom.
+
+``tokens (B, T) -> embedding -> n_layers x Block -> final norm -> head -> logits (B, T, V)``.
+A Block is pre-norm: ``x = x + mixer(norm1(x)); x = x + channel_mixer(norm2(x))``. Every layer's mixer is
+built by name from the registry, so any installed plugin can appear in any position.
+
+Weight init (documented, applied once in ``__init__``): Linear and Embedding weights ~ N(0, init_std);
+Linear biases zero; residual output projections (parameters named ``o_proj.weight`` / ``down_proj.weight``)
+N(0, init_std / sqrt(2 n_layers)) or zero (``out_init: zero``). Modules with ``_no_lm_init = True`` keep their
+own init; afterwards every module that defines ``post_lm_init()`` is called, so a mixer can restore a
+special init (gate biases, decay rates).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .channel_mixers import build_channel_mixer
+from .config import ConfigError, LMConfig, build_mixer
+from .norms import build_norm
+
+__all__ = ["Block", "LanguageModel"]
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: sequence mixer then channel mixer. State: ``(mixer_state, channel_state)``."""
+
+    def __init__(self, config: LMConfig, layer_idx: int, spec) -> None:
+        super().__init__()
+        self.layer_name, self.mixer_name = spec.name, spec.mixer
+        self.norm1 = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.mixer = build_mixer(spec, layer_idx, config)
+        self.norm2 = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.channel = build_channel_mixer(config.channel_mixer, config.d_model, config.d_ff,
+                                           config.channel_token_shift)
+        self._pass_shared = bool(getattr(self.mixer, "uses_shared", False))
+
+    def forward(self, x: torch.Tensor, state: tuple | None = None, shared: dict | None = None):
+        mixer_state, channel_state = state if state is not None else (None, None)
+        h = self.norm1(x)
+        if self._pass_shared:
+            y, mixer_state = self.mixer(h, mixer_state, shared=shared)
+        else:
+            y, mixer_state = self.mixer(h, mixer_state)
+        x = x + y
+        y, channel_state = self.channel(self.norm2(x), channel_state)
+        return x + y, (mixer_state, channel_state)
+
+
+class LanguageModel(nn.Module):
+    """Causal LM over a hybrid stack of mixers.
+
+    Args:
+        config: :class:`LMConfig` (or a dict of its fields).
+
+    Raises:
+        ConfigError: a bad field, a layer name without options, or an option a mixer does not take.
+        UnknownNameError: a mixer that is not installed (lists the installed ones).
+    """
+
+    def __init__(self, config: LMConfig | dict) -> None:
+        super().__init__()
+        self.config = config = config if isinstance(config, LMConfig) else LMConfig(**config)
+        self.embed = nn.Embedding(config.padded_vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, i, spec) for i, spec in enumerate(config.layer_specs()))
+        self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def _init_weights(self) -> None:
+        std = self.config.init_std
+
+        def visit(module: nn.Module) -> None:
+            if getattr(module, "_no_lm_init", False):
+                return
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            for child in module.children():
+                visit(child)
+
+        visit(self)
+        for name, module in self.named_modules():
+            for proj in ("o_proj", "down_proj"):
+                sub = getattr(module, proj, None)
+                if isinstance(sub, nn.Linear) and not getattr(module, "_no_lm_init", False):
+                    if self.config.out_init == "zero":
+                        nn.init.zeros_(sub.weight)
+                    else:
+                        nn.init.normal_(sub.weight, 0.0, std / math.sqrt(2 * self.config.n_layers))
+        for module in self.modules():
+            if hasattr(module, "post_lm_init"):
+                module.post_lm_init()
+
+    @property
+    def min_seq_len(self) -> int:
+        """The longest ``min_seq_len`` over all layers' mixers."""
+        return max((getattr(b.mixer, "min_seq_len", 1) for b in self.blocks), default=1)
+
+    def check_seq_len(self, seq_len: int, field: str = "data.seq_len") -> None:
+        """Raise ConfigError if ``seq_len`` is too short for any layer's chunking."""
+        for i, b in enumerate(self.blocks):
+            need = getattr(b.mixer, "min_seq_len", 1)
+            if seq_len < need:
+                raise ConfigError(f"{field}={seq_len} is shorter than layer {i} ({b.layer_name}: {b.mixer_name}) "
+                                  f"needs ({need} tokens, e.g. one chunk); raise {field} or lower that mixer's "
+                                  f"chunk_len")
+
+    def forward(self, input_ids: torch.Tensor, states: list | None = None) -> tuple[torch.Tensor, list]:
+        """Logits and per-layer states.
+
+        Args:
+            input_ids: ``(B, T)`` token ids.
+            states: the list returned by a previous call (continues those sequences), or ``None``.
+
+        Returns:
+            ``logits (B, T, padded_vocab_size)`` and the new per-layer states (a list of ``n_layers`` entries).
+        """
+        x = self.embed(input_ids)
+        shared: dict[str, Any] = {}
+        states = states if states is not None else [None] * len(self.blocks)
+        new_states = []
+        for block, state in zip(self.blocks, states):
+            x, s = block(x, state, shared)
+            new_states.append(s)
+        return self.head(self.norm(x)), new_states
+
+    def num_parameters(self, non_embedding: bool = True) -> int:
+        """Parameter count (without the embedding, as in Kaplan et al., if ``non_embedding``)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if non_embedding else n

@@ -1,0 +1,100 @@
+"""Positional-encoding strategies shared by all mixers: RoPE (with a rotary fraction) and NoPE.
+
+A strategy is applied to per-head queries and keys ``(batch, heads, time, head_dim)`` with absolute
+positions ``(time,)`` so that continuing from a state (positions offset by the tokens already seen) gives
+exactly what one pass gives. Plugins add strategies through the ``mixerzoo.positional`` entry-point group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .strategies import build_strategy
+
+__all__ = ["PositionalEncoding", "RoPE", "NoPE", "build_positional"]
+
+
+class PositionalEncoding(nn.Module):
+    """Base class: ``apply(x, positions)`` returns ``x`` with positions encoded; ``rotary_dim`` channels rotate."""
+
+    name = "base"
+    rotary_dim: int = 0
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+class NoPE(PositionalEncoding):
+    """No positional encoding: position comes only from causal masking (Kazemnejad et al., 2023)."""
+
+    name = "nope"
+
+    def __init__(self, head_dim: int | None = None) -> None:
+        super().__init__()
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def extra_repr(self) -> str:
+        return "nope"
+
+
+class RoPE(PositionalEncoding):
+    """Rotary position embedding (Su et al., 2021, eq. 34) on the first ``rotary_dim`` channels of each head.
+
+    Channels ``[0, rotary_dim)`` are rotated in the "rotate-half" pairing used by GPT-NeoX and Llama
+    (channel ``i`` pairs with ``i + rotary_dim/2``) at frequencies ``theta ** (-2i / rotary_dim)``; the other
+    channels pass unchanged (partial RoPE, e.g. ``rotary_fraction=0.5`` as in the KVM paper).
+
+    Args:
+        head_dim: channels per head.
+        rotary_fraction: fraction of ``head_dim`` that rotates, in (0, 1]; rounded down to an even count.
+        theta: base of the frequencies (``rope_theta``).
+
+    Raises:
+        ValueError: ``rotary_fraction`` outside (0, 1] or fewer than 2 rotary channels.
+    """
+
+    name = "rope"
+
+    def __init__(self, head_dim: int, rotary_fraction: float = 1.0, theta: float = 10000.0) -> None:
+        super().__init__()
+        if not 0.0 < rotary_fraction <= 1.0:
+            raise ValueError(f"rope rotary_fraction must be in (0, 1], got {rotary_fraction}; use nope for 0")
+        rotary_dim = int(head_dim * rotary_fraction) // 2 * 2
+        if rotary_dim < 2:
+            raise ValueError(f"rope rotary_fraction={rotary_fraction} of head_dim={head_dim} leaves no channel pair")
+        self.head_dim, self.rotary_dim, self.theta, self.rotary_fraction = head_dim, rotary_dim, theta, rotary_fraction
+        inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` of shape ``(time, rotary_dim)`` for absolute ``positions`` of shape ``(time,)``."""
+        angles = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` of shape ``(..., time, head_dim)`` at absolute ``positions`` ``(time,)``."""
+        r = self.rotary_dim
+        cos, sin = self.cos_sin(positions, x.dtype)
+        xr, xp = x[..., :r], x[..., r:]
+        half = r // 2
+        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+        out = xr * cos + rotated * sin
+        return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
+
+    def extra_repr(self) -> str:
+        return f"rotary_dim={self.rotary_dim}/{self.head_dim}, theta={self.theta}"
+
+
+def build_positional(spec: Any, head_dim: int) -> PositionalEncoding:
+    """Build a positional strategy from a name (``"rope"``, ``"nope"``), a mapping or an object.
+
+    Raises:
+        UnknownNameError: unknown name (lists the installed positional encodings).
+    """
+    return build_strategy(spec, "positional", head_dim=head_dim)

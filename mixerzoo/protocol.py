@@ -1,0 +1,116 @@
+"""The Mixer protocol: the one contract every sequence mixer obeys.
+
+A *sequence mixer* is the token-mixing sublayer of a language model. Every mixer is an ``nn.Module``::
+
+    y, state = mixer(x, state=None)    # x, y: (batch, time, d_model), causal
+
+``state=None`` starts a sequence. The returned state continues it: running the mixer on ``x[:, :a]`` and
+then on ``x[:, a:]`` with the returned state equals one run over ``x``, and token-by-token decoding equals
+the parallel pass. Generation, streaming evaluation and long-document evaluation are built on this rule
+alone, so they work for every mixer, including third-party ones. ``mixerzoo.testing`` checks the rule.
+
+A state is any object with an ``nbytes()`` method; :class:`MixerState` provides it (and ``detach`` /
+``map_tensors``) for dataclass states whose fields are tensors, numbers or nested states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+__all__ = ["MixerState", "Mixer", "MixerLike", "state_nbytes", "map_state_tensors"]
+
+
+def map_state_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor inside a (possibly nested) state; other leaves are kept as they are."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, MixerState):
+        return obj.map_tensors(fn)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_state_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: map_state_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def state_nbytes(obj: Any) -> int:
+    """Bytes held by the tensors of a state (a tensor, a :class:`MixerState`, nested containers, ``None``).
+
+    Objects that define ``nbytes()`` report themselves, so a third-party state type is counted correctly.
+    """
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if hasattr(obj, "nbytes") and callable(obj.nbytes) and not isinstance(obj, MixerState):
+        return int(obj.nbytes())
+    if isinstance(obj, MixerState):
+        return sum(state_nbytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if isinstance(obj, (list, tuple)):
+        return sum(state_nbytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(state_nbytes(o) for o in obj.values())
+    return 0
+
+
+@dataclasses.dataclass
+class MixerState:
+    """Base class for mixer states: subclass it as a ``@dataclass`` whose fields hold tensors.
+
+    Fields may be tensors, Python numbers (e.g. the absolute position ``pos``), nested states or
+    containers of those. Tensors keep their batch dimension first.
+    """
+
+    def nbytes(self) -> int:
+        """Total bytes of all tensors in this state (what a cache of this state costs in memory)."""
+        return state_nbytes(self)
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "MixerState":
+        """A copy of this state with ``fn`` applied to every tensor (e.g. ``.detach()``, ``.to(device)``)."""
+        return dataclasses.replace(
+            self, **{f.name: map_state_tensors(getattr(self, f.name), fn) for f in dataclasses.fields(self)}
+        )
+
+    def detach(self) -> "MixerState":
+        """A copy cut from the autograd graph (for truncated back-propagation through long documents)."""
+        return self.map_tensors(lambda t: t.detach())
+
+
+@runtime_checkable
+class MixerLike(Protocol):
+    """Structural type of a mixer: anything callable as ``y, state = mixer(x, state)``."""
+
+    def __call__(self, x: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]: ...
+
+
+class Mixer(nn.Module):
+    """Convenience base class for mixers (subclassing it is optional; obeying the protocol is not).
+
+    Subclasses implement ``forward(x, state=None) -> (y, state)`` with ``x, y`` of shape
+    ``(batch, time, d_model)``. Class attributes declare what the mixer accepts, so configuration errors are
+    reported before training starts:
+
+    - ``positional_encodings``: names of positional strategies the mixer takes (``("rope", "nope")``), or
+      ``()`` when it has no positional option.
+    - ``uses_schedule``: whether the mixer's state follows a state-budget schedule.
+    - ``uses_shared``: whether ``forward`` takes a ``shared`` dict keyword (a per-forward scratch space
+      shared by all layers, used e.g. for the value residual to the first layer's values).
+
+    ``min_seq_len`` (an instance property) is the shortest training sequence the mixer can use; the LM checks
+    ``seq_len`` against it.
+    """
+
+    positional_encodings: ClassVar[tuple[str, ...]] = ()
+    uses_schedule: ClassVar[bool] = False
+    uses_shared: ClassVar[bool] = False
+
+    @property
+    def min_seq_len(self) -> int:
+        return 1
+
+    def forward(self, x: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:  # pragma: no cover
+        raise NotImplementedError

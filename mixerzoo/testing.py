@@ -1,0 +1,218 @@
+"""Conformance checks for the Mixer protocol, reusable from any plugin's own tests.
+
+Each check builds inputs, runs the mixer and raises :class:`ConformanceError` with a message that says what
+broke and where to look. ``run_conformance`` runs all of them::
+
+    from mixerzoo.testing import run_conformance
+    def test_my_mixer():
+        run_conformance(lambda: MyMixer(d_model=32, n_heads=2), d_model=32, seq_len=48, splits=(1, 17, 32))
+
+Tolerances (fp32 on CPU): ``atol + rtol * max|reference|`` with ``atol=1e-4``, ``rtol=1e-4`` by default;
+chunked or reordered computations differ from one pass by float rounding only, well inside that. The bf16
+CUDA check (run only when CUDA is available) uses ``atol=rtol=3e-2``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from .protocol import state_nbytes
+
+__all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
+           "check_state", "check_cuda_bf16", "run_conformance", "FP32_ATOL", "FP32_RTOL"]
+
+FP32_ATOL = 1e-4
+FP32_RTOL = 1e-4
+BF16_ATOL = 3e-2
+BF16_RTOL = 3e-2
+
+
+class ConformanceError(AssertionError):
+    """A mixer broke the protocol; the message says which check, where, by how much, and what to look at."""
+
+
+def _inputs(d_model: int, seq_len: int, batch: int, seed: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, seq_len, d_model, generator=g).to(device=device, dtype=dtype)
+
+
+def _compare(ref: torch.Tensor, out: torch.Tensor, atol: float, rtol: float) -> tuple[bool, float, int]:
+    """Return (ok, max abs diff, first bad time index) for ``(B, T, C)`` outputs."""
+    if ref.shape != out.shape:
+        raise ConformanceError(f"output shape {tuple(out.shape)} differs from the one-pass shape {tuple(ref.shape)}")
+    diff = (ref.float() - out.float()).abs()
+    tol = atol + rtol * ref.float().abs().max().item()
+    bad = (diff > tol).flatten(0, 0).amax(dim=(0, 2)) if diff.dim() == 3 else diff > tol
+    first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else -1
+    return first < 0, float(diff.max()), first
+
+
+def _call(mixer: nn.Module, x: torch.Tensor, state: Any = None):
+    out = mixer(x, state)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ConformanceError(f"{type(mixer).__name__}.forward must return (y, state), got {type(out).__name__}")
+    y, new_state = out
+    if y.shape != x.shape:
+        raise ConformanceError(f"{type(mixer).__name__} returned y of shape {tuple(y.shape)} for x of shape "
+                               f"{tuple(x.shape)}; a mixer maps (batch, time, d_model) to the same shape")
+    return y, new_state
+
+
+@torch.no_grad()
+def check_causality(mixer: nn.Module, d_model: int, seq_len: int = 32, batch: int = 2, seed: int = 0,
+                    atol: float = FP32_ATOL, rtol: float = FP32_RTOL) -> None:
+    """Outputs before position ``p`` must not change when inputs at ``>= p`` change (for several ``p``)."""
+    x = _inputs(d_model, seq_len, batch, seed)
+    y, _ = _call(mixer, x)
+    for p in sorted({1, seq_len // 3, seq_len // 2, seq_len - 1}):
+        x2 = x.clone()
+        x2[:, p:] = _inputs(d_model, seq_len - p, batch, seed + 1 + p)
+        y2, _ = _call(mixer, x2)
+        ok, err, first = _compare(y[:, :p], y2[:, :p], atol, rtol)
+        if not ok:
+            raise ConformanceError(f"causality: changing inputs from position {p} on changed the output at "
+                                   f"position {first} < {p} (max abs diff {err:.3g}); a mask or a chunk-level "
+                                   f"summary lets a token see the future")
+
+
+@torch.no_grad()
+def check_continuation(mixer: nn.Module, d_model: int, seq_len: int = 48, splits: Iterable[int] = (1, 7, 16, 33),
+                       batch: int = 2, seed: int = 0, atol: float = FP32_ATOL, rtol: float = FP32_RTOL) -> None:
+    """Running ``x[:, :a]`` then ``x[:, a:]`` with the returned state must equal one pass over ``x``.
+
+    Use split points that are not multiples of the mixer's chunk length as well as ones that are.
+    """
+    x = _inputs(d_model, seq_len, batch, seed)
+    y, _ = _call(mixer, x)
+    for a in splits:
+        if not 0 < a < seq_len:
+            continue
+        y1, s = _call(mixer, x[:, :a])
+        y2, _ = _call(mixer, x[:, a:], s)
+        ok, err, first = _compare(y, torch.cat([y1, y2], dim=1), atol, rtol)
+        if not ok:
+            where = "before" if first < a else "at or after"
+            raise ConformanceError(
+                f"continuation differs at split {a}: max abs diff {err:.3g}, first at position {first} ({where} "
+                f"the split). " + ("The first part alone differs from one pass: is the output of a partial chunk "
+                                   "computed differently?" if first < a else
+                                   "Is your state updated before or after the chunk attends, and are positions "
+                                   "offset by the tokens already seen?"))
+
+
+@torch.no_grad()
+def check_decode(mixer: nn.Module, d_model: int, seq_len: int = 40, batch: int = 2, seed: int = 0,
+                 prefill: int = 0, atol: float = FP32_ATOL, rtol: float = FP32_RTOL) -> None:
+    """Token-by-token decode (after an optional parallel prefill) must equal the parallel pass."""
+    x = _inputs(d_model, seq_len, batch, seed)
+    y, _ = _call(mixer, x)
+    state, outs = None, []
+    if prefill:
+        yp, state = _call(mixer, x[:, :prefill])
+        outs.append(yp)
+    for t in range(prefill, seq_len):
+        yt, state = _call(mixer, x[:, t:t + 1], state)
+        outs.append(yt)
+    ok, err, first = _compare(y, torch.cat(outs, dim=1), atol, rtol)
+    if not ok:
+        raise ConformanceError(f"decode differs from the parallel pass at token {first} (prefill {prefill}): max "
+                               f"abs diff {err:.3g}. Check what the state keeps at chunk boundaries and that "
+                               f"one-token steps use the same normalisation as the parallel form")
+
+
+def check_gradients(mixer: nn.Module, d_model: int, seq_len: int = 48, batch: int = 2, seed: int = 0,
+                    allow_zero: Iterable[str] = ()) -> None:
+    """Every trainable parameter must receive a finite, non-zero gradient from ``y.sum()``-like loss.
+
+    ``allow_zero`` lists parameter names (substrings) that may legitimately get no gradient on this input.
+    """
+    mixer.zero_grad(set_to_none=True)
+    x = _inputs(d_model, seq_len, batch, seed).requires_grad_(True)
+    y, _ = _call(mixer, x)
+    weights = _inputs(d_model, seq_len, batch, seed + 99)
+    (y * weights).sum().backward()
+    allow = tuple(allow_zero)
+    for name, p in mixer.named_parameters():
+        if not p.requires_grad or any(a in name for a in allow):
+            continue
+        if p.grad is None:
+            raise ConformanceError(f"gradients: parameter {name!r} got no gradient (is it used in forward, or "
+                                   f"detached / behind a non-differentiable op?)")
+        if not torch.isfinite(p.grad).all():
+            raise ConformanceError(f"gradients: parameter {name!r} has a non-finite gradient")
+        if p.grad.abs().max() == 0:
+            raise ConformanceError(f"gradients: parameter {name!r} got an all-zero gradient")
+    if x.grad is None or x.grad.abs().max() == 0:
+        raise ConformanceError("gradients: the input got no gradient")
+
+
+@torch.no_grad()
+def check_state(mixer: nn.Module, d_model: int, lengths: Iterable[int] = (8, 32), batch: int = 1,
+                seed: int = 0) -> list[int]:
+    """The state must report its size in bytes (``state.nbytes()`` or tensors inside); returns bytes per length."""
+    sizes = []
+    for n in lengths:
+        _, s = _call(mixer, _inputs(d_model, n, batch, seed))
+        if s is None:
+            raise ConformanceError("state: forward returned state=None; return the state that continues the sequence")
+        sizes.append(state_nbytes(s))
+        if sizes[-1] <= 0:
+            raise ConformanceError(f"state: a state after {n} tokens reports 0 bytes; give it an nbytes() method "
+                                   f"or make it a mixerzoo.protocol.MixerState dataclass holding tensors")
+    return sizes
+
+
+def check_cuda_bf16(factory: Callable[[], nn.Module], d_model: int, seq_len: int = 64, batch: int = 2,
+                    seed: int = 0) -> bool:
+    """On CUDA in bf16: one pass vs the fp32 CPU pass and decode vs one pass. Returns False (skipped) without CUDA."""
+    if not torch.cuda.is_available():
+        return False
+    torch.manual_seed(seed)
+    cpu = factory().eval()
+    gpu = factory().eval()
+    gpu.load_state_dict(cpu.state_dict())
+    gpu = gpu.cuda().to(torch.bfloat16)
+    x = _inputs(d_model, seq_len, batch, seed)
+    with torch.no_grad():
+        y_ref, _ = _call(cpu, x)
+        y, _ = _call(gpu, x.cuda().to(torch.bfloat16))
+    ok, err, first = _compare(y_ref, y.cpu(), BF16_ATOL, BF16_RTOL * 10)
+    if not ok:
+        raise ConformanceError(f"bf16 CUDA differs from fp32 CPU at position {first}: max abs diff {err:.3g}")
+    return True
+
+
+@dataclasses.dataclass
+class ConformanceReport:
+    checks: list[str]
+    state_bytes: list[int]
+
+
+def run_conformance(factory: Callable[[], nn.Module], d_model: int, seq_len: int = 48,
+                    splits: Iterable[int] = (1, 7, 16, 33), decode_len: int | None = None, seed: int = 0,
+                    allow_zero_grad: Iterable[str] = (), atol: float = FP32_ATOL, rtol: float = FP32_RTOL
+                    ) -> ConformanceReport:
+    """Run every check on a fresh mixer from ``factory`` (fp32 CPU; bf16 CUDA when available).
+
+    Raises:
+        ConformanceError: the first check that fails, with a message naming it.
+    """
+    torch.manual_seed(seed)
+    mixer = factory().float()
+    mixer.eval()
+    check_causality(mixer, d_model, seq_len, seed=seed, atol=atol, rtol=rtol)
+    check_continuation(mixer, d_model, seq_len, splits, seed=seed, atol=atol, rtol=rtol)
+    n = decode_len or seq_len
+    check_decode(mixer, d_model, n, seed=seed, atol=atol, rtol=rtol)
+    check_decode(mixer, d_model, n, seed=seed, prefill=n // 2 + 1, atol=atol, rtol=rtol)
+    sizes = check_state(mixer, d_model, (seq_len // 4, seq_len))
+    mixer.train()
+    check_gradients(mixer, d_model, seq_len, seed=seed, allow_zero=allow_zero_grad)
+    checks = ["causality", "continuation", "decode", "decode-after-prefill", "state", "gradients"]
+    if check_cuda_bf16(factory, d_model, seq_len):
+        checks.append("cuda-bf16")
+    return ConformanceReport(checks, sizes)
