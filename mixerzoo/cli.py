@@ -40,7 +40,7 @@ def _lightning_cli(args: list[str] | None):
 
     from .data import LMDataModule
     from .training import LMModule, ThroughputLogger
-    from .training.checkpoints import check_ckpt_path
+    from .training.checkpoints import AtomicCheckpointIO, check_ckpt_path
 
     class MixerzooCLI(LightningCLI):
         """LightningCLI with mixerzoo's defaults: a last.ckpt checkpoint, throughput logging, CSV logs."""
@@ -69,6 +69,7 @@ def _lightning_cli(args: list[str] | None):
         "default_root_dir": "runs",
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "mixerzoo"}},
         "callbacks": [RichProgressBar(), LearningRateMonitor(logging_interval="step")],
+        "plugins": [AtomicCheckpointIO()],
     }
     return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
                        save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ..model.config import ConfigError
 
-__all__ = ["check_ckpt_path", "load_checkpoint"]
+__all__ = ["check_ckpt_path", "load_checkpoint", "AtomicCheckpointIO"]
 
 SPECIAL = ("last", "best", "hpc", "registry")
 
@@ -38,3 +40,25 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
     if ckpt_path is None or ckpt_path in SPECIAL:
         return
     load_checkpoint(ckpt_path)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning checkpoint IO that writes to a temporary file in the target folder, then renames it.
+
+    A run killed while saving leaves the previous checkpoint intact and never a half-written file under the
+    checkpoint's name (``os.replace`` is atomic on POSIX within one file system).
+    """
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        path = os.fspath(path)
+        folder = os.path.dirname(path) or "."
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".ckpt")
+        os.close(fd)
+        try:
+            torch.save(checkpoint, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
