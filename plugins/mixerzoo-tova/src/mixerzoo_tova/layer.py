@@ -14,7 +14,7 @@ import torch
 
 from mixerzoo.mixers.attention import Attention, KVCache
 
-from .ops import EvictionCache, attend_and_evict, empty_cache
+from .ops import EvictionCache, attend_and_evict, attend_window_static, empty_cache
 from .policies import EvictionPolicy
 
 __all__ = ["TOVAAttention", "EVAL_MODES"]
@@ -34,7 +34,9 @@ class TOVAAttention(Attention):
 
     - ``decode`` (exact): token by token, as in generation. The current token attends over the ``k`` cached
       entries and itself, then the policy drops one entry (algorithm 1). Tokens before the first overflow are
-      computed in one parallel pass (nothing is evicted there, so it is the same computation). Because every
+      computed in one parallel pass (nothing is evicted there, so it is the same computation); ``window`` /
+      ``window+i`` run entirely in one pass with the static mask of the paper's appendix D (their decisions do
+      not depend on attention, so this is the same policy, tested against the token loop). Because every
       decision depends only on the past, splitting a sequence anywhere and continuing from the state gives
       the same outputs as one pass, and decoding equals the parallel call.
     - ``chunked`` (approximation, faster): chunks of ``chunk_len`` tokens (aligned to absolute positions that
@@ -106,6 +108,11 @@ class TOVAAttention(Attention):
         positions = torch.arange(p0, p0 + T, device=x.device)
         q, k, v, shift = self.qkv(x, positions, None if state is None else state.shift, shared)
         cache = state if state is not None else empty_cache(B, k.shape[1], k.shape[-1], self.policy, k)
+        if self.policy.name == "window" and self.eval_mode == "decode":  # exact, closed form (static mask)
+            o, cache = attend_window_static(q, k, v, positions, cache, self.policy)
+            y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+            cache.next_pos, cache.shift = p0 + T, shift
+            return y, cache
         outs = []
         for a, b in self._chunks(p0, T, cache.size):
             o, cache = attend_and_evict(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], positions[a:b], cache, self.policy)

@@ -12,12 +12,13 @@ import dataclasses
 import math
 
 import torch
+import torch.nn.functional as F
 
 from mixerzoo.protocol import MixerState
 
 from .policies import EvictionPolicy
 
-__all__ = ["EvictionCache", "empty_cache", "attend_and_evict"]
+__all__ = ["EvictionCache", "empty_cache", "attend_and_evict", "attend_window_static"]
 
 
 @dataclasses.dataclass
@@ -58,11 +59,16 @@ def empty_cache(batch: int, n_kv_heads: int, head_dim: int, policy: EvictionPoli
 
 
 def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x (B, H, S, *rest)`` at ``idx (B, G, K)`` along dim 2 (``G`` is 1 or ``H``)."""
-    idx = idx.expand(x.shape[0], x.shape[1], idx.shape[-1])
-    if x.dim() == 4:
-        idx = idx[..., None].expand(*idx.shape, x.shape[-1])
-    return torch.gather(x, 2, idx)
+    """``x (B, H, S, *rest)`` at ``idx (B, G, K)`` along dim 2 (``G`` is 1 or ``H``): ``(B, H, K, *rest)``.
+
+    Same result as ``torch.gather`` with an expanded index, written as one ``index_select`` of whole rows
+    (several times faster on CPU for the small per-step caches of decoding).
+    """
+    B, H, S = x.shape[:3]
+    idx = idx.expand(B, H, idx.shape[-1])
+    base = torch.arange(B * H, device=x.device).view(B, H, 1) * S
+    flat = x.reshape(B * H * S, *x.shape[3:]).index_select(0, (idx + base).reshape(-1))
+    return flat.view(B, H, idx.shape[-1], *x.shape[3:])
 
 
 def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -97,13 +103,15 @@ def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     pos = torch.cat([cache.pos, positions.to(cache.pos.device).view(1, 1, C).expand(B, G, C)], dim=2)
     S = K.shape[2]
 
-    logits = torch.einsum("bhgcd,bhsd->bhgcs", q.view(B, H_kv, g, C, D).float(), K.float()) * scale
+    # GQA: the g query heads of a KV head (heads kv*g .. kv*g+g-1) share its keys; one bmm per (batch, KV head)
+    Kf, Vf = K.float().reshape(B * H_kv, S, D), V.float().reshape(B * H_kv, S, D)
+    logits = torch.bmm(q.float().reshape(B * H_kv, g * C, D), Kf.transpose(1, 2)).view(B, H_kv, g, C, S) * scale
     if C > 1:  # new queries must not see later new keys; every cached entry is older than every new query
         S0 = S - C
         causal = torch.ones(C, S, dtype=torch.bool, device=q.device).tril(diagonal=S0)
         logits = logits.masked_fill(~causal, float("-inf"))
     probs = logits.softmax(dim=-1)
-    o = torch.einsum("bhgcs,bhsd->bhgcd", probs, V.float()).reshape(B, H, C, D).to(q.dtype)
+    o = torch.bmm(probs.reshape(B * H_kv, g * C, S), Vf).view(B, H, C, D).to(q.dtype)
 
     acc = None
     if policy.uses_accumulated:
@@ -117,3 +125,30 @@ def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         K, V, pos = _gather(K, keep), _gather(V, keep), torch.gather(pos, 2, keep)
         acc = torch.gather(acc, 2, keep) if acc is not None else None
     return o, EvictionCache(k=K, v=V, pos=pos, acc=acc, next_pos=cache.next_pos + C, shift=cache.shift)
+
+
+def attend_window_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cache: EvictionCache, policy: EvictionPolicy) -> tuple[torch.Tensor, EvictionCache]:
+    """Exact ``window`` / ``window+i`` decoding in one parallel pass (the paper's static mask, appendix D).
+
+    The window policies' decisions do not depend on attention, so token-by-token eviction has a closed form:
+    the query at position ``t`` sees the sinks (``s < n_sinks``) and ``t - (multi_state - n_sinks) <= s <= t``,
+    which is what :func:`attend_and_evict` with one token per call gives (tested). Afterwards the cache keeps
+    the sinks and the newest ``multi_state - n_sinks`` positions.
+
+    Args and returns as :func:`attend_and_evict` (``policy.name`` must be ``window``).
+    """
+    if policy.name != "window":
+        raise ValueError(f"attend_window_static is exact only for policy window, got {policy.name!r}")
+    B, H, C, D = q.shape
+    K = torch.cat([cache.k.to(k.dtype), k], dim=2)
+    V = torch.cat([cache.v.to(v.dtype), v], dim=2)
+    kpos = torch.cat([cache.pos[0, 0], positions.to(cache.pos.device)])  # one keep-set, the same for every row
+    recent = policy.multi_state - policy.n_sinks
+    is_sink = kpos < policy.n_sinks
+    visible = (kpos[None, :] <= positions[:, None]) & (is_sink[None, :] | (positions[:, None] - kpos[None, :] <= recent))
+    o = F.scaled_dot_product_attention(q, K, V, attn_mask=visible, enable_gqa=H != K.shape[1])
+    keep = (is_sink | (kpos > int(positions[-1]) - recent)).nonzero().squeeze(1)
+    kept = kpos[keep]
+    return o, EvictionCache(k=K[:, :, keep], v=V[:, :, keep], pos=kept.view(1, 1, -1).expand(B, 1, -1).contiguous(),
+                            acc=None, next_pos=cache.next_pos + C, shift=cache.shift)
