@@ -68,8 +68,8 @@ def test_conformance_when_multi_state_covers_the_sequence(policy):
 def test_exact_mode_keeps_the_protocol_under_overflow(policy):
     # decode mode decides token by token on the past only, so continuation == one pass and decode == parallel
     # still hold when the cache overflows (the outputs are those of the bounded multi-state RNN)
-    run_conformance(lambda: TOVAAttention(D_MODEL, policy=policy, multi_state=10, **OPTS), D_MODEL, seq_len=40,
-                    splits=(1, 7, 16, 33))
+    run_conformance(lambda: TOVAAttention(D_MODEL, policy=policy, multi_state=8, **OPTS), D_MODEL, seq_len=32,
+                    splits=(1, 7, 16, 25))
 
 
 def test_overflow_differs_from_attention_exactly_after_multi_state_tokens():
