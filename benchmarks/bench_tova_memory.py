@@ -14,7 +14,7 @@ generation runs). Reported, all measured:
 
 Usage::
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_tova_memory.py --tokens 4096 --batch 16 \\
+    OMP_NUM_THREADS=1 python benchmarks/bench_tova_memory.py --tokens 2048 --batch 8 \\
         --out docs/results/tova_memory.md
 """
 
@@ -70,8 +70,8 @@ def worker(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--policy", default="tova")
     p.add_argument("--sizes", default=",".join(SIZES))
     p.add_argument("--d-model", dest="d_model", type=int, default=128)
@@ -86,7 +86,9 @@ def main() -> None:
         return
     rows = []
     for size in args.sizes.split(","):
-        cmd = [sys.executable, __file__, "--size", size] + [a for a in sys.argv[1:] if not a.startswith("--out")]
+        cmd = [sys.executable, __file__, "--size", size, "--tokens", str(args.tokens), "--batch", str(args.batch),
+               "--policy", args.policy, "--d-model", str(args.d_model), "--n-layers", str(args.n_layers),
+               "--n-heads", str(args.n_heads), "--vocab-size", str(args.vocab_size)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ}).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
         print(rows[-1], flush=True)

@@ -12,7 +12,7 @@ entry the last query attends to least, averaged over heads). Exact decode-time e
 
 Usage::
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_tova_ppl.py --ckpt runs/tova/.../checkpoints/last.ckpt \\
+    python benchmarks/bench_tova_ppl.py --ckpt runs/tova/.../checkpoints/last.ckpt \\
         --config recipes/tova/books-attention.yaml --out docs/results/tova_ppl.md
 """
 
@@ -120,7 +120,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--chunked", type=int, default=0, help="also evaluate tova with eval_mode chunked, this chunk_len")
     p.add_argument("--out", default=None, help="markdown table path (a .json and a .png are written beside it)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: the decode loop is many small ops; on a shared CPU more threads are slower)")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
 
     with open(args.config) as f:
         seq_len = yaml.safe_load(f)["data"]["init_args"]["seq_len"]
