@@ -77,3 +77,25 @@ def test_convert_config_dict_and_reswitch():
         convert_config(CFG, layers=["swa"])
     with pytest.raises(ValueError, match="none matched"):
         convert_config(dict(CFG, layer_types=["swa"], mixers={"swa": {"window": 8}}))
+
+
+def test_convert_checkpoint_switches_saved_hyper_parameters_only(trained, tmp_path):
+    from mixerzoo_tova import convert_checkpoint
+
+    hp = dict(CFG, lr=1e-3)
+    src, dst = tmp_path / "last.ckpt", tmp_path / "tova.ckpt"
+    state = {f"model.{k}": v for k, v in trained.state_dict().items()}
+    torch.save({"state_dict": state, "hyper_parameters": hp, "global_step": 7}, src)
+    mixers = convert_checkpoint(str(src), str(dst), policy="h2o", multi_state=16)
+    assert mixers == {"swa": {"window": 8},
+                      "attention": {"qk_norm": "rms", "mixer": "tova", "policy": "h2o", "multi_state": 16}}
+    out = torch.load(dst, weights_only=True)
+    assert out["global_step"] == 7 and out["hyper_parameters"]["lr"] == 1e-3
+    assert all(torch.equal(out["state_dict"][k], v) for k, v in state.items())
+    fields = {k: out["hyper_parameters"][k] for k in LMConfig.__dataclass_fields__ if k in out["hyper_parameters"]}
+    model = LanguageModel(LMConfig(**fields))
+    model.load_state_dict({k.removeprefix("model."): v for k, v in out["state_dict"].items()}, strict=True)
+    assert isinstance(model.blocks[1].mixer, TOVAAttention) and model.blocks[1].mixer.policy.name == "h2o"
+    torch.save({"state_dict": state, "hyper_parameters": {"lr": 1.0}}, src)
+    with pytest.raises(ValueError, match="no model hyper-parameters"):
+        convert_checkpoint(str(src), str(dst))

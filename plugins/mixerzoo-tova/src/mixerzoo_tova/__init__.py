@@ -11,11 +11,11 @@ Layout: ``policies.py`` (the policies' scores), ``ops.py`` (the batched attend-a
 ``reference.py`` (a plain per-token loop it is tested against), ``layer.py`` (the mixer), ``convert.py``.
 """
 
-from .convert import convert, convert_config
+from .convert import convert, convert_checkpoint, convert_config
 from .layer import EVAL_MODES, TOVAAttention
 from .ops import EvictionCache, attend_and_evict, empty_cache
 from .policies import POLICIES, EvictionPolicy, parse_policy
 from .reference import evicting_attention_reference
 
 __all__ = ["TOVAAttention", "EvictionCache", "EvictionPolicy", "POLICIES", "EVAL_MODES", "attend_and_evict",
-           "empty_cache", "evicting_attention_reference", "convert", "convert_config", "parse_policy"]
+           "empty_cache", "evicting_attention_reference", "convert", "convert_config", "convert_checkpoint", "parse_policy"]

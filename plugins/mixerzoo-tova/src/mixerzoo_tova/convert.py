@@ -6,7 +6,11 @@
     mixers: {attention: {mixer: tova, multi_state: 256}}      # evaluated, same state dict
 
 :func:`convert` does that change on an :class:`~mixerzoo.model.LMConfig`, a config dict or a built
-:class:`~mixerzoo.model.LanguageModel` (whose weights it copies into the switched model).
+:class:`~mixerzoo.model.LanguageModel` (whose weights it copies into the switched model);
+:func:`convert_checkpoint` does it inside a ``mixerzoo fit`` checkpoint file, for ``mixerzoo validate``
+(LightningCLI re-applies a checkpoint's saved hyper-parameters over the command line, so
+``--model.mixers ...`` next to ``--ckpt_path`` is overridden by the checkpoint's ``mixers``; a converted
+checkpoint carries the switched ones).
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from __future__ import annotations
 import copy
 from typing import Any, Iterable
 
+import torch
+
 from mixerzoo.model import LanguageModel, LMConfig
 
-__all__ = ["convert", "convert_config"]
+__all__ = ["convert", "convert_config", "convert_checkpoint"]
 
 
 def convert_config(config: LMConfig | dict, policy: str = "tova", multi_state: int | None = 256,
@@ -86,3 +92,36 @@ def convert(model_or_config: Any, policy: str = "tova", multi_state: int | None 
     new.load_state_dict(model.state_dict(), strict=True)
     ref = next(model.parameters())
     return new.to(device=ref.device, dtype=ref.dtype).eval()
+
+
+def convert_checkpoint(src: str, dst: str, policy: str = "tova", multi_state: int | None = 256,
+                       layers: Iterable[str] | None = None, source: Iterable[str] = ("attention",), **options: Any
+                       ) -> dict:
+    """Write a copy of a ``mixerzoo fit`` (Lightning) checkpoint whose saved model hyper-parameters have the
+    attention layers switched to ``tova``; the weights (and everything else in the file) are unchanged.
+
+    Then ``mixerzoo validate --config <recipe> --ckpt_path <dst>`` evaluates the bounded model.
+
+    Args:
+        src: checkpoint path (a dict with ``state_dict`` and ``hyper_parameters`` holding ``mixers``).
+        dst: output path.
+        policy, multi_state, layers, source, **options: see :func:`convert_config`.
+
+    Returns:
+        The new ``mixers`` hyper-parameter.
+
+    Raises:
+        FileNotFoundError, ConfigError: ``src`` is missing or not a checkpoint (from the core loader).
+        ValueError: the checkpoint has no ``mixers`` hyper-parameter, or see :func:`convert_config`.
+    """
+    from mixerzoo.training.checkpoints import load_checkpoint
+
+    ckpt = load_checkpoint(src)
+    hp = ckpt.get("hyper_parameters") or {}
+    if "mixers" not in hp or "layer_types" not in hp:
+        raise ValueError(f"convert_checkpoint: {src!r} has no model hyper-parameters 'mixers'/'layer_types' (is it a "
+                         f"mixerzoo fit checkpoint?); use convert() on a built model instead")
+    fields = {"mixers": hp["mixers"] or {name: {} for name in hp["layer_types"]}}
+    hp["mixers"] = convert_config(fields, policy, multi_state, layers, source, **options)["mixers"]
+    torch.save(ckpt, dst)
+    return hp["mixers"]
