@@ -8,12 +8,13 @@ each window is as long as the training sequence, so the full model works at the 
 Policies (paper names): ``window`` (newest k), ``window+4`` (4 sinks + newest k-4, StreamingLLM), ``h2o``
 (H2O-head: newest k/2 + heavy hitters by accumulated attention, per KV head), ``tova`` (TOVA-layer: drop the
 entry the last query attends to least, averaged over heads). Exact decode-time eviction by default;
-``--chunked`` adds rows for the chunked approximation.
+``--chunked`` adds rows for the chunked approximation, ``--ablation`` the other rows of table 3; the
+"baseline" row is the paper's: no compression, sequence length k.
 
 Usage::
 
     python benchmarks/bench_tova_ppl.py --ckpt runs/tova/.../checkpoints/last.ckpt \\
-        --config recipes/tova/books-attention.yaml --out docs/results/tova_ppl.md
+        --config recipes/tova/books-attention.yaml --chunked 64 --ablation --out docs/results/tova_ppl.md
 """
 
 from __future__ import annotations
@@ -98,16 +99,17 @@ def truncated_perplexity(model: LanguageModel, windows: torch.Tensor, context: i
         if n == x.shape[1] else float("nan")
 
 
-def plot(results: dict, sizes: list[int], full: float, path: str, title: str) -> None:
+def plot(results: dict, sizes: list[int], full: float, path: str, title: str, main: set[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, row in results.items():
-        ax.plot(sizes, [row[str(s)] for s in sizes], marker="o", label=label,
-                linestyle="--" if "chunked" in label else (":" if "baseline" in label else "-"))
+    for label, row in results.items():  # the main policies, the paper's baseline and the chunked approximation
+        if label in main or "baseline" in label or "chunked" in label:
+            ax.plot(sizes, [row[str(s)] for s in sizes], marker="o", label=label,
+                    linestyle="--" if "chunked" in label else (":" if "baseline" in label else "-"))
     ax.axhline(full, color="k", linestyle=":", label=f"full attention ({full:.1f})")
     ax.set_xscale("log", base=2)
     values = [v for row in results.values() for v in row.values()] + [full]
@@ -125,7 +127,8 @@ def plot(results: dict, sizes: list[int], full: float, path: str, title: str) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ckpt", required=True, help="checkpoint of `mixerzoo fit --config recipes/tova/books-attention.yaml`")
+    p.add_argument("--replot", default=None, help="only redraw the PNG from a .json this script wrote")
+    p.add_argument("--ckpt", default=None, help="checkpoint of `mixerzoo fit --config recipes/tova/books-attention.yaml`")
     p.add_argument("--config", default="recipes/tova/books-attention.yaml", help="the recipe (for the data split)")
     p.add_argument("--windows", type=int, default=8, help="held-out windows")
     p.add_argument("--length", type=int, default=None, help="tokens per window (default: the recipe's seq_len)")
@@ -133,11 +136,22 @@ def main() -> None:
     p.add_argument("--policies", default="window,window+4,h2o,tova")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--chunked", type=int, default=0, help="also evaluate tova with eval_mode chunked, this chunk_len")
+    p.add_argument("--ablation", action="store_true",
+                   help="also the ablation rows of appendix A: tova-head, tova+4, h2o-layer, tova with protect_current")
     p.add_argument("--out", default=None, help="markdown table path (a .json and a .png are written beside it)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: the decode loop is many small ops; on a shared CPU more threads are slower)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        a = saved["args"]
+        plot(saved["results"], [int(x) for x in a["sizes"].split(",")], saved["full"],
+             os.path.splitext(args.replot)[0] + ".png", saved.get("title", ""), set(a["policies"].split(",")))
+        return
+    if args.ckpt is None:
+        p.error("--ckpt is required (or --replot)")
 
     with open(args.config) as f:
         seq_len = yaml.safe_load(f)["data"]["init_args"]["seq_len"]
@@ -153,22 +167,28 @@ def main() -> None:
     results["baseline (sequence length k, no compression)"] = {
         str(k): truncated_perplexity(model, windows, k, args.batch) for k in sizes}
     print("baseline (context k):", {k: round(v, 3) for k, v in results["baseline (sequence length k, no compression)"].items()})
-    runs = [(pol, "decode", 1) for pol in policies] + ([("tova", "chunked", args.chunked)] if args.chunked else [])
-    for pol, mode, chunk in runs:
-        label = pol if mode == "decode" else f"tova (chunked, chunk_len {chunk})"
+    runs = [(pol, dict(policy=pol)) for pol in policies]
+    if args.ablation:  # appendix A table 3's other rows
+        runs += [("tova-head", dict(policy="tova", per_head=True)), ("tova+4", dict(policy="tova+4")),
+                 ("h2o-layer", dict(policy="h2o", per_head=False)),
+                 ("tova, protect_current (kvpress)", dict(policy="tova", protect_current=True))]
+    if args.chunked:
+        runs.append((f"tova (chunked, chunk_len {args.chunked})",
+                     dict(policy="tova", eval_mode="chunked", chunk_len=args.chunked)))
+    main_rows = set(policies)
+    for label, options in runs:
         results[label] = {}
         for k in sizes:
             t0 = time.perf_counter()
-            bounded = convert(model, policy=pol, multi_state=k, eval_mode=mode, chunk_len=chunk)
+            bounded = convert(model, multi_state=k, **options)
             results[label][str(k)] = perplexity(bounded, windows, args.batch)
             print(f"{label:>32} k={k:<5} ppl {results[label][str(k)]:10.3f} ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
     header = "| policy | " + " | ".join(str(s) for s in sizes) + f" | full ({length}) |"
     lines = [header, "|---|" + "---|" * (len(sizes) + 1)]
     for label, row in results.items():
-        policy_rows = [r for name, r in results.items() if "chunked" not in name and "baseline" not in name]
-        best = all(row[str(s)] <= min(r[str(s)] for r in policy_rows) + 1e-9 for s in sizes) \
-            if row in policy_rows else False
+        policy_rows = [r for name, r in results.items() if name in main_rows]
+        best = label in main_rows and all(row[str(s)] <= min(r[str(s)] for r in policy_rows) + 1e-9 for s in sizes)
         cells = " | ".join(f"{row[str(s)]:.2f}" for s in sizes)
         lines.append(f"| {label}{' (best at every size)' if best else ''} | {cells} | {full:.2f} |")
     table = "\n".join(lines)
@@ -180,12 +200,12 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write(meta + "\n\n" + table + "\n")
         stem = os.path.splitext(args.out)[0]
+        title = (f"attention LM (d_model {model.config.d_model}, {model.config.n_layers} layers) on held-out books, "
+                 f"{args.windows}x{length} tokens")
         with open(stem + ".json", "w") as f:
-            json.dump({"args": vars(args), "length": length, "full": full, "results": results, "data": info,
+            json.dump({"args": vars(args), "title": title, "length": length, "full": full, "results": results, "data": info,
                        "paper_table3": PAPER}, f, indent=1)
-        plot(results, sizes, full, stem + ".png",
-             f"attention LM (d_model {model.config.d_model}, {model.config.n_layers} layers) on held-out books, "
-             f"{args.windows}x{length} tokens")
+        plot(results, sizes, full, stem + ".png", title, main_rows)
 
 
 if __name__ == "__main__":
