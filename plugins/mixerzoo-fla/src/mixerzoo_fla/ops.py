@@ -1,0 +1,229 @@
+"""Chunked pure-PyTorch forms of the gated delta rule and of Gated Slot Attention (the CPU path).
+
+Both follow the usual chunkwise-parallel recipe: cut the sequence into chunks of ``chunk_len`` tokens;
+inside a chunk, compute everything that does not depend on the state carried in from earlier chunks with
+dense batched matrix products (all chunks at once); then walk over the chunks once to pass the state along,
+with a few small matrix products per chunk. There is no loop over tokens. The plain token loops in
+:mod:`mixerzoo_fla.reference` are the definitions these are tested against.
+
+Layouts follow flash-linear-attention (so the CPU and CUDA paths share calling conventions): sequences
+``[B, T, H, D]``, states per head. All arithmetic is float32; outputs are float32.
+
+Every decay factor is formed as ``exp(a - b)`` with ``a <= b`` (a later cumulative log decay minus an
+earlier one), so it lies in ``[0, 1]``: no overflow whatever the gates, and a partial last chunk is padded
+with tokens that neither decay nor write (``log alpha = 0``, ``beta = 0``, ``k = 0``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["l2_normalize", "gdn_log_decay", "chunk_gated_delta_rule", "chunk_gsa"]
+
+# Elements of the (chunk, chunk, slots) decay tensor GSA builds at once; bounds its memory (about 64 MB).
+GSA_BLOCK_ELEMENTS = 1 << 24
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dimension, in float32 (fla's ``l2norm``: eps inside the root)."""
+    x = x.float()
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def gdn_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """Gated DeltaNet's log forget gate ``log alpha = -exp(A_log) * softplus(a + dt_bias)`` (float32, <= 0).
+
+    The Mamba-2 parameterisation the GDN paper adopts (section 3.3): ``exp(A_log)`` is a per-head decay
+    rate, ``softplus(a + dt_bias)`` a data-dependent step size. Args: ``a [..., HV]`` (``a_proj(x)``),
+    ``A_log [HV]``, ``dt_bias [HV]``.
+    """
+    a = a.float()
+    if dt_bias is not None:
+        a = a + dt_bias.float()
+    return -A_log.float().exp() * F.softplus(a)
+
+
+def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int) -> torch.Tensor:
+    """``[B, T, H, *rest] -> [B, H, N, C, *rest]``, zero-padding time up to ``N * C``."""
+    B, T, H = x.shape[:3]
+    x = x.movedim(1, 2)  # [B, H, T, ...]
+    pad = n_chunks * chunk - T
+    if pad:
+        x = torch.cat([x, x.new_zeros(B, H, pad, *x.shape[3:])], dim=2)
+    return x.reshape(B, H, n_chunks, chunk, *x.shape[3:])
+
+
+def _from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
+    """``[B, H, N, C, D] -> [B, T, H, D]`` (drops padding)."""
+    B, H, N, C, D = x.shape
+    return x.reshape(B, H, N * C, D)[:, :, :T].transpose(1, 2)
+
+
+def _pairwise_decay(b: torch.Tensor, per_slot: bool = False) -> torch.Tensor:
+    """``exp(b_i - b_j)`` for ``j <= i``, 0 above the diagonal, from cumulative log decays inside a chunk.
+
+    ``b [..., C]`` (one decay per token) -> ``[..., C, C]``; with ``per_slot``, ``b [..., C, M]`` (one per
+    slot) -> ``[..., C, C, M]``. Every entry lies in ``[0, 1]`` because ``b`` does not increase.
+    """
+    C = b.shape[-2] if per_slot else b.shape[-1]
+    causal = torch.ones(C, C, dtype=torch.bool, device=b.device).tril()
+    if per_slot:
+        diff = b[..., :, None, :] - b[..., None, :, :]
+        return diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
+    diff = b[..., :, None] - b[..., None, :]
+    return diff.masked_fill(~causal, float("-inf")).exp()
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           scale: float | None = None, initial_state: torch.Tensor | None = None,
+                           chunk_len: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule in chunkwise-parallel (WY / UT-transform) form (GDN paper, section 3.2).
+
+    Same definition and calling convention as :func:`mixerzoo_fla.reference.gated_delta_rule_recurrent` and
+    fla's ``chunk_gated_delta_rule`` with precomputed gates. Per chunk, with ``gamma_i`` the cumulative log
+    decay inside the chunk, ``D_ij = exp(gamma_i - gamma_j)`` (``j <= i``) and ``S`` the state entering it:
+
+    - UT transform: ``T = (I + tril_strict(diag(beta) K K^T * D))^-1`` (a unit lower-triangular solve), then
+      ``U = T diag(beta) V`` and ``W = T diag(beta exp(gamma)) K`` (the WY factors);
+    - per chunk, in order: new values ``U - W S``; output ``(Q * exp(gamma)) S + (Q K^T * D)(U - W S)``;
+      state ``exp(gamma_C) S + (K * exp(gamma_C - gamma))^T (U - W S)``.
+
+    Args:
+        q, k: ``[B, T, H, K]``, L2-normalised; v: ``[B, T, HV, V]`` (``HV`` a multiple of ``H``).
+        g: log decay ``[B, T, HV]``; beta: ``[B, T, HV]`` in ``[0, 2]``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[B, HV, K, V]`` or None.
+        chunk_len: tokens per chunk (any ``T`` works; the last chunk is padded).
+
+    Returns:
+        ``o [B, T, HV, V]`` and the final state ``[B, HV, K, V]``, float32.
+
+    Raises:
+        ValueError: ``HV`` not a multiple of ``H``, or ``chunk_len < 1``.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        raise ValueError(f"value heads ({HV}) must be a multiple of query/key heads ({H})")
+    if chunk_len < 1:
+        raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
+    scale = K ** -0.5 if scale is None else scale
+    C = min(chunk_len, T)
+    N = math.ceil(T / C)
+    group = HV // H
+    q, k = (x.float().repeat_interleave(group, dim=2) for x in (q, k))
+    q, k, v = (_to_chunks(x, N, C) for x in (q * scale, k, v.float()))                # [B, HV, N, C, D]
+    g, beta = (_to_chunks(x.float()[..., None], N, C)[..., 0] for x in (g, beta))     # [B, HV, N, C]
+
+    gamma = g.cumsum(-1)
+    decay = _pairwise_decay(gamma)                                                    # [B, HV, N, C, C]
+    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
+    eye = torch.eye(C, device=q.device)
+    lower = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).masked_fill(~strict, 0.0)
+    rhs = torch.cat([v * beta[..., None], k * (beta * gamma.exp())[..., None]], dim=-1)
+    u, w = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True).split([V, K], dim=-1)
+
+    attn = (q @ k.transpose(-1, -2)) * decay                                          # causal, decayed
+    q_decayed = q * gamma.exp()[..., None]
+    k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
+    chunk_decay = gamma[..., -1].exp()[..., None, None]                               # [B, HV, N, 1, 1]
+
+    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.float()
+    starts, new_values = [], []
+    for n in range(N):
+        starts.append(S)
+        v_new = u[:, :, n] - w[:, :, n] @ S
+        new_values.append(v_new)
+        S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+    o = q_decayed @ torch.stack(starts, dim=2) + attn @ torch.stack(new_values, dim=2)
+    return _from_chunks(o, T), S
+
+
+def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
+              scale: float | None = None, initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+              chunk_len: int = 16) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Gated Slot Attention in chunked two-pass form (GSA paper, section 3: two GLA passes joined by a softmax).
+
+    Same definition and calling convention as :func:`mixerzoo_fla.reference.gsa_recurrent` (and fla's
+    ``chunk_gsa``). With ``b_i`` the cumulative log forget gate inside a chunk (one per slot) and
+    ``E_ijm = exp(b_im - b_jm)`` for ``j <= i``:
+
+    - pass 1 (slot scores, gate on the slot side of ``Hk``): ``z_im = exp(b_im) (q_i^T Hk)_m +
+      sum_j (q_i . k_j) s_jm E_ijm``; then ``p_i = softmax(z_i)``;
+    - pass 2 (read, gate on the slot side of ``Hv``): ``o_i = (p_i * exp(b_i))^T Hv +
+      sum_j (sum_m p_im s_jm E_ijm) v_j``;
+    - states: ``Hk <- Hk diag(exp(b_C)) + K^T (S * exp(b_C - b))``, ``Hv <- diag(exp(b_C)) Hv + (S * exp(b_C - b))^T V``.
+
+    The intra-chunk products use the exact ``E`` (``C x C x M`` per chunk, built a block of chunks at a time
+    within :data:`GSA_BLOCK_ELEMENTS`), which stays finite for any gate values; hence the small default chunk.
+
+    Args:
+        q: ``[B, T, HQ, K]``; k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; s, g: ``[B, T, H, M]`` (``HQ`` a
+            multiple of ``H``: query head ``j`` reads memory ``j // (HQ / H)``).
+        scale: default ``K ** -0.5`` (the GSA layer passes 1.0, as fla's layer does).
+        initial_state: ``(Hk [B, H, K, M], Hv [B, H, M, V])`` or None.
+        chunk_len: tokens per chunk.
+
+    Returns:
+        ``o [B, T, HQ, V]`` and ``(Hk, Hv)``, float32.
+
+    Raises:
+        ValueError: ``HQ`` not a multiple of ``H``, or ``chunk_len < 1``.
+    """
+    B, T, HQ, K = q.shape
+    H, V, M = k.shape[2], v.shape[3], s.shape[3]
+    if HQ % H:
+        raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({H})")
+    if chunk_len < 1:
+        raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
+    scale = K ** -0.5 if scale is None else scale
+    G = HQ // H
+    C = min(chunk_len, T)
+    N = math.ceil(T / C)
+    # queries carry a group axis: [B, H, G, N, C, K]; everything else is per key/value head: [B, H, N, C, *]
+    q = _to_chunks(q.float() * scale, N, C).unflatten(1, (H, G))
+    k, v, s, g = (_to_chunks(x.float(), N, C) for x in (k, v, s, g))
+    b = g.cumsum(-2)                                                     # [B, H, N, C, M]
+    to_end = (b[..., -1:, :] - b).exp()                                  # exp(b_C - b_j)
+    s_to_end = s * to_end
+    chunk_decay = b[..., -1, :].exp()                                    # [B, H, N, M]
+    block = max(1, GSA_BLOCK_ELEMENTS // max(1, B * H * C * C * M))
+
+    # ---- pass 1: slot scores z, softmax -> p -------------------------------------------------------------
+    hk = q.new_zeros(B, H, K, M) if initial_state is None else initial_state[0].float()
+    u_k = k.transpose(-1, -2) @ s_to_end                                 # [B, H, N, K, M]
+    hk_starts = []
+    for n in range(N):
+        hk_starts.append(hk)
+        hk = hk * chunk_decay[:, :, n, None, :] + u_k[:, :, n]
+    hk_starts = torch.stack(hk_starts, dim=2)                            # [B, H, N, K, M]
+    z_inter = (q @ hk_starts[:, :, None]) * b.exp()[:, :, None]          # [B, H, G, N, C, M]
+    z_intra = []
+    for lo in range(0, N, block):
+        sl = slice(lo, lo + block)
+        E = _pairwise_decay(b[:, :, sl], per_slot=True)                                 # [B, H, n, C, C, M]
+        qk = q[:, :, :, sl] @ k[:, :, None, sl].transpose(-1, -2)        # [B, H, G, n, C, C]
+        z_intra.append(torch.einsum("bhgnij,bhnijm->bhgnim", qk, E * s[:, :, sl, None]))
+    p = (z_inter + torch.cat(z_intra, dim=3)).softmax(dim=-1)            # [B, H, G, N, C, M]
+
+    # ---- pass 2: read the values through the slot probabilities ----------------------------------------
+    hv = q.new_zeros(B, H, M, V) if initial_state is None else initial_state[1].float()
+    u_v = s_to_end.transpose(-1, -2) @ v                                 # [B, H, N, M, V]
+    hv_starts = []
+    for n in range(N):
+        hv_starts.append(hv)
+        hv = chunk_decay[:, :, n, :, None] * hv + u_v[:, :, n]
+    hv_starts = torch.stack(hv_starts, dim=2)                            # [B, H, N, M, V]
+    o = (p * b.exp()[:, :, None]) @ hv_starts[:, :, None]                # [B, H, G, N, C, V]
+    o_intra = []
+    for lo in range(0, N, block):
+        sl = slice(lo, lo + block)
+        E = _pairwise_decay(b[:, :, sl], per_slot=True)
+        scores = torch.einsum("bhgnim,bhnijm->bhgnij", p[:, :, :, sl], E * s[:, :, sl, None])
+        o_intra.append(scores @ v[:, :, None, sl])
+    o = o + torch.cat(o_intra, dim=3)
+    o = o.flatten(1, 2)                                                  # [B, HQ, N, C, V]
+    return _from_chunks(o, T), (hk, hv)
