@@ -99,7 +99,10 @@ def test_gdn_hand_computed_single_head():
 # ---- gated slot attention ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("T,chunk_len", [(1, 16), (37, 1), (37, 5), (37, 16), (48, 16), (40, 64)])
-def test_gsa_chunked_matches_our_reference(T, chunk_len):
+@pytest.mark.parametrize("form", ["split", "exact"])
+def test_gsa_chunked_matches_our_reference(T, chunk_len, form, monkeypatch):
+    if form == "exact":       # force the exact intra-chunk decay tensor (used for extreme gates)
+        monkeypatch.setattr(ops, "GSA_MAX_LOG_SPAN", -1.0)
     q, k, v, s, g, h0 = gsa_inputs(T=T)
     o_ref, (hk_ref, hv_ref) = reference.gsa_recurrent(q, k, v, s, g, initial_state=h0)
     o, (hk, hv) = ops.chunk_gsa(q, k, v, s, g, initial_state=h0, chunk_len=chunk_len)
@@ -108,8 +111,9 @@ def test_gsa_chunked_matches_our_reference(T, chunk_len):
     torch.testing.assert_close(hv, hv_ref, atol=ATOL, rtol=0)
 
 
-def test_gsa_chunked_blocks_of_chunks(monkeypatch):
-    # the intra-chunk decay tensor is built a block of chunks at a time; force several blocks
+def test_gsa_exact_form_in_blocks_of_chunks(monkeypatch):
+    # the exact form builds its decay tensor a block of chunks at a time; force one chunk per block
+    monkeypatch.setattr(ops, "GSA_MAX_LOG_SPAN", -1.0)
     monkeypatch.setattr(ops, "GSA_BLOCK_ELEMENTS", 1)
     q, k, v, s, g, h0 = gsa_inputs(T=29)
     o_ref, _ = reference.gsa_recurrent(q, k, v, s, g, initial_state=h0)
@@ -117,8 +121,22 @@ def test_gsa_chunked_blocks_of_chunks(monkeypatch):
     torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=0)
 
 
+def test_gsa_fast_forgetting_gates_halve_the_chunk(monkeypatch):
+    # log alpha = -3 per token: a 32-token chunk decays by 96 nats > GSA_MAX_LOG_SPAN, so 16-token chunks are used
+    seen = []
+    inner = ops._chunk_gsa
+    monkeypatch.setattr(ops, "_chunk_gsa", lambda *a, **kw: seen.append((a[7], kw["exact"])) or inner(*a, **kw))
+    q, k, v, s, g, h0 = gsa_inputs(T=40)
+    g = torch.full_like(g, -3.0)
+    s = 1 - g.exp()
+    o_ref, _ = reference.gsa_recurrent(q, k, v, s, g, initial_state=h0)
+    o, _ = ops.chunk_gsa(q, k, v, s, g, initial_state=h0, chunk_len=32)
+    assert seen == [(16, False)]
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=0)
+
+
 def test_gsa_extreme_gates_stay_finite():
-    # log forget gates of -40 per token: a factorised exp(b_i) * exp(-b_j) would overflow float32
+    # log forget gates of -40 per token: exp(-b_j) of the split form would overflow float32; the exact form runs
     q, k, v, s, g, h0 = gsa_inputs(T=33, gate_scale=1.0)
     g = torch.where(torch.rand_like(g) < 0.5, torch.full_like(g, -40.0), g)
     s = 1 - g.exp()

@@ -84,7 +84,7 @@ class GatedSlotAttention(Mixer):
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, expand_k: float = 1.0,
                  expand_v: float = 1.0, num_slots: int = 64, use_short_conv: bool = False, conv_size: int = 4,
                  conv_bias: bool = False, feature_map: str = "swish", gate_logit_normalizer: float = 8,
-                 norm_eps: float = 1e-5, elementwise_affine: bool = True, scale: float = 1.0, chunk_len: int = 16,
+                 norm_eps: float = 1e-5, elementwise_affine: bool = True, scale: float = 1.0, chunk_len: int = 32,
                  backend: str = "auto") -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads

@@ -23,7 +23,12 @@ import torch.nn.functional as F
 
 __all__ = ["l2_normalize", "gdn_log_decay", "chunk_gated_delta_rule", "chunk_gsa"]
 
-# Elements of the (chunk, chunk, slots) decay tensor GSA builds at once; bounds its memory (about 64 MB).
+# GSA: largest log decay accumulated inside one chunk for which the intra-chunk products use the split
+# exp(b_i - b_j) = exp(b_i) * exp(-b_j) (exp(60) ~ 1e26, far from float32 overflow at 3e38).
+GSA_MAX_LOG_SPAN = 60.0
+# GSA: below this chunk length, chunks that still decay more than GSA_MAX_LOG_SPAN use the exact form.
+GSA_MIN_SPLIT_CHUNK = 4
+# GSA exact fallback: elements of the (chunk, chunk, slots) decay tensor built at once (about 64 MB).
 GSA_BLOCK_ELEMENTS = 1 << 24
 
 
@@ -144,21 +149,26 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
               scale: float | None = None, initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-              chunk_len: int = 16) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+              chunk_len: int = 32) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Gated Slot Attention in chunked two-pass form (GSA paper, section 3: two GLA passes joined by a softmax).
 
     Same definition and calling convention as :func:`mixerzoo_fla.reference.gsa_recurrent` (and fla's
-    ``chunk_gsa``). With ``b_i`` the cumulative log forget gate inside a chunk (one per slot) and
-    ``E_ijm = exp(b_im - b_jm)`` for ``j <= i``:
+    ``chunk_gsa``). With ``b_i`` the cumulative log forget gate from the chunk start to token ``i`` (one per
+    slot, ``<= 0``) and ``E_ijm = exp(b_im - b_jm)`` for ``j <= i``:
 
-    - pass 1 (slot scores, gate on the slot side of ``Hk``): ``z_im = exp(b_im) (q_i^T Hk)_m +
-      sum_j (q_i . k_j) s_jm E_ijm``; then ``p_i = softmax(z_i)``;
-    - pass 2 (read, gate on the slot side of ``Hv``): ``o_i = (p_i * exp(b_i))^T Hv +
+    - pass 1 (slot scores; the gate acts on the slot side of ``Hk``): ``z_im = exp(b_im) (q_i^T Hk)_m +
+      sum_j (q_i . k_j) s_jm E_ijm``, then ``p_i = softmax(z_i)``;
+    - pass 2 (read; the gate acts on the slot side of ``Hv``): ``o_i = (p_i * exp(b_i))^T Hv +
       sum_j (sum_m p_im s_jm E_ijm) v_j``;
-    - states: ``Hk <- Hk diag(exp(b_C)) + K^T (S * exp(b_C - b))``, ``Hv <- diag(exp(b_C)) Hv + (S * exp(b_C - b))^T V``.
+    - states after the chunk: ``Hk diag(exp(b_C)) + K^T (S * exp(b_C - b))`` and
+      ``diag(exp(b_C)) Hv + (S * exp(b_C - b))^T V``.
 
-    The intra-chunk products use the exact ``E`` (``C x C x M`` per chunk, built a block of chunks at a time
-    within :data:`GSA_BLOCK_ELEMENTS`), which stays finite for any gate values; hence the small default chunk.
+    The intra-chunk sums are matrix products after splitting ``E_ijm = exp(b_im) exp(-b_jm)``. ``exp(-b_jm)``
+    grows with the decay accumulated inside a chunk, so the split is used only while that decay stays below
+    :data:`GSA_MAX_LOG_SPAN` nats; otherwise the chunk length is halved until it does (realistic gates never
+    need it at the default length). If even chunks of :data:`GSA_MIN_SPLIT_CHUNK` tokens decay more, the exact
+    ``E`` is built instead (``C x C x M`` per chunk, a block of chunks at a time within
+    :data:`GSA_BLOCK_ELEMENTS`): slower, finite for any gate.
 
     Args:
         q: ``[B, T, HQ, K]``; k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; s, g: ``[B, T, H, M]`` (``HQ`` a
@@ -173,24 +183,42 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
     Raises:
         ValueError: ``HQ`` not a multiple of ``H``, or ``chunk_len < 1``.
     """
-    B, T, HQ, K = q.shape
-    H, V, M = k.shape[2], v.shape[3], s.shape[3]
+    HQ, H = q.shape[2], k.shape[2]
     if HQ % H:
         raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({H})")
     if chunk_len < 1:
         raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
+    g = g.float()
+    T = q.shape[1]
+    C = max(1, min(chunk_len, T))
+    while True:
+        span = -_to_chunks(g, math.ceil(T / C), C).sum(-2).min().item()      # largest decay inside a chunk
+        if span <= GSA_MAX_LOG_SPAN:
+            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact=False)
+        if C <= GSA_MIN_SPLIT_CHUNK:
+            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact=True)
+        C = math.ceil(C / 2)
+
+
+def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact):
+    B, T, HQ, K = q.shape
+    H, V, M = k.shape[2], v.shape[3], s.shape[3]
     scale = K ** -0.5 if scale is None else scale
     G = HQ // H
-    C = min(chunk_len, T)
     N = math.ceil(T / C)
     # queries carry a group axis: [B, H, G, N, C, K]; everything else is per key/value head: [B, H, N, C, *]
     q = _to_chunks(q.float() * scale, N, C).unflatten(1, (H, G))
     k, v, s, g = (_to_chunks(x.float(), N, C) for x in (k, v, s, g))
-    b = g.cumsum(-2)                                                     # [B, H, N, C, M]
-    to_end = (b[..., -1:, :] - b).exp()                                  # exp(b_C - b_j)
-    s_to_end = s * to_end
-    chunk_decay = b[..., -1, :].exp()                                    # [B, H, N, M]
-    block = max(1, GSA_BLOCK_ELEMENTS // max(1, B * H * C * C * M))
+    b = g.cumsum(-2)                                                     # [B, H, N, C, M], <= 0
+    b_exp = b.exp()
+    s_to_end = s * (b[..., -1:, :] - b).exp()                           # s_j exp(b_C - b_j)
+    chunk_decay = b_exp[..., -1, :]                                      # [B, H, N, M]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    if exact:
+        block = max(1, GSA_BLOCK_ELEMENTS // max(1, B * H * C * C * M))
+        blocks = [slice(lo, lo + block) for lo in range(0, N, block)]
+    else:
+        s_from_start = s * (-b).exp()                                    # s_j exp(-b_j), bounded by the span check
 
     # ---- pass 1: slot scores z, softmax -> p -------------------------------------------------------------
     hk = q.new_zeros(B, H, K, M) if initial_state is None else initial_state[0].float()
@@ -199,15 +227,15 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
     for n in range(N):
         hk_starts.append(hk)
         hk = hk * chunk_decay[:, :, n, None, :] + u_k[:, :, n]
-    hk_starts = torch.stack(hk_starts, dim=2)                            # [B, H, N, K, M]
-    z_inter = (q @ hk_starts[:, :, None]) * b.exp()[:, :, None]          # [B, H, G, N, C, M]
-    z_intra = []
-    for lo in range(0, N, block):
-        sl = slice(lo, lo + block)
-        E = _pairwise_decay(b[:, :, sl], per_slot=True)                                 # [B, H, n, C, C, M]
-        qk = q[:, :, :, sl] @ k[:, :, None, sl].transpose(-1, -2)        # [B, H, G, n, C, C]
-        z_intra.append(torch.einsum("bhgnij,bhnijm->bhgnim", qk, E * s[:, :, sl, None]))
-    p = (z_inter + torch.cat(z_intra, dim=3)).softmax(dim=-1)            # [B, H, G, N, C, M]
+    z = (q @ torch.stack(hk_starts, dim=2)[:, :, None]) * b_exp[:, :, None]   # [B, H, G, N, C, M]
+    qk = (q @ k[:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)      # [B, H, G, N, C, C]
+    if exact:
+        z = z + torch.cat([torch.einsum("bhgnij,bhnijm->bhgnim", qk[:, :, :, sl],
+                                        _pairwise_decay(b[:, :, sl], per_slot=True) * s[:, :, sl, None])
+                           for sl in blocks], dim=3)
+    else:
+        z = z + (qk @ s_from_start[:, :, None]) * b_exp[:, :, None]
+    p = z.softmax(dim=-1)                                                # [B, H, G, N, C, M]
 
     # ---- pass 2: read the values through the slot probabilities ----------------------------------------
     hv = q.new_zeros(B, H, M, V) if initial_state is None else initial_state[1].float()
@@ -216,14 +244,13 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
     for n in range(N):
         hv_starts.append(hv)
         hv = chunk_decay[:, :, n, :, None] * hv + u_v[:, :, n]
-    hv_starts = torch.stack(hv_starts, dim=2)                            # [B, H, N, M, V]
-    o = (p * b.exp()[:, :, None]) @ hv_starts[:, :, None]                # [B, H, G, N, C, V]
-    o_intra = []
-    for lo in range(0, N, block):
-        sl = slice(lo, lo + block)
-        E = _pairwise_decay(b[:, :, sl], per_slot=True)
-        scores = torch.einsum("bhgnim,bhnijm->bhgnij", p[:, :, :, sl], E * s[:, :, sl, None])
-        o_intra.append(scores @ v[:, :, None, sl])
-    o = o + torch.cat(o_intra, dim=3)
-    o = o.flatten(1, 2)                                                  # [B, HQ, N, C, V]
-    return _from_chunks(o, T), (hk, hv)
+    p_decayed = p * b_exp[:, :, None]
+    o = p_decayed @ torch.stack(hv_starts, dim=2)[:, :, None]            # [B, H, G, N, C, V]
+    if exact:
+        scores = torch.cat([torch.einsum("bhgnim,bhnijm->bhgnij", p[:, :, :, sl],
+                                         _pairwise_decay(b[:, :, sl], per_slot=True) * s[:, :, sl, None])
+                            for sl in blocks], dim=3)
+    else:
+        scores = (p_decayed @ s_from_start[:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)
+    o = o + scores @ v[:, :, None]
+    return _from_chunks(o.flatten(1, 2), T), (hk, hv)
