@@ -35,7 +35,7 @@ def print_plugins(stream=None) -> int:
 
 
 def _lightning_cli(args: list[str] | None):
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
     from lightning.pytorch.cli import LightningCLI
 
     from .data import LMDataModule
@@ -51,6 +51,14 @@ def _lightning_cli(args: list[str] | None):
                                  "checkpoint.filename": "step{step}-val_loss{val/loss:.3f}",
                                  "checkpoint.auto_insert_metric_name": False})
             parser.add_lightning_class_args(ThroughputLogger, "throughput")
+
+        def _instantiate_trainer(self, config, callbacks):
+            # Rich progress bar by default, unless the recipe turns progress bars off or brings its own.
+            wants_bar = config.get("enable_progress_bar", True) is not False
+            given = list(callbacks) + list(config.get("callbacks") or [])
+            if wants_bar and not any(isinstance(c, ProgressBar) for c in given):
+                callbacks = [*callbacks, RichProgressBar()]
+            return super()._instantiate_trainer(config, callbacks)
 
         def _check_ckpt(self) -> None:
             sub = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
@@ -68,7 +76,7 @@ def _lightning_cli(args: list[str] | None):
     trainer_defaults = {
         "default_root_dir": "runs",
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "mixerzoo"}},
-        "callbacks": [RichProgressBar(), LearningRateMonitor(logging_interval="step")],
+        "callbacks": [LearningRateMonitor(logging_interval="step")],
         "plugins": [AtomicCheckpointIO()],
     }
     return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
