@@ -60,18 +60,13 @@ def _lightning_cli(args: list[str] | None):
                 callbacks = [*callbacks, RichProgressBar()]
             return super()._instantiate_trainer(config, callbacks)
 
-        def _check_ckpt(self) -> None:
-            sub = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
-            check_ckpt_path(sub.get("ckpt_path"))
-
-        def before_fit(self) -> None:
-            self._check_ckpt()
-
-        def before_validate(self) -> None:
-            self._check_ckpt()
-
-        def before_test(self) -> None:
-            self._check_ckpt()
+        def _parse_ckpt_path(self) -> None:
+            # LightningCLI reads hyper-parameters from --ckpt_path before anything else: check the file first,
+            # so a truncated or foreign file gets a clear message instead of an unpickling traceback.
+            sub = self.config.get("subcommand")
+            if sub:
+                check_ckpt_path(self.config[sub].get("ckpt_path"))
+            super()._parse_ckpt_path()
 
     trainer_defaults = {
         "default_root_dir": "runs",
