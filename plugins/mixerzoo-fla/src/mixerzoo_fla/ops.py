@@ -119,32 +119,32 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     C = min(chunk_len, T)
     N = math.ceil(T / C)
     group = HV // H
-    q, k = (x.float().repeat_interleave(group, dim=2) for x in (q, k))
-    q, k, v = (_to_chunks(x, N, C) for x in (q * scale, k, v.float()))                # [B, HV, N, C, D]
-    g, beta = (_to_chunks(x.float()[..., None], N, C)[..., 0] for x in (g, beta))     # [B, HV, N, C]
+    if group > 1:
+        q, k = (x.repeat_interleave(group, dim=2) for x in (q, k))
+    q, k, v = (_to_chunks(x, N, C) for x in (q.float() * scale, k.float(), v.float()))   # [B, HV, N, C, D]
+    g, beta = (_to_chunks(x.float()[..., None], N, C)[..., 0] for x in (g, beta))       # [B, HV, N, C]
 
     gamma = g.cumsum(-1)
-    decay = _pairwise_decay(gamma)                                                    # [B, HV, N, C, C]
-    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
+    decay = _pairwise_decay(gamma)                                                      # [B, HV, N, C, C]
+    k_beta = k * beta[..., None]
     eye = torch.eye(C, device=q.device)
-    lower = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).masked_fill(~strict, 0.0)
-    rhs = torch.cat([v * beta[..., None], k * (beta * gamma.exp())[..., None]], dim=-1)
-    u, w = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True).split([V, K], dim=-1)
+    lower = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
+    ut = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    u = ut @ (v * beta[..., None])                                                      # WY factors
+    w = ut @ (k_beta * gamma.exp()[..., None])
 
-    attn = (q @ k.transpose(-1, -2)) * decay                                          # causal, decayed
+    attn = (q @ k.transpose(-1, -2)) * decay                                            # causal, decayed
     q_decayed = q * gamma.exp()[..., None]
     k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
-    chunk_decay = gamma[..., -1].exp()[..., None, None]                               # [B, HV, N, 1, 1]
+    chunk_decay = gamma[..., -1].exp()[..., None, None]                                 # [B, HV, N, 1, 1]
 
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.float()
-    starts, new_values = [], []
+    outs = []
     for n in range(N):
-        starts.append(S)
         v_new = u[:, :, n] - w[:, :, n] @ S
-        new_values.append(v_new)
+        outs.append(q_decayed[:, :, n] @ S + attn[:, :, n] @ v_new)
         S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
-    o = q_decayed @ torch.stack(starts, dim=2) + attn @ torch.stack(new_values, dim=2)
-    return _from_chunks(o, T), S
+    return _from_chunks(torch.stack(outs, dim=2), T), S
 
 
 def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
