@@ -23,6 +23,9 @@ import torch.nn.functional as F
 
 __all__ = ["l2_normalize", "gdn_log_decay", "chunk_gated_delta_rule", "chunk_gsa"]
 
+# Chunks processed together: their intra-chunk products are batched, and a block's tensors stay small enough
+# to remain in cache while the state walks through it (about 1k tokens at the default chunk lengths).
+BLOCK_CHUNKS = 16
 # GSA: largest log decay accumulated inside one chunk for which the intra-chunk products use the split
 # exp(b_i - b_j) = exp(b_i) * exp(-b_j) (exp(60) ~ 1e26, far from float32 overflow at 3e38).
 GSA_MAX_LOG_SPAN = 60.0
@@ -65,6 +68,11 @@ def _from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
     """``[B, H, N, C, D] -> [B, T, H, D]`` (drops padding)."""
     B, H, N, C, D = x.shape
     return x.reshape(B, H, N * C, D)[:, :, :T].transpose(1, 2)
+
+
+def _blocks(n_chunks: int, per_block: int) -> list[slice]:
+    """Consecutive blocks of ``per_block`` chunks covering ``n_chunks``."""
+    return [slice(lo, lo + per_block) for lo in range(0, n_chunks, per_block)]
 
 
 def _pairwise_decay(b: torch.Tensor, per_slot: bool = False) -> torch.Tensor:
@@ -124,26 +132,26 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     q, k, v = (_to_chunks(x, N, C) for x in (q.float() * scale, k.float(), v.float()))   # [B, HV, N, C, D]
     g, beta = (_to_chunks(x.float()[..., None], N, C)[..., 0] for x in (g, beta))       # [B, HV, N, C]
 
-    gamma = g.cumsum(-1)
-    decay = _pairwise_decay(gamma)                                                      # [B, HV, N, C, C]
-    k_beta = k * beta[..., None]
     eye = torch.eye(C, device=q.device)
-    lower = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
-    ut = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
-    u = ut @ (v * beta[..., None])                                                      # WY factors
-    w = ut @ (k_beta * gamma.exp()[..., None])
-
-    attn = (q @ k.transpose(-1, -2)) * decay                                            # causal, decayed
-    q_decayed = q * gamma.exp()[..., None]
-    k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
-    chunk_decay = gamma[..., -1].exp()[..., None, None]                                 # [B, HV, N, 1, 1]
-
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.float()
     outs = []
-    for n in range(N):
-        v_new = u[:, :, n] - w[:, :, n] @ S
-        outs.append(q_decayed[:, :, n] @ S + attn[:, :, n] @ v_new)
-        S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+    for blk in _blocks(N, BLOCK_CHUNKS):      # blocks of chunks: batched products, data still in cache
+        qb, kb, vb, bb = q[:, :, blk], k[:, :, blk], v[:, :, blk], beta[:, :, blk]
+        gamma = g[:, :, blk].cumsum(-1)
+        decay = _pairwise_decay(gamma)                                                  # [B, HV, n, C, C]
+        k_beta = kb * bb[..., None]
+        lower = ((k_beta @ kb.transpose(-1, -2)) * decay).tril(-1)
+        ut = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+        u = ut @ (vb * bb[..., None])                                                   # WY factors
+        w = ut @ (k_beta * gamma.exp()[..., None])
+        attn = (qb @ kb.transpose(-1, -2)) * decay                                      # causal, decayed
+        q_decayed = qb * gamma.exp()[..., None]
+        k_to_end = kb * (gamma[..., -1:] - gamma).exp()[..., None]
+        chunk_decay = gamma[..., -1].exp()[..., None, None]                             # [B, HV, n, 1, 1]
+        for n in range(qb.shape[2]):
+            v_new = u[:, :, n] - w[:, :, n] @ S
+            outs.append(q_decayed[:, :, n] @ S + attn[:, :, n] @ v_new)
+            S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
     return _from_chunks(torch.stack(outs, dim=2), T), S
 
 
@@ -209,48 +217,47 @@ def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact):
     # queries carry a group axis: [B, H, G, N, C, K]; everything else is per key/value head: [B, H, N, C, *]
     q = _to_chunks(q.float() * scale, N, C).unflatten(1, (H, G))
     k, v, s, g = (_to_chunks(x.float(), N, C) for x in (k, v, s, g))
-    b = g.cumsum(-2)                                                     # [B, H, N, C, M], <= 0
-    b_exp = b.exp()
-    s_to_end = s * (b[..., -1:, :] - b).exp()                           # s_j exp(b_C - b_j)
-    chunk_decay = b_exp[..., -1, :]                                      # [B, H, N, M]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    if exact:
-        block = max(1, GSA_BLOCK_ELEMENTS // max(1, B * H * C * C * M))
-        blocks = [slice(lo, lo + block) for lo in range(0, N, block)]
-    else:
-        s_from_start = s * (-b).exp()                                    # s_j exp(-b_j), bounded by the span check
-
-    # ---- pass 1: slot scores z, softmax -> p -------------------------------------------------------------
+    per_block = max(1, GSA_BLOCK_ELEMENTS // max(1, B * H * C * C * M)) if exact else BLOCK_CHUNKS
     hk = q.new_zeros(B, H, K, M) if initial_state is None else initial_state[0].float()
-    u_k = k.transpose(-1, -2) @ s_to_end                                 # [B, H, N, K, M]
-    hk_starts = []
-    for n in range(N):
-        hk_starts.append(hk)
-        hk = hk * chunk_decay[:, :, n, None, :] + u_k[:, :, n]
-    z = (q @ torch.stack(hk_starts, dim=2)[:, :, None]) * b_exp[:, :, None]   # [B, H, G, N, C, M]
-    qk = (q @ k[:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)      # [B, H, G, N, C, C]
-    if exact:
-        z = z + torch.cat([torch.einsum("bhgnij,bhnijm->bhgnim", qk[:, :, :, sl],
-                                        _pairwise_decay(b[:, :, sl], per_slot=True) * s[:, :, sl, None])
-                           for sl in blocks], dim=3)
-    else:
-        z = z + (qk @ s_from_start[:, :, None]) * b_exp[:, :, None]
-    p = z.softmax(dim=-1)                                                # [B, H, G, N, C, M]
-
-    # ---- pass 2: read the values through the slot probabilities ----------------------------------------
     hv = q.new_zeros(B, H, M, V) if initial_state is None else initial_state[1].float()
-    u_v = s_to_end.transpose(-1, -2) @ v                                 # [B, H, N, M, V]
-    hv_starts = []
-    for n in range(N):
-        hv_starts.append(hv)
-        hv = chunk_decay[:, :, n, :, None] * hv + u_v[:, :, n]
-    p_decayed = p * b_exp[:, :, None]
-    o = p_decayed @ torch.stack(hv_starts, dim=2)[:, :, None]            # [B, H, G, N, C, V]
-    if exact:
-        scores = torch.cat([torch.einsum("bhgnim,bhnijm->bhgnij", p[:, :, :, sl],
-                                         _pairwise_decay(b[:, :, sl], per_slot=True) * s[:, :, sl, None])
-                            for sl in blocks], dim=3)
-    else:
-        scores = (p_decayed @ s_from_start[:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)
-    o = o + scores @ v[:, :, None]
-    return _from_chunks(o.flatten(1, 2), T), (hk, hv)
+    outs = []
+    for blk in _blocks(N, per_block):         # both passes, a block of chunks at a time
+        qb, kb, vb, sb = q[:, :, :, blk], k[:, :, blk], v[:, :, blk], s[:, :, blk]
+        b = g[:, :, blk].cumsum(-2)                                     # [B, H, n, C, M], <= 0
+        b_exp = b.exp()
+        s_to_end = sb * (b[..., -1:, :] - b).exp()                      # s_j exp(b_C - b_j)
+        chunk_decay = b_exp[..., -1, :]                                 # [B, H, n, M]
+        if exact:
+            E = _pairwise_decay(b, per_slot=True) * sb[:, :, :, None]   # s_jm E_ijm: [B, H, n, C, C, M]
+        else:
+            s_from_start = sb * (-b).exp()                              # s_j exp(-b_j), bounded by the span check
+
+        # pass 1: slot scores z, softmax -> p
+        u_k = kb.transpose(-1, -2) @ s_to_end                           # [B, H, n, K, M]
+        hk_starts = []
+        for n in range(u_k.shape[2]):
+            hk_starts.append(hk)
+            hk = hk * chunk_decay[:, :, n, None, :] + u_k[:, :, n]
+        z = (qb @ torch.stack(hk_starts, dim=2)[:, :, None]) * b_exp[:, :, None]   # [B, H, G, n, C, M]
+        qk = (qb @ kb[:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)    # [B, H, G, n, C, C]
+        if exact:
+            z = z + torch.einsum("bhgnij,bhnijm->bhgnim", qk, E)
+        else:
+            z = z + (qk @ s_from_start[:, :, None]) * b_exp[:, :, None]
+        p = z.softmax(dim=-1)
+
+        # pass 2: read the values through the slot probabilities
+        u_v = s_to_end.transpose(-1, -2) @ vb                           # [B, H, n, M, V]
+        hv_starts = []
+        for n in range(u_v.shape[2]):
+            hv_starts.append(hv)
+            hv = chunk_decay[:, :, n, :, None] * hv + u_v[:, :, n]
+        p_decayed = p * b_exp[:, :, None]
+        o = p_decayed @ torch.stack(hv_starts, dim=2)[:, :, None]       # [B, H, G, n, C, V]
+        if exact:
+            scores = torch.einsum("bhgnim,bhnijm->bhgnij", p, E)
+        else:
+            scores = (p_decayed @ s_from_start[:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)
+        outs.append(o + scores @ vb[:, :, None])
+    return _from_chunks(torch.cat(outs, dim=3).flatten(1, 2), T), (hk, hv)
