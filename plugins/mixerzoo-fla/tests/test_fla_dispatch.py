@@ -9,7 +9,6 @@ fla's ``chunk`` / ``fused_recurrent`` functions as fla's own layers do.
 
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch

@@ -48,7 +48,7 @@ class GatedDeltaNet(Mixer):
 
         q, k = l2norm(silu(conv(W_q x))), l2norm(silu(conv(W_k x)));   v = silu(conv(W_v x))
         beta_t = sigmoid(W_b x_t)            (x2 with allow_neg_eigval, so that beta in (0, 2))
-        log alpha_t = -exp(A_log) * softplus(W_a x_t + dt_bias)          (Mamba-2 style decay, section 3.3)
+        log alpha_t = -exp(A_log) * softplus(W_a x_t + dt_bias)          (Mamba-2 parameterisation)
         S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t / sqrt(d_k)
         y_t = W_o [RMSNorm(o_t) * swish(W_g x_t)]     (per head; plain RMSNorm when use_gate=False)
 

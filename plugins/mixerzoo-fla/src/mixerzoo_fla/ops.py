@@ -1,17 +1,18 @@
 """Chunked pure-PyTorch forms of the gated delta rule and of Gated Slot Attention (the CPU path).
 
 Both follow the usual chunkwise-parallel recipe: cut the sequence into chunks of ``chunk_len`` tokens;
-inside a chunk, compute everything that does not depend on the state carried in from earlier chunks with
-dense batched matrix products (all chunks at once); then walk over the chunks once to pass the state along,
-with a few small matrix products per chunk. There is no loop over tokens. The plain token loops in
-:mod:`mixerzoo_fla.reference` are the definitions these are tested against.
+compute everything inside a chunk that does not depend on the state carried in from earlier chunks with
+dense batched matrix products (a block of :data:`BLOCK_CHUNKS` chunks at a time); then walk over the chunks
+to pass the state along, with a few small matrix products per chunk. There is no loop over tokens. The
+plain token loops in :mod:`mixerzoo_fla.reference` are the definitions these are tested against.
 
 Layouts follow flash-linear-attention (so the CPU and CUDA paths share calling conventions): sequences
 ``[B, T, H, D]``, states per head. All arithmetic is float32; outputs are float32.
 
-Every decay factor is formed as ``exp(a - b)`` with ``a <= b`` (a later cumulative log decay minus an
-earlier one), so it lies in ``[0, 1]``: no overflow whatever the gates, and a partial last chunk is padded
-with tokens that neither decay nor write (``log alpha = 0``, ``beta = 0``, ``k = 0``).
+Decay factors are formed as ``exp(a - b)`` with ``a <= b`` (a later cumulative log decay minus an earlier
+one), so they lie in ``[0, 1]`` whatever the gates; the one exception, GSA's split form, is guarded (see
+:func:`chunk_gsa`). A partial last chunk is padded with tokens that neither decay nor write
+(``log alpha = 0``, ``beta = 0``, ``k = 0``).
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def gdn_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
     """Gated DeltaNet's log forget gate ``log alpha = -exp(A_log) * softplus(a + dt_bias)`` (float32, <= 0).
 
-    The Mamba-2 parameterisation the GDN paper adopts (section 3.3): ``exp(A_log)`` is a per-head decay
-    rate, ``softplus(a + dt_bias)`` a data-dependent step size. Args: ``a [..., HV]`` (``a_proj(x)``),
-    ``A_log [HV]``, ``dt_bias [HV]``.
+    The Mamba-2 parameterisation that GDN and fla use: ``exp(A_log)`` is a per-head decay rate,
+    ``softplus(a + dt_bias)`` a data-dependent step size. Args: ``a [..., HV]`` (``a_proj(x)``), ``A_log [HV]``,
+    ``dt_bias [HV]``.
     """
     a = a.float()
     if dt_bias is not None:

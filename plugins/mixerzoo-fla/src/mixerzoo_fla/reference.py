@@ -55,7 +55,8 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def gsa_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
                   scale: float | None = None, initial_state: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Gated Slot Attention, one token at a time (Zhang et al., NeurIPS 2024, section 3: two GLA passes joined by a softmax).
+    """Gated Slot Attention, one token at a time (Zhang et al., NeurIPS 2024, section 3: two gated linear
+    attention passes joined by a softmax).
 
     Per head, ``m`` memory slots with per-slot forget gates ``alpha_t = exp(g_t) in (0, 1]^m``::
 
