@@ -2,7 +2,7 @@
 
 ``fla`` is imported lazily, only when a CUDA forward needs it: importing it costs seconds (it pulls in
 ``transformers``) and, without a GPU, it prints a warning and every kernel launch fails ("0 active
-drivers"). Building a model, training on CPU and the CPU tests therefore never import ``fla``.
+drivers"). Building a model and training or decoding on CPU therefore never import ``fla``.
 
 Backends (the ``backend`` option of both mixers):
 
