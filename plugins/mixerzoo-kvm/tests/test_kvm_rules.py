@@ -13,7 +13,7 @@ from mixerzoo import registry
 from mixerzoo.model import LanguageModel, LMConfig
 from mixerzoo.model.config import ConfigError
 from mixerzoo.protocol import state_nbytes
-from mixerzoo_kvm import KVMAttention, KVMState, kvm_chunk_loop, kvm_packed, memory_keys, state_budget
+from mixerzoo_kvm import KVMAttention, KVMState, kvm_chunk_loop, kvm_packed, kvm_step, memory_keys, state_budget
 
 # --------------------------------------------------------------------------------------------------------
 # Hand-checked example: 1 head, head_dim 4, chunk_len 4, window of one chunk, NoPE, LN_s = identity.
@@ -54,7 +54,7 @@ def hand_state() -> KVMState:
                     win_k=K_O[None, None], win_v=V_O[None, None], win_g=GATE[None, None], next_pos=8)
 
 
-@pytest.mark.parametrize("impl", [kvm_chunk_loop, kvm_packed])
+@pytest.mark.parametrize("impl", [kvm_chunk_loop, kvm_packed, kvm_step])
 @pytest.mark.parametrize("protect", [True, False])
 def test_hand_checked_append_and_merge(impl, protect):
     layer = hand_layer(protect)

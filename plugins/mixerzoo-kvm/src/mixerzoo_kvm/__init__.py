@@ -6,9 +6,9 @@ pieces), ``reference`` (readable chunk loop), ``packed`` (fast path), ``state`` 
 
 from .layer import KVMAttention
 from .ops import memory_keys, merge_gate, read_values, route_overflow, state_budget
-from .packed import kvm_packed
+from .packed import kvm_packed, kvm_step
 from .reference import fold_reference, kvm_chunk_loop
 from .state import KVMState
 
-__all__ = ["KVMAttention", "KVMState", "kvm_chunk_loop", "kvm_packed", "fold_reference", "route_overflow",
+__all__ = ["KVMAttention", "KVMState", "kvm_chunk_loop", "kvm_packed", "kvm_step", "fold_reference", "route_overflow",
            "state_budget", "memory_keys", "merge_gate", "read_values"]

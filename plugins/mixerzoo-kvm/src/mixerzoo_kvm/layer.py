@@ -12,7 +12,7 @@ from mixerzoo.protocol import Mixer
 from mixerzoo.schedules import FixedSchedule, build_schedule
 
 from .ops import merge_gate
-from .packed import kvm_packed
+from .packed import kvm_packed, kvm_step
 from .reference import kvm_chunk_loop
 from .state import KVMState
 
@@ -122,7 +122,7 @@ class KVMAttention(Mixer):
         g = merge_gate(x, self.gate_proj)
         if state is None:
             state = KVMState.empty(k, with_count=self.value_norm == "mean", with_gate=g is not None)
-        impl = kvm_chunk_loop if self.use_reference else kvm_packed
+        impl = kvm_chunk_loop if self.use_reference else kvm_step if T == 1 else kvm_packed
         o, new_state = impl(self, q, k, v, g, state)
         new_state.shift = shift
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), new_state

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from .ops import Routing, memory_keys, read_values, route_overflow, state_budget
-from .reference import keep_from
+from .reference import fold_reference, keep_from
 from .state import KVMState
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layer import KVMAttention
 
-__all__ = ["kvm_packed"]
+__all__ = ["kvm_packed", "kvm_step"]
 
 
 @torch.no_grad()
@@ -216,3 +216,36 @@ def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch
                          win_k=K[:, :, keep:], win_v=V[:, :, keep:], win_g=None if Gt is None else Gt[:, :, keep:],
                          next_pos=p1)
     return o, new_state
+
+
+def kvm_step(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             g: torch.Tensor | None, state: KVMState) -> tuple[torch.Tensor, KVMState]:
+    """One decoding step (``T = 1``), with as few tensor operations as possible.
+
+    A single query sees every state row and every window token, so no mask is needed; when the token starts
+    a chunk, the chunk leaving the window is first folded with :func:`mixerzoo_kvm.reference.fold_reference`.
+    Same contract as :func:`kvm_packed` (``q (B, H_q, 1, D)``, ``k, v (B, H, 1, D)``, ``g (B, H, 1)``).
+    """
+    C, nb = layer.chunk_len, layer.n_bswa_chunks
+    B, Hq, _, D = q.shape
+    H = k.shape[1]
+    p0 = state.next_pos
+    K = torch.cat([state.win_k.to(k.dtype), k], dim=2)
+    V = torch.cat([state.win_v.to(v.dtype), v], dim=2)
+    Gt = None if g is None else torch.cat([state.win_g.to(g.dtype), g], dim=2)
+    kpos0 = p0 - state.win_k.shape[2]
+    s_k, s_v, rho, count = state.s_k, state.s_v, state.rho, state.count
+    c = p0 // C
+    if p0 == c * C and c >= nb:  # this token starts chunk c: chunk c - nb leaves the window
+        lo = (c - nb) * C - kpos0
+        s_k, s_v, rho, count = fold_reference(layer, s_k, s_v, rho, count, K[:, :, lo:lo + C], V[:, :, lo:lo + C],
+                                              None if Gt is None else Gt[:, :, lo:lo + C], p0)
+    w0 = max((c - nb + 1) * C, 0) - kpos0
+    keys = torch.cat([layer.ln_s(s_k) * layer.tau_state[None, :, None, None],
+                      K[:, :, w0:] * layer.tau_bswa[None, :, None, None]], dim=2)
+    values = torch.cat([read_values(s_v, rho, count, layer.value_norm, layer.eps), V[:, :, w0:]], dim=2)
+    o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, D), keys, values)  # G query heads as G queries
+    keep = keep_from(p0 + 1, C, nb) - kpos0
+    return o.reshape(B, Hq, 1, D), KVMState(s_k=s_k, s_v=s_v, rho=rho, count=count, win_k=K[:, :, keep:],
+                                            win_v=V[:, :, keep:], win_g=None if Gt is None else Gt[:, :, keep:],
+                                            next_pos=p0 + 1)
