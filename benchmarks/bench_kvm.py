@@ -1,7 +1,8 @@
 """KVM vs full attention on CPU: training step time and memory, decode time, state size, fast vs reference.
 
-Every measurement runs in its own subprocess (so the peak resident memory, ``ru_maxrss``, belongs to it alone)
-with ``torch.set_num_threads(--threads)``; times are the best of ``--repeats`` runs. One layer each, same
+Runs in subprocesses with ``torch.set_num_threads(--threads)``: step times of the mixers compared are measured
+in one process, interleaved (the machine is shared, so load swings hit all of them), best of ``--repeats``; peak
+memory (``ru_maxrss`` above the resident size before the step) in a fresh process per mixer. One layer each, same
 width and heads: d_model 256, 2 heads x 128, half RoPE, per-head LayerNorm on q/k; KVM: chunk_len 256, 2 window
 chunks (the paper's settings), KVM-256 = fixed 256 rows, KVM-sqrt = power law 16 sqrt(t), at least 256 rows.
 
@@ -47,20 +48,25 @@ def worker(task: dict) -> dict:
 
     torch.set_num_threads(task["threads"])
     torch.manual_seed(0)
-    layer = build(task["kind"], task.get("reference", False))
-    if task["what"] == "train":
+    layer = build(task["kind"], task.get("reference", False)) if "kind" in task else None
+    if task["what"] == "memory":  # peak resident memory of one forward + backward (this process only)
         x = torch.randn(1, task["T"], D_MODEL, requires_grad=True)
         base = rss_mib()
-        times = []
+        y, _ = layer(x)
+        y.square().mean().backward()
+        return {"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base}
+    if task["what"] == "time":  # forward + backward, the kinds interleaved so load swings hit them alike
+        layers = {(kind, ref): build(kind, ref) for kind, ref in task["kinds"]}
+        x = torch.randn(1, task["T"], D_MODEL, requires_grad=True)
+        times = {f"{kind}{'/loop' if ref else ''}": [] for kind, ref in task["kinds"]}
         for _ in range(task["repeats"]):
-            t0 = time.perf_counter()
-            y, _ = layer(x)
-            y.square().mean().backward()
-            times.append(time.perf_counter() - t0)
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        return {"time_s": min(times), "peak_mib": peak - base}
+            for (kind, ref), name in zip(task["kinds"], times):
+                t0 = time.perf_counter()
+                y, _ = layers[(kind, ref)](x)
+                y.square().mean().backward()
+                times[name].append(time.perf_counter() - t0)
+                x.grad = None
+        return {name: min(ts) for name, ts in times.items()}
     layer.eval()
     with torch.no_grad():
         if task["what"] == "decode":  # prefill in pieces, then time single-token steps (one chunk: a fold included)
@@ -118,31 +124,29 @@ def main() -> None:
           f"threads={args.threads}  load avg {os.getloadavg()[0]:.1f} (shared machine)")
     print(f"# one layer, d_model {D_MODEL}, {N_HEADS} heads x {D_MODEL // N_HEADS}, half RoPE, qk LayerNorm; "
           f"KVM chunk_len {CHUNK}, 2 window chunks; batch 1, fp32")
-    print("\n## Training step (forward + backward), best of", args.repeats)
-    print(f"{'T':>5} {'mixer':>9} {'time s':>8} {'peak MiB':>9} {'time vs attn':>13} {'mem vs attn':>12}")
+    print(f"\n## Training step (forward + backward): time = best of {args.repeats} runs, the mixers interleaved in one "
+          f"process; peak = extra resident memory of one step in a fresh process")
+    print(f"{'T':>5} {'mixer':>9} {'time s':>8} {'peak MiB':>9} {'speedup vs attn':>16} {'mem vs attn':>12}")
     for T in args.lengths:
+        kinds = [k for k in ("attention", "kvm-256", "kvm-sqrt") if k != "kvm-sqrt" or T <= args.sqrt_max]
         reps = args.repeats if T <= 16384 else 1
-        res = {}
-        for kind in ("attention", "kvm-256", "kvm-sqrt"):
-            if kind == "kvm-sqrt" and T > args.sqrt_max:
+        times = run({"what": "time", "T": T, "kinds": [(k, False) for k in kinds], "repeats": reps,
+                     "threads": args.threads})
+        mems = {k: run({"what": "memory", "kind": k, "T": T, "threads": args.threads}) for k in kinds}
+        for k in kinds:
+            if "error" in times or "error" in mems[k]:
+                print(f"{fmt_len(T):>5} {k:>9}  error: {times.get('error') or mems[k]['error']}")
                 continue
-            res[kind] = run({"what": "train", "kind": kind, "T": T, "repeats": reps, "threads": args.threads})
-        att = res["attention"]
-        for kind, r in res.items():
-            if "error" in r:
-                print(f"{fmt_len(T):>5} {kind:>9}  error: {r['error']}")
-                continue
-            speed = att["time_s"] / r["time_s"] if "error" not in att else float("nan")
-            mem = r["peak_mib"] / max(att["peak_mib"], 1e-9) if "error" not in att else float("nan")
-            print(f"{fmt_len(T):>5} {kind:>9} {r['time_s']:8.2f} {r['peak_mib']:9.0f} {speed:12.2f}x {mem:11.2f}x",
+            speed = times["attention"] / times[k]
+            mem = mems[k]["peak_mib"] / max(mems["attention"].get("peak_mib", float("nan")), 1e-9)
+            print(f"{fmt_len(T):>5} {k:>9} {times[k]:8.2f} {mems[k]['peak_mib']:9.0f} {speed:15.2f}x {mem:11.2f}x",
                   flush=True)
-    print("\n## Fast path (packed SDPA) vs readable chunk loop, KVM-256, forward + backward")
+    print("\n## Fast path (packed SDPA) vs readable chunk loop, KVM-256, forward + backward (interleaved)")
     print(f"{'T':>5} {'packed s':>9} {'loop s':>8} {'speedup':>8}")
     for T in [n for n in args.lengths if n <= 8192]:
-        fast = run({"what": "train", "kind": "kvm-256", "T": T, "repeats": args.repeats, "threads": args.threads})
-        ref = run({"what": "train", "kind": "kvm-256", "T": T, "repeats": args.repeats, "threads": args.threads,
-                   "reference": True})
-        print(f"{fmt_len(T):>5} {fast['time_s']:9.2f} {ref['time_s']:8.2f} {ref['time_s'] / fast['time_s']:7.2f}x",
+        r = run({"what": "time", "T": T, "kinds": [("kvm-256", False), ("kvm-256", True)], "repeats": args.repeats,
+                 "threads": args.threads})
+        print(f"{fmt_len(T):>5} {r['kvm-256']:9.2f} {r['kvm-256/loop']:8.2f} {r['kvm-256/loop'] / r['kvm-256']:7.2f}x",
               flush=True)
     print("\n## Decode, ms per token after a prefill of T tokens (256 steps: one chunk, so one fold included)")
     print(f"{'T':>5} {'kvm-256':>8} {'attention':>10}")

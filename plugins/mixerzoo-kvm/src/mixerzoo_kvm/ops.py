@@ -74,7 +74,7 @@ def read_values(s_v: torch.Tensor, rho: torch.Tensor, count: torch.Tensor | None
     """
     sv = s_v.float()
     if value_norm == "radius":
-        out = rho.float()[..., None] * sv / sv.norm(dim=-1, keepdim=True).clamp_min(eps)
+        out = sv * (rho.float()[..., None] / sv.norm(dim=-1, keepdim=True).clamp_min(eps))  # one pass over s_v
     elif value_norm == "mean":
         if count is None:
             raise ValueError("value_norm='mean' needs the per-row token counts")

@@ -4,15 +4,18 @@ Three steps, each over the whole call at once except the routing loop:
 
 1. **Routing** (no gradient, a cheap loop over folds): the append / merge decisions of every overflow
    block, tracking the stored key sums in a preallocated buffer (:func:`mixerzoo_kvm.ops.route_overflow`).
-2. **Snapshots** (differentiable, vectorised): every fold adds weighted ``[k_bar ; v]`` rows into known rows,
-   so all per-chunk states are one ``scatter_add`` into a ``(folds, rows)`` grid followed by a ``cumsum`` over
-   folds; ``LN_s`` and the value radius renormalisation are then applied to all snapshots at once.
+2. **Snapshots** (differentiable, vectorised): every fold adds weighted ``k_bar`` / ``v`` rows into known
+   rows, so all per-chunk states are one ``scatter_add`` into a ``(folds, rows)`` grid followed by a prefix sum
+   over folds (a lower-triangular matmul); ``LN_s`` and the value radius renormalisation are then applied to
+   all snapshots at once.
 3. **Attention**: for every query chunk, keys ``[snapshot of its state (m_max rows, padded) ; its block
    window (n_bswa_chunks * C)]``; all chunks go to one ``scaled_dot_product_attention`` call as a batch
    (grouped-query heads folded into the query length), with a boolean mask for padded rows and causality.
 
-On this project's CPU, FlexAttention was ruled out: torch 2.13 has no FlexAttention backward on CPU; the
-packed SDPA call was 4.4x faster than full causal SDPA at 8k tokens (docs/mechanisms/kvm.md).
+On this project's CPU, FlexAttention was ruled out by measurement: torch 2.13 has no FlexAttention backward on
+CPU (NotImplementedError), while the packed SDPA call runs on the CPU flash kernel (it needs the 4-D mask) and
+was 4.4x faster than full causal SDPA at 8k tokens (docs/mechanisms/kvm.md). Single-token decoding uses
+:func:`kvm_step`, which needs no mask at all.
 """
 
 from __future__ import annotations
