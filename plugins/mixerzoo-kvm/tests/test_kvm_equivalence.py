@@ -23,7 +23,7 @@ CONFIGS = {
     "no_merge_gate": {"merge_gate": False, "schedule": GROW},
     "soft_routing": {"routing": "soft", "schedule": GROW},
     "nope": {"positional": "nope", "schedule": GROW},
-    "full_rope_sinks2": {"positional": "rope", "sink_len": 2},
+    "quarter_rope_sinks2": {"positional": {"name": "rope", "rotary_fraction": 0.25}, "sink_len": 2},
     "gqa_token_shift": {"n_heads": 4, "n_kv_heads": 2, "token_shift": True, "schedule": GROW},
     "one_window_chunk": {"n_bswa_chunks": 1, "schedule": GROW},
     "three_window_chunks": {"n_bswa_chunks": 3},

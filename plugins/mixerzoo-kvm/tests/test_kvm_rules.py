@@ -148,6 +148,8 @@ def test_config_errors_name_the_field():
         KVMAttention(8, n_heads=1, routing="topk")
     with pytest.raises(ValueError, match="chunk_len"):
         KVMAttention(8, n_heads=1, chunk_len=0)
+    with pytest.raises(ValueError, match="partial RoPE"):
+        KVMAttention(8, n_heads=1, positional="rope")
     cfg = LMConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2, layer_types=["kvm"],
                    mixers={"kvm": {"chunk_len": 4, "sink_len": 9}})
     with pytest.raises(ConfigError, match=r"model\.mixers\.kvm.*sink_len"):

@@ -86,6 +86,10 @@ class KVMAttention(Mixer):
         self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim, HALF_ROPE if positional is None else positional,
                                  qk_norm, token_shift, value_residual, bias)
         H, D = self.qkv.n_kv_heads, self.qkv.head_dim
+        if self.rotary_dim >= D:
+            raise ValueError(f"kvm positional rotates all {D} channels of a head; KVM zeroes the rotary channels of "
+                             f"its memory keys, so nothing would be left to match on. Use partial RoPE "
+                             f"({{name: rope, rotary_fraction: 0.5}}, the paper's) or nope")
         self.o_proj = nn.Linear(n_heads * D, d_model, bias=bias)
         self.ln_s = nn.LayerNorm(D)  # LN_s of eq. (1) and of the key readout
         self.tau_state = nn.Parameter(torch.ones(H))  # per-head inverse temperatures on the keys
