@@ -104,6 +104,23 @@ def test_gradients_agree(name):
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=5e-5, rtol=1e-4, msg=n)
 
 
+@pytest.mark.parametrize("name", ["default", "power_law"])
+def test_gradients_through_a_carried_state(name):
+    """Backpropagating through a state carried across calls (no detach) equals one pass."""
+    layer = make(**CONFIGS[name]).train()
+    x = torch.randn(1, 37, D_MODEL, generator=torch.Generator().manual_seed(6))
+    w = torch.randn(1, 37, D_MODEL, generator=torch.Generator().manual_seed(7))
+    y, _ = layer(x)
+    (y * w).sum().backward()
+    want = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    y1, state = layer(x[:, :14])
+    y2, _ = layer(x[:, 14:], state)
+    (torch.cat([y1, y2], dim=1) * w).sum().backward()
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], atol=5e-5, rtol=1e-4, msg=n)
+
+
 @pytest.mark.parametrize("name", ["default", "power_law", "nope", "gqa_token_shift"])
 def test_conformance(name):
     report = run_conformance(lambda: make(**CONFIGS[name]), D_MODEL, seq_len=48, splits=(1, 5, 7, 13, 30, 33))

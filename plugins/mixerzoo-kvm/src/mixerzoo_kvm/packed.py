@@ -66,6 +66,39 @@ def _route_all(layer: "KVMAttention", s_k0: torch.Tensor, kbar: torch.Tensor, g:
     return routes
 
 
+class _FoldScan(torch.autograd.Function):
+    """Stored sums after every fold for winner-take-all routing, in linear time and memory.
+
+    ``out[:, :, 0] = s0`` and ``out[:, :, f + 1] = out[:, :, f]`` plus ``src[:, :, f, j]`` added into row
+    ``index[:, :, f, j]`` (scatter-add). Backward: the gradient of ``src[f]`` is the reverse running sum of the
+    output gradient over folds ``> f``, gathered at the same rows; ``s0`` gets the sum over all folds.
+    Shapes: ``s0 (B, H, R, D)``, ``src (B, H, F, C, D)``, ``index (B, H, F, C)`` -> ``(B, H, F + 1, R, D)``.
+    """
+
+    @staticmethod
+    def forward(ctx, s0: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        B, H, n_folds, C, D = src.shape
+        idx = index[..., None].expand(-1, -1, -1, -1, D)
+        out = s0.new_empty(B, H, n_folds + 1, s0.shape[2], D)
+        out[:, :, 0] = s0
+        for f in range(n_folds):
+            out[:, :, f + 1] = out[:, :, f]
+            out[:, :, f + 1].scatter_add_(2, idx[:, :, f], src[:, :, f])
+        ctx.save_for_backward(idx)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (idx,) = ctx.saved_tensors
+        n_folds = grad.shape[2] - 1
+        acc = grad[:, :, n_folds].clone()
+        grad_src = grad.new_empty(idx.shape)
+        for f in range(n_folds - 1, -1, -1):
+            grad_src[:, :, f] = acc.gather(2, idx[:, :, f])
+            acc += grad[:, :, f]
+        return acc, grad_src, None
+
+
 def _snapshots(layer: "KVMAttention", state: KVMState, kbar: torch.Tensor, v_o: torch.Tensor,
                g: torch.Tensor | None, routes: list[Routing], sizes: list[int]):
     """Stored sums after every fold, with gradient; entry 0 is the incoming state, entry ``f + 1`` the state
@@ -76,37 +109,30 @@ def _snapshots(layer: "KVMAttention", state: KVMState, kbar: torch.Tensor, v_o: 
     """
     B, H, n_folds, C, D = kbar.shape
     R = sizes[-1]
-    s_k0 = F.pad(state.s_k, (0, 0, 0, R - state.n_rows))[:, :, None]  # (B, H, 1, R, D)
-    s_v0 = F.pad(state.s_v.to(state.s_k.dtype), (0, 0, 0, R - state.n_rows))[:, :, None]
+    s_k0 = F.pad(state.s_k, (0, 0, 0, R - state.n_rows))
+    s_v0 = F.pad(state.s_v.to(state.s_k.dtype), (0, 0, 0, R - state.n_rows))
     if n_folds == 0:
-        return s_k0, s_v0, state.rho, None if state.count is None else state.count[:, :, None]
+        return s_k0[:, :, None], s_v0[:, :, None], state.rho, None if state.count is None else state.count[:, :, None]
     appended = torch.stack([r.appended for r in routes], dim=2)  # (B, H, F, C)
     initial = torch.tensor([s == 0 for s in sizes[:-1]], device=kbar.device)[:, None]  # folds that initialise
-    if g is None:
-        w = None
-    else:  # merged tokens and (with gate_appends) appended tokens are gated; initial rows never are
+    xs = [kbar, v_o.to(kbar.dtype)]
+    if g is not None:  # merged tokens and (with gate_appends) appended tokens are gated; initial rows never are
         ungated = initial | (appended & (not layer.gate_appends))
         w = torch.where(ungated, torch.ones_like(g), g)[..., None].to(kbar.dtype)
-    xs = [kbar, v_o.to(kbar.dtype)]
-    if w is not None:
         xs = [x * w for x in xs]
-    if layer.routing == "hard":  # one scatter_add into a (fold, row) grid per tensor
+    if layer.routing == "hard":
         target = torch.stack([r.target for r in routes], dim=2)  # (B, H, F, C)
-        flat = (target + R * torch.arange(n_folds, device=kbar.device)[:, None]).flatten(2)
-        index = flat[..., None].expand(-1, -1, -1, D)
-        contrib = [x.new_zeros(B, H, n_folds * R, D).scatter_add(2, index, x.flatten(2, 3)) for x in xs]
-    else:
-        contrib = []
-        for x in xs:
-            parts = []
+        s_k, s_v = (_FoldScan.apply(s0, x, target) for s0, x in zip((s_k0, s_v0), xs))
+    else:  # soft routing (an ablation): dense weights, a plain running sum
+        snaps = []
+        for s0, x in zip((s_k0, s_v0), xs):
+            run = [s0]
             for f, r in enumerate(routes):
                 probs = r.probs if r.probs is not None else F.one_hot(r.target, sizes[f + 1]).float()
-                parts.append(F.pad(probs.transpose(-1, -2).to(x.dtype) @ x[:, :, f], (0, 0, 0, R - sizes[f + 1])))
-            contrib.append(torch.stack(parts, dim=2))
-    # prefix sums over folds as one lower-triangular matmul (faster than cumsum over a middle axis on CPU)
-    tri = torch.ones(n_folds, n_folds, device=kbar.device, dtype=kbar.dtype).tril()
-    s_k, s_v = (torch.cat([s0, s0 + (tri @ c.reshape(B, H, n_folds, R * D)).view(B, H, n_folds, R, D)], dim=2)
-                for s0, c in zip((s_k0, s_v0), contrib))
+                add = probs.transpose(-1, -2).to(x.dtype) @ x[:, :, f]
+                run.append(run[-1] + F.pad(add, (0, 0, 0, R - sizes[f + 1])))
+            snaps.append(torch.stack(run, dim=2))
+        s_k, s_v = snaps
     norms = v_o.float().norm(dim=-1)  # (B, H, F, C)
     rho = torch.cat([state.rho] + [torch.gather(norms[:, :, f], 2, r.append_idx) for f, r in enumerate(routes)],
                     dim=2)
@@ -122,10 +148,50 @@ def _snapshots(layer: "KVMAttention", state: KVMState, kbar: torch.Tensor, v_o: 
     return s_k, s_v, rho, count
 
 
+def _group_chunks(rows: list[int], growth: float = 1.25) -> list[tuple[int, int]]:
+    """Split consecutive query chunks into groups whose state sizes stay within ``growth`` x the group's first
+    (a state only grows), so padding every snapshot of a group to its largest wastes little."""
+    groups, start = [], 0
+    for i in range(1, len(rows)):
+        if rows[i] > growth * rows[start]:
+            groups.append((start, i))
+            start = i
+    groups.append((start, len(rows)))
+    return groups
+
+
+def _split_by_group(t: torch.Tensor, entry: list[int], groups: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """``t[:, :, entry[a:b]]`` for every group ``(a, b)``, through one ``split`` (whose backward is one ``cat``;
+    separate slices would each allocate a full-size gradient). ``entry`` is zeros (the incoming state) then
+    consecutive fold indices; zeros are expanded."""
+    sizes, which, pos = [], [], 0
+    for a, b in groups:
+        lo, hi = entry[a], entry[b - 1] + 1
+        if lo > pos:
+            sizes.append(lo - pos)
+        which.append(len(sizes))
+        sizes.append(hi - lo)
+        pos = hi
+    if pos < t.shape[2]:
+        sizes.append(t.shape[2] - pos)
+    pieces = torch.split(t, sizes, dim=2)
+    out = []
+    for (a, b), i in zip(groups, which):
+        piece, zeros = pieces[i], entry[a:b].count(0)
+        if zeros > 1:
+            first = piece[:, :, :1]
+            piece = torch.cat([first.expand(-1, -1, zeros, *first.shape[3:]), piece[:, :, 1:]], dim=2)
+        out.append(piece)
+    return out
+
+
 def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                g: torch.Tensor | None, state: KVMState) -> tuple[torch.Tensor, KVMState]:
-    """KVM attention over new tokens, all chunks in one attention call. Same contract as
-    :func:`mixerzoo_kvm.reference.kvm_chunk_loop` (which it equals to fp32 rounding).
+    """KVM attention over new tokens: all state snapshots first, then batched attention over all chunks.
+    Same contract as :func:`mixerzoo_kvm.reference.kvm_chunk_loop` (which it equals to fp32 rounding).
+
+    Query chunks are batched in groups of similar state size (one group for a fixed budget), one
+    ``scaled_dot_product_attention`` call per group.
 
     Args:
         layer: the KVM layer.
@@ -134,8 +200,11 @@ def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch
 
     Returns:
         ``o (B, H_q, T, D)`` and the new state (``shift`` left to the caller).
+
+    Raises:
+        ValueError: the state's window does not hold the chunk that must be folded next.
     """
-    C, nb, L = layer.chunk_len, layer.n_bswa_chunks, layer.chunk_len * layer.n_bswa_chunks
+    C, nb = layer.chunk_len, layer.n_bswa_chunks
     B, Hq, T, D = q.shape
     H = k.shape[1]
     G = Hq // H
@@ -163,23 +232,15 @@ def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch
     routes = _route_all(layer, state.s_k, kbar.detach(), None if g_o is None else g_o.detach(), sizes) \
         if n_folds else []
     s_k, s_v, rho, count = _snapshots(layer, state, kbar, v_o, g_o, routes, sizes)
-    R = sizes[-1]
-    state_keys = layer.ln_s(s_k) * layer.tau_state[None, :, None, None, None]  # (B, H, F+1, R, D)
-    state_vals = read_values(s_v, rho[:, :, None], count, layer.value_norm, layer.eps)
 
     # -- 3: query chunks, each with its state snapshot and its window ------------------------------------
     cq0, cq1 = p0 // C, (p1 - 1) // C
     n_q = cq1 - cq0 + 1
     # snapshot of every query chunk: the incoming state until the first fold here, then one fold per chunk
     entry = [0] * (n_q - n_folds) + list(range(1, n_folds + 1))
-    rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor([sizes[e] for e in entry], device=dev)[:, None]
-    if n_q == n_folds:
-        snap_k, snap_v = state_keys[:, :, 1:], state_vals[:, :, 1:]
-    else:
-        snap_k, snap_v = (torch.cat([t[:, :, :1].expand(-1, -1, n_q - n_folds, -1, -1), t[:, :, 1:]], dim=2)
-                          for t in (state_keys, state_vals))
+    rows = [sizes[e] for e in entry]
     Kw = K * layer.tau_bswa[None, :, None, None]
-    if n_q == 1:  # one (partial) chunk, e.g. decoding: no padding of queries or window
+    if n_q == 1:  # one (partial) chunk, e.g. a short continuation: no padding of queries or window
         qb = q[:, :, None]
         q_pos = torch.arange(p0, p1, device=dev)[None]
         w0 = max((cq0 - nb + 1) * C, 0)
@@ -195,28 +256,42 @@ def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch
         pad = (0, 0, start - gs, ge - p1)
         grid_k = F.pad(Kw[:, :, start - kpos0:], pad).view(B, H, n_q + nb - 1, C, D)
         grid_v = F.pad(V[:, :, start - kpos0:], pad).view(B, H, n_q + nb - 1, C, D)
-        win_k = [grid_k[:, :, j:j + n_q] for j in range(nb)]
-        win_v = [grid_v[:, :, j:j + n_q] for j in range(nb)]
         grid_pos = torch.arange(gs, ge, device=dev).view(n_q + nb - 1, C)
         k_pos = torch.cat([grid_pos[j:j + n_q] for j in range(nb)], dim=1)  # (n_q, L)
-    win_valid = (k_pos >= max(kpos0, 0)) & (k_pos < p1)
-    keys = torch.cat([snap_k] + win_k, dim=3)  # (B, H, n_q, R + L, D)
-    values = torch.cat([snap_v] + win_v, dim=3)
+    win_mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & ((k_pos >= max(kpos0, 0)) & (k_pos < p1))[:, None, :]
     Cq = q_pos.shape[1]
-    mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1),
-                      (k_pos[:, None, :] <= q_pos[:, :, None]) & win_valid[:, None, :]], dim=2)  # (n_q, Cq, S)
-    # grouped-query heads: the G query heads of one key/value head are stacked along the query axis
-    qg = qb.view(B, H, G, n_q, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n_q, G * Cq, D)
-    mask = mask[:, None].expand(-1, G, -1, -1).reshape(1, n_q, G * Cq, -1)  # 4-D: CPU flash kernel takes it
-    S = keys.shape[3]
-    o = F.scaled_dot_product_attention(qg, keys.reshape(B * H, n_q, S, D), values.reshape(B * H, n_q, S, D),
-                                       attn_mask=mask)
-    o = o.view(B, H, n_q, G, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n_q * Cq, D)[:, :, q_off:q_off + T]
+    tau_s = layer.tau_state[None, :, None, None, None]
+    groups = _group_chunks(rows)
+    snaps = zip(*(_split_by_group(t, entry, groups) if t is not None else [None] * len(groups)
+                  for t in (s_k, s_v, count)))
+    win_chunks = [list(w.unbind(dim=2)) for w in (grid_k, grid_v)] if n_q > 1 else None
+    outs = []
+    for (a, b), (sk, sv, cnt) in zip(groups, snaps):
+        n, R = b - a, max(rows[a:b])
+        if win_chunks is None:
+            wk, wv = win_k, win_v
+        else:  # window j of chunk c is grid chunk c + j
+            wk, wv = ([torch.stack(chunks[a + j:b + j], dim=2) for j in range(nb)] for chunks in win_chunks)
+        keys = torch.cat([layer.ln_s(sk[:, :, :, :R]) * tau_s] + wk, dim=3)
+        vals = read_values(sv[:, :, :, :R], rho[:, :, None, :R], None if cnt is None else cnt[..., :R],
+                           layer.value_norm, layer.eps)
+        values = torch.cat([vals] + wv, dim=3)
+        rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
+        mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask[a:b]], dim=2)  # (n, Cq, S)
+        # grouped-query heads: the G query heads of one key/value head are stacked along the query axis
+        qg = qb[:, :, a:b].reshape(B, H, G, n, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n, G * Cq, D)
+        mask = mask[:, None].expand(-1, G, -1, -1).reshape(1, n, G * Cq, -1)  # 4-D: the CPU flash kernel takes it
+        S = keys.shape[3]
+        o = F.scaled_dot_product_attention(qg, keys.reshape(B * H, n, S, D), values.reshape(B * H, n, S, D),
+                                           attn_mask=mask)
+        outs.append(o.view(B, H, n, G, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * Cq, D))
+    o = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))[:, :, q_off:q_off + T]
 
     keep = keep_from(p1, C, nb) - kpos0
-    new_state = KVMState(s_k=s_k[:, :, -1], s_v=s_v[:, :, -1].to(state.s_v.dtype), rho=rho,
-                         count=None if count is None else count[:, :, -1],
-                         win_k=K[:, :, keep:], win_v=V[:, :, keep:], win_g=None if Gt is None else Gt[:, :, keep:],
+    # copies, so that the state does not keep every snapshot or the whole prefill's keys alive
+    new_state = KVMState(s_k=s_k[:, :, -1].clone(), s_v=s_v[:, :, -1].to(state.s_v.dtype, copy=True), rho=rho,
+                         count=None if count is None else count[:, :, -1].clone(), win_k=K[:, :, keep:].clone(),
+                         win_v=V[:, :, keep:].clone(), win_g=None if Gt is None else Gt[:, :, keep:].clone(),
                          next_pos=p1)
     return o, new_state
 
