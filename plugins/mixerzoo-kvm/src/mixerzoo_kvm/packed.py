@@ -56,11 +56,10 @@ def _route_all(layer: "KVMAttention", s_k0: torch.Tensor, kbar: torch.Tensor, g:
             rows = gk if layer.gate_appends else kb
             route = route_overflow(layer.ln_s(buf[:, :, :m]), kb, rows, m_new - m, layer.ln_s, layer.n_protected,
                                    soft=layer.routing == "soft")
+            src = torch.where(route.appended[..., None], rows, gk)  # what each token adds to its row
             if route.probs is None:
-                src = torch.where(route.appended[..., None], rows, gk)
                 buf.scatter_add_(2, route.target[..., None].expand(-1, -1, -1, D), src)
             else:
-                src = torch.where(route.appended[..., None], rows, gk)
                 buf[:, :, :m_new] += route.probs.transpose(-1, -2).to(src.dtype) @ src
         routes.append(route)
     return routes
