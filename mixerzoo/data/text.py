@@ -387,8 +387,8 @@ def split_documents(docs: Sequence[str], val_fraction: float, seed: int) -> tupl
     if n == 1:
         text = docs[0]
         cut = len(text) - min(len(text) - 1, max(1, math.ceil(round(val_fraction * len(text), 6))))
-        log.info("data: the corpus is a single document of %d characters; splitting it contiguously: the first %d "
-                 "characters train, the last %d validation", len(text), cut, len(text) - cut)
+        log.warning("data: the corpus is a single document of %d characters; splitting it contiguously: the first "
+                    "%d characters train, the last %d validation", len(text), cut, len(text) - cut)
         return [text[:cut]], [text[cut:]], []
     n_val = min(n - 1, max(1, math.ceil(round(val_fraction * n, 6))))
     perm = np.random.default_rng(seed).permutation(n)
