@@ -186,7 +186,7 @@ def test_generated_plugin_installs_passes_its_tests_and_trains(tmp_path):
                     "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false"],
                    cwd=run_dir, env=env)
         test_out, _ = tests.communicate(timeout=600)
-        assert tests.returncode == 0 and " passed" in test_out and "failed" not in test_out, test_out
+        assert tests.returncode == 0 and " passed" in test_out, test_out
         assert fit.returncode == 0, fit.stdout[-3000:] + fit.stderr[-3000:]
         config = next(run_dir.glob("runs/mixerzoo/version_*/config.yaml")).read_text()
         assert names.name in yaml.safe_load(config)["model"]["layer_types"]

@@ -29,11 +29,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        names = plugin_names(args.name)
         target = generate_plugin(args.name, args.dir)
     except ScaffoldError as e:
         print(f"mixerzoo new-plugin: error: {e}", file=sys.stderr)
         return 2
-    names = plugin_names(args.name)
     files = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
     print(f"created {target}/ (distribution {names.dist}, package {names.pkg}, mixer {names.name!r} = "
           f"{names.pkg}:{names.Class})")
