@@ -1,6 +1,7 @@
 """The conformance kit as a pytest plugin, run from a third-party package's test session (pytester)."""
 
 import importlib.metadata as md
+import os
 import tomllib
 from pathlib import Path
 
@@ -72,7 +73,8 @@ def test_fixture_passes_a_good_mixer_and_says_what_broke(pytester):
 
 
 def test_fixture_is_available_without_naming_the_plugin_when_installed(pytester):
-    installed = any(ep.value == "mixerzoo.pytest_plugin" for ep in md.entry_points(group="pytest11"))
+    installed = any(ep.value == "mixerzoo.pytest_plugin" for ep in md.entry_points(group="pytest11")) and \
+        not os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
     pytester.makepyfile(test_uses_fixture="def test_it(mixer_conformance):\n    assert callable(mixer_conformance)\n")
     result = pytester.runpytest()
     if installed:
