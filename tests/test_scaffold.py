@@ -161,7 +161,7 @@ def _run(cmd, **kw):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
 
 
-@pytest.mark.slow  # ~100 s wall on the shared 2-core machine (three Python start-ups with torch/Lightning)
+@pytest.mark.slow  # 48-104 s wall on the shared 2-core machine (~20 s CPU: pip, then torch + Lightning start-ups)
 def test_generated_plugin_installs_passes_its_tests_and_trains(tmp_path):
     names = plugin_names(unique_name())
     target = generate_plugin(names.name, tmp_path)
