@@ -5,6 +5,7 @@
   :class:`~mixerzoo.data.LMDataModule` (``data.class_path``). ``--print_config`` shows the full config.
 - ``mixerzoo plugins``: every installed mixer, positional encoding and schedule, with its distribution,
   version and import path; broken plugins are listed with their error.
+- ``mixerzoo new-plugin NAME [--dir PATH]``: generate a plugin distribution (:mod:`mixerzoo.commands.new_plugin`).
 """
 
 from __future__ import annotations
@@ -80,9 +81,11 @@ def _lightning_cli(args: list[str] | None):
 
 USAGE = """usage: mixerzoo {fit,validate,test,predict} --config RECIPE.yaml [--field value ...]
        mixerzoo plugins
+       mixerzoo new-plugin NAME [--dir PATH]
 
   fit/validate/test/predict  train or evaluate with Lightning (add --help for every field)
   plugins                    list installed mixers, positional encodings and schedules
+  new-plugin                 create a working plugin package mixerzoo-NAME/ (mixer, tests, recipe, README)
 """
 
 
@@ -95,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] == "plugins":
         return 1 if print_plugins() else 0
+    if argv[0] == "new-plugin":
+        from .commands.new_plugin import main as new_plugin
+
+        return new_plugin(argv[1:])
     if argv[0] in LIGHTNING_COMMANDS:
         from .errors import friendly_errors
 
