@@ -16,10 +16,11 @@ from mixerzoo_trellis.reference import trellis_reference
 B, H, DK, DV, M = 2, 3, 5, 6, 4
 
 
-def make_inputs(T: int, dtype=torch.float64, seed: int = 0, beta: float | None = None, requires_grad=False):
+def make_inputs(T: int, dtype=torch.float64, seed: int = 0, beta: float | None = None, requires_grad=False, dv=DV):
+    """Random q, k, v, a, log beta, gamma; ``dv == DK`` takes the joint two-memory scan, ``dv != DK`` two scans."""
     g = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(B, H, T, DK, generator=g, dtype=dtype) for _ in range(2))
-    v = torch.randn(B, H, T, DV, generator=g, dtype=dtype)
+    v = torch.randn(B, H, T, dv, generator=g, dtype=dtype)
     a = torch.randn(B, H, T, M, generator=g, dtype=dtype)
     if beta is None:
         log_beta = F.logsigmoid(torch.randn(B, H, T, generator=g, dtype=dtype) + 2.0)
@@ -58,8 +59,9 @@ def test_chunked_equals_exact_reference_at_chunk_len_1(phi, f):
 
 @pytest.mark.parametrize("chunk_len", [3, 8])
 @pytest.mark.parametrize("phi", PHIS)
-def test_chunked_equals_stale_reference_and_decode(chunk_len, phi):
-    inputs = make_inputs(21, seed=1)
+@pytest.mark.parametrize("dv", [DK, DV])
+def test_chunked_equals_stale_reference_and_decode(chunk_len, phi, dv):
+    inputs = make_inputs(21, seed=1, dv=dv)
     y_ref, _ = ref(*inputs, chunk_len=chunk_len, phi=phi)
     y, mem = trellis_chunked(*inputs, chunk_len=chunk_len, phi=phi)
     y_dec, mem_dec = trellis_recurrent(*inputs, chunk_len=chunk_len, phi=phi)
@@ -74,7 +76,7 @@ def test_chunked_equals_stale_reference_and_decode(chunk_len, phi):
 
 @pytest.mark.parametrize("cut", [1, 5, 8, 13])
 def test_chunked_continues_across_unaligned_splits(cut):
-    inputs = make_inputs(21, seed=2)
+    inputs = make_inputs(21, seed=2, dv=DK)
     y, mem = trellis_chunked(*inputs, chunk_len=4)
     y_split, mem_split = split_run(trellis_chunked, inputs, cut, chunk_len=4)
     torch.testing.assert_close(y_split, y, rtol=1e-10, atol=1e-10)
@@ -146,7 +148,29 @@ def test_identity_phi_is_a_gated_delta_rule(f):
 
 @pytest.mark.skipif(importlib.util.find_spec("mixerzoo_fla") is None, reason="mixerzoo_fla (GDN plugin) not installed")
 def test_identity_phi_matches_mixerzoo_fla_cpu_gdn():
-    pytest.skip("the GDN plugin's CPU API is not known yet")
+    """The GDN plugin's CPU path (``mixerzoo_fla.ops.chunk_gated_delta_rule``, [B, T, H, D] layout, state K x V)
+    under the same mapping gives Trellis's memories (transposed) and the written-out delta rule's reads."""
+    fla_ops = pytest.importorskip("mixerzoo_fla.ops")
+    if not hasattr(fla_ops, "chunk_gated_delta_rule"):
+        pytest.skip("mixerzoo_fla.ops has no chunk_gated_delta_rule")
+    q, k, v, a, lb, gamma = make_inputs(17, seed=7)
+    beta = lb.exp()
+    b = gamma.view(1, H, 1) / beta
+    value = beta[..., None] * a
+
+    def bthd(t):
+        return t.transpose(1, 2)
+
+    for T in (1, 6, 17):
+        _, mem = trellis_chunked(q[:, :, :T], k[:, :, :T], v[:, :, :T], a[:, :, :T], lb[:, :, :T], gamma,
+                                 chunk_len=1, phi="identity")
+        for key, memory in ((k, mem.mk), (v, mem.mv)):
+            o, S = fla_ops.chunk_gated_delta_rule(bthd(key[:, :, :T]), bthd(key[:, :, :T]), bthd(value[:, :, :T]),
+                                                  bthd(lb[:, :, :T]), bthd(b[:, :, :T]), scale=1.0, chunk_len=4)
+            torch.testing.assert_close(S.double(), memory.transpose(-1, -2), rtol=1e-4, atol=1e-5)
+    o, _ = fla_ops.chunk_gated_delta_rule(bthd(q), bthd(k), bthd(value), bthd(lb), bthd(b), scale=1.0, chunk_len=4)
+    scores, _ = written_out_gated_delta_rule(q, k, value, beta, b)
+    torch.testing.assert_close(o.double(), bthd(scores), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("detach", [False, True])
@@ -154,8 +178,8 @@ def test_identity_phi_matches_mixerzoo_fla_cpu_gdn():
 def test_gradients_match_reference(detach, chunk_len):
     """Outer gradients of the chunked form equal those through the autograd-based reference (incl. the
     second-order path through the inner gradient, or its absence with ``detach_inner_grad``)."""
-    inputs = make_inputs(11, seed=5, requires_grad=True)
-    w = torch.randn(B, H, 11, DV, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    inputs = make_inputs(11, seed=5, requires_grad=True, dv=DK)
+    w = torch.randn(B, H, 11, DK, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
     y, _ = trellis_chunked(*inputs, chunk_len=chunk_len, detach_inner_grad=detach)
     grads = torch.autograd.grad((y * w).sum(), inputs)
     y_ref, _ = ref(*inputs, chunk_len=chunk_len, detach_inner_grad=detach)

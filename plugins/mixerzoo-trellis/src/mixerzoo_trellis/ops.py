@@ -202,12 +202,23 @@ def trellis_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     to_end = (L[..., -1:] - L).exp()  # (B, H, n, C)
     g4, g5 = gamma.view(1, H, 1, 1), gamma.view(1, H, 1, 1, 1)
 
-    # pass 1: key memory, slot scores
-    Uk, MK0, mk, mk_grad = _scan(kc, ac, decay_end, to_end, g4, memory.mk, memory.mk_grad, phi, detach_inner_grad)
+    # The writes of both passes do not depend on any read, so the two memory recurrences run first (in one
+    # loop when d_k == d_v: the value memory is stacked after the key memory along the head dimension).
+    if d_k == d_v:
+        def two(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, x], dim=1)
+
+        start, grad = torch.cat([memory.mk, memory.mv], 1), torch.cat([memory.mk_grad, memory.mv_grad], 1)
+        U, M0, m_end, m_grad = _scan(torch.cat([kc, vc], 1), two(ac), two(decay_end), two(to_end), two(g4), start,
+                                     grad, phi, detach_inner_grad)
+        (Uk, Uv), (MK0, MV0), (mk, mv), (mk_grad, mv_grad) = (t.split(H, dim=1) for t in (U, M0, m_end, m_grad))
+    else:
+        Uk, MK0, mk, mk_grad = _scan(kc, ac, decay_end, to_end, g4, memory.mk, memory.mk_grad, phi, detach_inner_grad)
+        Uv, MV0, mv, mv_grad = _scan(vc, ac, decay_end, to_end, g4, memory.mv, memory.mv_grad, phi, detach_inner_grad)
+    # pass 1 read: slot scores
     S = P * (qc @ MK0.transpose(-1, -2)) - g5 * (((qc @ kc.transpose(-1, -2)) * R) @ Uk)
     r = normalized_silu(S, f)
-    # pass 2: value memory, output
-    Uv, MV0, mv, mv_grad = _scan(vc, ac, decay_end, to_end, g4, memory.mv, memory.mv_grad, phi, detach_inner_grad)
+    # pass 2 read: output
     Y = P * (r @ MV0) - g5 * (((r @ Uv.transpose(-1, -2)) * R) @ vc)
     y = normalized_silu(Y, f).reshape(B, H, n * C, d_v)[:, :, front:front + T]
 
