@@ -175,21 +175,28 @@ class Trellis(Mixer):
         q, k, v, a = (t.to(work) for t in (q, k, v, a))
         gamma = self.gamma.to(work)
         memory = None if state is None else state.memory
+        with torch.autocast(x.device.type, enabled=False):  # keep the memory in fp32 under bf16-mixed
+            o, memory = self._memory(q, k, v, a, log_beta, gamma, memory, pos)
+        o = self.o_norm(o.transpose(1, 2).reshape(B, T, H * D).to(dtype))
+        y = self.o_proj(o * F.gelu(self.g_proj(x)))
+        return y, TrellisState(*memory, conv=conv_cache, pos=pos + T)
+
+    def _memory(self, q, k, v, a, log_beta, gamma, memory, pos):
+        """The two-pass memory on ``(B, H, T, .)`` tensors: decode step, chunked form or reference."""
+        B, H, T, D = q.shape
         opts = dict(phi=self.phi, f=self.f, pos=pos, detach_inner_grad=self.detach_inner_grad)
         if self.use_reference:
             o, memory = trellis_reference(q, k, v, a, log_beta.exp(), gamma, chunk_len=self.chunk_len,
                                           memory=memory, **opts)
         elif T == 1:  # decode: one step of the same chunked recurrence
             if memory is None:
-                memory = zero_memory(B, H, m, D, D, q.dtype, q.device)
+                memory = zero_memory(B, H, self.num_slots, D, D, q.dtype, q.device)
             o, memory = trellis_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], a[:, :, 0], log_beta[:, :, 0], gamma,
                                      self.chunk_len, memory=memory, **opts)
             o = o[:, :, None]
         else:
             o, memory = trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=memory, **opts)
-        o = self.o_norm(o.transpose(1, 2).reshape(B, T, H * D).to(dtype))
-        y = self.o_proj(o * F.gelu(self.g_proj(x)))
-        return y, TrellisState(*memory, conv=conv_cache, pos=pos + T)
+        return o, memory
 
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, head_dim={self.head_dim}, num_slots={self.num_slots}, "

@@ -140,14 +140,14 @@ def _scan(w: torch.Tensor, a: torch.Tensor, decay_end: torch.Tensor, to_end: tor
         the gradient base used by the last chunk.
     """
     us, starts = [], []
-    for c in range(w.shape[2]):
-        wc = w[:, :, c]
-        u = inner_grad(m_grad, wc, a[:, :, c], phi, detach)
+    # unbind once: indexing w[:, :, c] inside the loop would make the backward pass O(N^2) (every slice's
+    # gradient is a zero tensor of the full size)
+    for wc, ac, dc, ec in zip(w.unbind(2), a.unbind(2), decay_end.unbind(2), to_end.unbind(2)):
+        u = inner_grad(m_grad, wc, ac, phi, detach)
         us.append(u)
         starts.append(m_start)
         last_grad = m_grad
-        m_start = decay_end[:, :, c, None, None] * m_start \
-            - gamma * ((u * to_end[:, :, c, :, None]).transpose(-1, -2) @ wc)
+        m_start = dc[:, :, None, None] * m_start - gamma * ((u * ec[..., None]).transpose(-1, -2) @ wc)
         m_grad = m_start
     return torch.stack(us, 2), torch.stack(starts, 2), m_start, last_grad
 
