@@ -147,7 +147,8 @@ def _scan(w: torch.Tensor, a: torch.Tensor, decay_end: torch.Tensor, to_end: tor
         us.append(u)
         starts.append(m_start)
         last_grad = m_grad
-        m_start = dc[:, :, None, None] * m_start - gamma * ((u * ec[..., None]).transpose(-1, -2) @ wc)
+        # gamma folded into the (C, m) factor: autograd then saves a small tensor, not a memory-sized one
+        m_start = dc[:, :, None, None] * m_start - (u * (ec[..., None] * gamma)).transpose(-1, -2) @ wc
         m_grad = m_start
     return torch.stack(us, 2), torch.stack(starts, 2), m_start, last_grad
 
