@@ -37,7 +37,7 @@ def read_metrics(path: Path) -> tuple[list[tuple[int, float]], list[tuple[int, f
     return train, val
 
 
-def count_params(recipe: Path, mixer: str, options: dict | None) -> int:
+def count_params(recipe: Path, mixer: str, options: dict | None, vocab_size: int = 4096) -> int:
     """Non-embedding parameters of the recipe's backbone with ``mixer`` in every layer."""
     import yaml
 
@@ -48,7 +48,7 @@ def count_params(recipe: Path, mixer: str, options: dict | None) -> int:
     fields["layer_types"] = [mixer]
     if options is not None:
         fields["mixers"] = {mixer: options}
-    return LanguageModel(LMConfig(vocab_size=50257, **fields)).num_parameters()
+    return LanguageModel(LMConfig(vocab_size=vocab_size, **fields)).num_parameters()
 
 
 def main() -> None:
@@ -107,6 +107,7 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        title = f"books, {recipe.name}: same backbone, mixer swapped in every layer (CPU)"
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in results:
             line, = ax.plot(*zip(*r["train"]), label=f"{r['mixer']} train", alpha=0.8)
@@ -114,7 +115,7 @@ def main() -> None:
                 ax.plot(*zip(*r["val"]), "o--", color=line.get_color(), label=f"{r['mixer']} val")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("cross-entropy (nats/token)")
-        ax.set_title("books, GPT-2 tokenizer, d_model 128 x 4 layers, seq 256, batch 8 (CPU)")
+        ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()

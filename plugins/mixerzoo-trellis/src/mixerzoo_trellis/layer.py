@@ -121,9 +121,11 @@ class Trellis(Mixer):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"trellis option {name} must be an integer >= {low}, got {value!r}")
         if not 0.0 < forget_init < 1.0:
-            raise ValueError(f"trellis option forget_init must be in (0, 1) (the initial sigmoid gate), got {forget_init}")
+            raise ValueError(f"trellis option forget_init must be in (0, 1) (the initial sigmoid gate), "
+                             f"got {forget_init}")
         if not gamma_init > 0:
-            raise ValueError(f"trellis option gamma_init must be > 0 (the initial inner learning rate), got {gamma_init}")
+            raise ValueError(f"trellis option gamma_init must be > 0 (the initial inner learning rate), "
+                             f"got {gamma_init}")
         self.qkv = QKVProjection(d_model, n_heads, None, head_dim, positional="nope", qk_norm=qk_norm, bias=bias)
         H, D = n_heads, self.qkv.head_dim
         self.n_heads, self.head_dim, self.num_slots, self.chunk_len = H, D, num_slots, chunk_len

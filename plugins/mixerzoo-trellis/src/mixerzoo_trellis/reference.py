@@ -1,9 +1,9 @@
 """Plain, readable Trellis recurrence: a token loop with the inner gradient taken by autograd.
 
 This is the ground truth the chunked training path (``ops.trellis_chunked``) and the decode step
-(``ops.trellis_step``) are tested against. It shares only the normalised SiLU ``f`` with them: the inner-loss gradient is computed
-by ``torch.func.grad`` of ``1/2 ||phi(M w) - a||^2`` rather than by the hand-written SiLU derivative, and decay
-is applied by repeated multiplication (run it in float64 for long chunks).
+(``ops.trellis_step``) are tested against. It shares only the normalised SiLU ``f`` with them: the inner-loss
+gradient is computed by ``torch.func.grad`` of ``1/2 ||phi(M w) - a||^2`` rather than by the hand-written SiLU
+derivative, and decay is applied by repeated multiplication (run it in float64 for long chunks).
 
 Per head and token ``t`` (Karami et al. 2025, eqs. 8, 13, 14)::
 
