@@ -3,7 +3,8 @@
 Each (mixer, length) point runs in its own subprocess so that the peak resident memory (``VmHWM``, reset just
 before the measured passes) belongs to that point alone; "peak MiB" is the peak RSS over the warm-up and timed
 forward+backward passes minus the RSS after building the mixer and its input (activations saved for backward
-plus temporaries). Times are the median of ``--repeats`` forward+backward passes after one warm-up. "state MiB" is ``state.nbytes()`` after a no-grad forward over the whole length (batch 1).
+plus temporaries). Times are the median of ``--repeats`` forward+backward passes after one warm-up.
+"state MiB" is ``state.nbytes()`` after a no-grad forward over the whole length (batch 1).
 
 Usage (prints a table; the committed output is docs/results/trellis_cpu.txt)::
 
