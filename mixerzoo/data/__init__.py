@@ -1,0 +1,1 @@
+from .icr import ICRDataModule, basic_icr, positional_icr, value_token_accuracy  # noqa: F401
