@@ -1,1 +1,1 @@
-from .icr import ICRDataModule, basic_icr, positional_icr, value_token_accuracy  # noqa: F401
+from .icr import ICRDataModule as ICRDataModule

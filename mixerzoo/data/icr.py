@@ -28,7 +28,9 @@ import dataclasses
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-try:  # the shared base arrives on main later; until then the Lightning base with the same attributes
+from ..model.config import ConfigError
+
+try:  # the shared base (mixerzoo.data.base.LMDataModule); before it exists, Lightning's with the same attributes
     from .base import LMDataModule as _Base
 except ImportError:  # pragma: no cover - depends on the branch
     from lightning import LightningDataModule as _Base
@@ -63,15 +65,15 @@ class ICRSpec:
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
-            raise ValueError(f"icr task must be one of {TASKS}, got {self.task!r}")
+            raise ConfigError(f"icr task must be one of {TASKS}, got {self.task!r}")
         if self.vocab_size <= N_SPECIAL + 1:
-            raise ValueError(f"icr vocab_size must exceed the {N_SPECIAL} special ids by at least 2, "
+            raise ConfigError(f"icr vocab_size must exceed the {N_SPECIAL} special ids by at least 2, "
                              f"got {self.vocab_size}")
         for name in ("key_len", "value_len", "n_copies"):
             if getattr(self, name) < 1:
-                raise ValueError(f"icr {name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"icr {name} must be >= 1, got {getattr(self, name)}")
         if self.n_queries is not None and self.n_queries < 1:
-            raise ValueError(f"icr n_queries must be >= 1, got {self.n_queries}")
+            raise ConfigError(f"icr n_queries must be >= 1, got {self.n_queries}")
 
     @property
     def queries(self) -> int:
@@ -87,7 +89,7 @@ class ICRSpec:
         """Pairs in the context of a ``seq_len``-token sample.
 
         Raises:
-            ValueError: ``seq_len`` too short for the query section plus enough context pairs.
+            ConfigError (a ValueError): ``seq_len`` too short for the query section plus enough context pairs.
         """
         asked = self.queries if self.task == "basic" else self.queries * self.n_copies
         n = (seq_len - 1 - asked * self.pair_len) // self.pair_len
@@ -96,7 +98,7 @@ class ICRSpec:
         need = self.queries if self.task == "basic" else self.queries * self.n_copies
         if n < need:
             shortest = 1 + (asked + need) * self.pair_len
-            raise ValueError(f"icr seq_len={seq_len} is too short for task {self.task!r} with "
+            raise ConfigError(f"icr seq_len={seq_len} is too short for task {self.task!r} with "
                              f"{self.queries} queries of {self.pair_len}-token pairs; use seq_len >= {shortest}")
         return n
 
@@ -105,7 +107,7 @@ def _distinct_rows(count: int, length: int, low: int, high: int, generator: torc
     """``count`` distinct rows of ``length`` tokens uniform in ``[low, high)`` (redraws duplicates)."""
     space = (high - low) ** length
     if count > space:
-        raise ValueError(f"icr: cannot draw {count} distinct sequences of {length} tokens from "
+        raise ConfigError(f"icr: cannot draw {count} distinct sequences of {length} tokens from "
                          f"{high - low} content ids; raise vocab_size or the key/value length")
     rows = torch.randint(low, high, (count, length), generator=generator)
     while True:
@@ -149,7 +151,8 @@ def basic_icr(seq_len: int, vocab_size: int = 10_000, key_len: int = 8, value_le
         ``input_ids (seq_len,)`` and ``labels (seq_len,)`` long (shifted; ``-100`` off the answers).
 
     Raises:
-        ValueError: ``seq_len`` too short (names the minimum) or a vocabulary too small for distinct pairs.
+        ConfigError (a ValueError): ``seq_len`` too short (names the minimum) or a vocabulary too small for
+            distinct pairs.
     """
     spec = ICRSpec("basic", vocab_size, key_len, value_len, n_queries)
     g = generator if generator is not None else torch.Generator().manual_seed(0)
@@ -258,7 +261,10 @@ class ICRDataModule(_Base):
                  key_len: int = 8, value_len: int = 8, n_queries: int | None = None, n_copies: int = 4,
                  n_train: int = 100_000, n_val: int = 256, val_seq_lens: list[int] | None = None, seed: int = 0,
                  num_workers: int = 0) -> None:
-        super().__init__()
+        if getattr(_Base, "__module__", "").startswith("mixerzoo"):   # LMDataModule checks and stores these
+            super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed)
+        else:
+            super().__init__()
         self.spec = ICRSpec(task, vocab_size, key_len, value_len, n_queries, n_copies)
         self.spec.context_pairs(seq_len)
         self.task, self.vocab_size, self.seq_len, self.batch_size = task, vocab_size, seq_len, batch_size

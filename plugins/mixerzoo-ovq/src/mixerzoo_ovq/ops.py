@@ -111,32 +111,35 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
     L = kc.shape[2]
     if not 0 <= n_new <= L or (n == 0 and n_new == 0):
         raise ValueError(f"n_new={n_new} must be in [0, chunk_len={L}] and >= 1 for an empty dictionary")
-    if n == 0:
-        sim_prev = kc @ kc.transpose(-1, -2)                                     # (B, Hkv, L, L)
-        earlier = torch.ones(L, L, dtype=torch.bool, device=kc.device).tril(-1)
-        score = sim_prev.masked_fill(~earlier, float("-inf")).amax(dim=-1)      # (B, Hkv, L)
-        best = None
-    else:
-        score, best = (kc @ dk.transpose(-1, -2)).max(dim=-1)                    # (B, Hkv, L)
-    if scores is not None:
-        score = scores.to(score.dtype).expand(B, Hkv, L)
-    new_pos = score.topk(n_new, dim=-1, largest=False).indices.sort(dim=-1).values  # (B, Hkv, n_new)
-    is_new = torch.zeros(B, Hkv, L, dtype=torch.bool, device=kc.device).scatter(-1, new_pos, True)
-    rank = is_new.long().cumsum(-1) - 1
-    pos_d = new_pos[..., None].expand(B, Hkv, n_new, D)
+    with torch.no_grad():                         # the choices (steps 1-2 and the assignment) are discrete
+        if n == 0:
+            sim_prev = kc @ kc.transpose(-1, -2)                                 # (B, Hkv, L, L)
+            earlier = torch.ones(L, L, dtype=torch.bool, device=kc.device).tril(-1)
+            score = sim_prev.masked_fill(~earlier, float("-inf")).amax(dim=-1)  # (B, Hkv, L)
+        else:
+            score, best = (kc @ dk.transpose(-1, -2)).max(dim=-1)                # (B, Hkv, L)
+        if scores is not None:
+            score = scores.to(score.dtype).expand(B, Hkv, L)
+        new_pos = score.topk(n_new, dim=-1, largest=False).indices.sort(dim=-1).values  # (B, Hkv, n_new)
+        is_new = torch.zeros(B, Hkv, L, dtype=torch.bool, device=kc.device).scatter(-1, new_pos, True)
+        rank = is_new.long().cumsum(-1) - 1
+        pos_d = new_pos[..., None].expand(B, Hkv, n_new, D)
+        if n == 0:                                                               # nearest new centroid
+            best = (kc @ kc.gather(2, pos_d).transpose(-1, -2)).argmax(dim=-1)
+        assign = torch.where(is_new, n + rank, best)                             # (B, Hkv, L)
     new_k, new_v = kc.gather(2, pos_d), vc.gather(2, pos_d)
-    if n == 0:
-        best = (kc @ new_k.transpose(-1, -2)).argmax(dim=-1)                     # nearest new centroid
-    assign = torch.where(is_new, n + rank, best)                                 # (B, Hkv, L)
     dk_ext, dv_ext = torch.cat([dk, new_k], dim=2), torch.cat([dv, new_v], dim=2)
     counts_ext = torch.cat([counts, counts.new_ones(B, Hkv, n_new)], dim=-1)
     merge = (~is_new).to(counts.dtype)                                           # new keys are not merged
     counts_new = counts_ext.scatter_add(-1, assign, merge)
-    eta = merge / counts_new.gather(-1, assign) if centroid_lr is None else merge * centroid_lr
+    eta = merge / counts_new.gather(-1, assign) if centroid_lr is None else merge * centroid_lr   # (B, Hkv, L)
+    # mu + sum_i eta_i (x_i - mu) = mu * (1 - sum_i eta_i) + sum_i eta_i x_i: written this way autograd keeps
+    # only per-centroid scalars, not a copy of the dictionary (for 1/count, 1 - sum eta = c_old / c_new)
+    keep = (1 - torch.zeros_like(counts_new).scatter_add(-1, assign, eta)).to(kc.dtype)[..., None]
     eta = eta.to(kc.dtype)[..., None]
     idx = assign[..., None].expand(B, Hkv, L, D)
-    dk_new = dk_ext.scatter_add(2, idx, eta * (kc - dk_ext.gather(2, idx)))
-    dv_new = dv_ext.scatter_add(2, idx, eta * (vc - dv_ext.gather(2, idx)))
+    dk_new = dk_ext * keep + torch.zeros_like(dk_ext).scatter_add(2, idx, eta * kc)
+    dv_new = dv_ext * keep + torch.zeros_like(dv_ext).scatter_add(2, idx, eta * vc)
     if renormalize:
         dk_new = F.normalize(dk_new, dim=-1)
     return dk_new, dv_new, counts_new
