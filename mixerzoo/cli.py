@@ -1,0 +1,106 @@
+"""The ``mixerzoo`` command.
+
+- ``mixerzoo fit|validate|test|predict --config recipe.yaml [--model.layer_types '[attention,swa]' ...]``:
+  LightningCLI (jsonargparse) over :class:`~mixerzoo.training.LMModule` and any
+  :class:`~mixerzoo.data.LMDataModule` (``data.class_path``). ``--print_config`` shows the full config.
+- ``mixerzoo plugins``: every installed mixer, positional encoding and schedule, with its distribution,
+  version and import path; broken plugins are listed with their error.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["main", "MixerzooCLI", "print_plugins"]
+
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+
+
+def print_plugins(stream=None) -> int:
+    """Print the installed mixers, positional encodings and schedules. Returns the number of broken entries."""
+    from . import registry
+
+    stream = stream or sys.stdout
+    broken = 0
+    rows = [("kind", "name", "distribution", "version", "import path", "status")]
+    for kind in registry.GROUPS:
+        for name, entry in sorted(registry.entries(kind, refresh=True).items()):
+            err = entry.error
+            broken += err is not None
+            rows.append((kind, name, entry.distribution, entry.version, entry.value, "ok" if err is None else f"BROKEN: {err}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5], file=stream)
+    return broken
+
+
+def _lightning_cli(args: list[str] | None):
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+    from lightning.pytorch.cli import LightningCLI
+
+    from .data import LMDataModule
+    from .training import LMModule, ThroughputLogger
+    from .training.checkpoints import AtomicCheckpointIO, check_ckpt_path
+
+    class MixerzooCLI(LightningCLI):
+        """LightningCLI with mixerzoo's defaults: a last.ckpt checkpoint, throughput logging, CSV logs."""
+
+        def add_arguments_to_parser(self, parser) -> None:
+            parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+            parser.set_defaults({"checkpoint.save_last": True, "checkpoint.monitor": "val/loss",
+                                 "checkpoint.filename": "step{step}-val_loss{val/loss:.3f}",
+                                 "checkpoint.auto_insert_metric_name": False})
+            parser.add_lightning_class_args(ThroughputLogger, "throughput")
+
+        def _check_ckpt(self) -> None:
+            sub = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+            check_ckpt_path(sub.get("ckpt_path"))
+
+        def before_fit(self) -> None:
+            self._check_ckpt()
+
+        def before_validate(self) -> None:
+            self._check_ckpt()
+
+        def before_test(self) -> None:
+            self._check_ckpt()
+
+    trainer_defaults = {
+        "default_root_dir": "runs",
+        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "mixerzoo"}},
+        "callbacks": [RichProgressBar(), LearningRateMonitor(logging_interval="step")],
+        "plugins": [AtomicCheckpointIO()],
+    }
+    return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
+                       save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
+
+
+USAGE = """usage: mixerzoo {fit,validate,test,predict} --config RECIPE.yaml [--field value ...]
+       mixerzoo plugins
+
+  fit/validate/test/predict  train or evaluate with Lightning (add --help for every field)
+  plugins                    list installed mixers, positional encodings and schedules
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mixerzoo`` console script."""
+    from_shell = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if argv[0] == "plugins":
+        return 1 if print_plugins() else 0
+    if argv[0] in LIGHTNING_COMMANDS:
+        from .errors import friendly_errors
+
+        with friendly_errors():
+            _lightning_cli(None if from_shell else argv)
+        return 0
+    print(f"mixerzoo: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Multi-query associative recall (MQAR), the synthetic recall task of Zoology (Arora et al. 2023,
+"Zoology: Measuring and Improving Recall in Efficient Language Models", section 3).
+
+A sequence first lists key-value pairs, then asks for the values of some of the keys. Models whose state
+cannot hold every pair (fixed-size recurrent states, sliding windows shorter than the gap) fail it, which is
+why it is the default probe of a sequence mixer's recall. Generated in process with a seeded
+``torch.Generator``; no download.
+
+Layout of one example (``make_mqar``), with ``K = num_kv_pairs``, ``Q = num_queries``, ``V = vocab_size``,
+``T = seq_len``::
+
+    positions 0 .. 2K-1   k_1 v_1 k_2 v_2 ... k_K v_K          (kv section)
+    positions 2K .. T-1   0 0 k_a v_a 0 k_b v_b 0 0 ...          (query section: Q pairs, filler 0 elsewhere)
+    labels                -100 everywhere except at each queried key k_a, where the label is v_a
+
+Keys come from ``1 .. V//2 - 1`` and values from ``V//2 .. V-1`` (disjoint halves; id 0 is the filler), keys
+are distinct within an example (values too, as in Zoology), the ``Q`` queried keys are distinct pairs of the
+kv section in random order, at positions drawn uniformly among all non-overlapping placements. Each queried
+key is followed by its value, so with teacher forcing the input at ``t + 1`` equals the label at ``t``.
+Differences from Zoology's generator (``zoology/data/associative_recall.py``): Zoology places query keys at
+power-law distributed gaps, leaves the token after a query key as filler (or random noise), and queries every
+key; here positions are uniform, the value follows its key, and ``num_queries`` may be below ``K``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.config import ConfigError
+from .base import IGNORE_INDEX, LMDataModule, TensorPairDataset, check_int
+
+__all__ = ["RecallDataModule", "make_mqar", "mqar_max_kv_pairs"]
+
+FILLER = 0
+
+
+def mqar_max_kv_pairs(vocab_size: int, seq_len: int, num_queries: int | None = None) -> int:
+    """Largest ``num_kv_pairs`` that fits: distinct keys need ``K <= vocab_size // 2 - 1`` and the kv section
+    (``2K`` tokens) plus the query pairs (``2Q`` tokens, ``Q = K`` when ``num_queries`` is None) must fit in
+    ``seq_len``."""
+    by_vocab = vocab_size // 2 - 1
+    by_len = seq_len // 4 if num_queries is None else (seq_len - 2 * num_queries) // 2
+    return max(0, min(by_vocab, by_len))
+
+
+def _check_mqar(vocab_size: int, seq_len: int, num_kv_pairs: int, num_queries: int | None, prefix: str = "data.") -> int:
+    """Validate MQAR sizes; return the effective ``num_queries``. Raises ConfigError naming the field."""
+    check_int(f"{prefix}vocab_size", vocab_size, 4, "MQAR needs keys and values from two halves of the vocabulary")
+    check_int(f"{prefix}seq_len", seq_len, 2, "a row needs at least two tokens")
+    check_int(f"{prefix}num_kv_pairs", num_kv_pairs, 1)
+    if num_queries is not None:
+        check_int(f"{prefix}num_queries", num_queries, 1, "or null for num_queries = num_kv_pairs")
+        if num_queries > num_kv_pairs:
+            raise ConfigError(f"{prefix}num_queries={num_queries} exceeds {prefix}num_kv_pairs={num_kv_pairs}: "
+                              f"queried keys are distinct pairs of the kv section; lower num_queries")
+    queries = num_kv_pairs if num_queries is None else num_queries
+    limit = mqar_max_kv_pairs(vocab_size, seq_len, num_queries)
+    if num_kv_pairs > limit:
+        why = []
+        if num_kv_pairs > vocab_size // 2 - 1:
+            why.append(f"distinct keys come from ids 1..{vocab_size // 2 - 1}")
+        if 2 * num_kv_pairs + 2 * queries > seq_len:
+            why.append(f"{num_kv_pairs} pairs (2 tokens each) plus {queries} queries (key + value) need "
+                       f"{2 * num_kv_pairs + 2 * queries} > seq_len={seq_len} tokens")
+        raise ConfigError(f"{prefix}num_kv_pairs={num_kv_pairs} is too many for seq_len={seq_len} and "
+                          f"vocab_size={vocab_size}: at most {limit} ({'; '.join(why)}); lower num_kv_pairs or "
+                          f"raise seq_len/vocab_size")
+    return queries
+
+
+def _sample_distinct(n: int, population: int, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``(n, k)`` int64: in each row, ``k`` distinct values of ``range(population)`` in uniformly random order.
+
+    Small populations (``<= 8k``): the indices of the top-``k`` of ``population`` i.i.d. uniforms (a uniform
+    random ``k``-permutation), in row chunks of ~4M floats. Large ones: Robert Floyd's algorithm, vectorised
+    over rows (a uniform ``k``-subset in ``O(k^2)`` per row, independent of ``population``), then shuffled.
+    """
+    if population < k:
+        raise ValueError(f"cannot draw {k} distinct values from {population}")
+    if population <= 8 * k:
+        out = torch.empty(n, k, dtype=torch.long)
+        chunk = max(1, (1 << 22) // max(population, 1))
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            scores = torch.rand(stop - start, population, generator=generator)
+            out[start:stop] = scores.topk(k, dim=1).indices
+        return out
+    # Floyd: for j = P-k .. P-1 draw t uniform in [0, j]; take t unless already taken, then take j (never
+    # taken before, as every earlier pick is < j).
+    sel = torch.empty(n, k, dtype=torch.long)
+    for i, j in enumerate(range(population - k, population)):
+        t = torch.randint(0, j + 1, (n,), generator=generator)
+        taken = (sel[:, :i] == t[:, None]).any(dim=1)
+        sel[:, i] = torch.where(taken, torch.full_like(t, j), t)
+    order = torch.rand(n, k, generator=generator).argsort(dim=1)
+    return sel.gather(1, order)
+
+
+def make_mqar(
+    n: int,
+    vocab_size: int,
+    seq_len: int,
+    num_kv_pairs: int,
+    num_queries: int | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generate ``n`` MQAR examples (vectorised; 20k x 128 tokens take well under a second).
+
+    Layout of each row (``K = num_kv_pairs``, ``Q = num_queries`` or ``K``, ``V = vocab_size``, ``T = seq_len``):
+
+    - ``input_ids[:, 0:2K]`` is the kv section ``k_1 v_1 ... k_K v_K``: keys distinct, drawn uniformly from
+      ``[1, V//2)``; values distinct, drawn uniformly from ``[V//2, V)`` (key and value ids never overlap).
+    - ``input_ids[:, 2K:T]`` is the query section: ``Q`` distinct kv pairs (chosen uniformly, in random order),
+      each written as its key at some position ``p`` followed by its value at ``p + 1``; the positions are
+      uniform over all placements where the pairs do not overlap; every other position holds the filler 0.
+    - ``labels`` is -100 everywhere except ``labels[:, p] = value`` at each queried key position ``p``: the
+      loss is only on answers. Labels are already shifted (``labels[:, t]`` is the target for position ``t``).
+
+    Args:
+        n: number of examples. vocab_size: ``V`` (>= 4). seq_len: ``T``. num_kv_pairs: ``K``.
+        num_queries: ``Q <= K`` (None: ``K``, every key is queried once, as in Zoology's MQAR).
+        generator: a seeded ``torch.Generator`` (None: torch's global generator).
+
+    Returns:
+        ``(input_ids, labels)``, both ``(n, seq_len)`` int64.
+
+    Raises:
+        ConfigError (a ``ValueError``): sizes that do not fit; the message names the field and the largest
+            ``num_kv_pairs`` that fits.
+    """
+    check_int("n", n, 0)
+    q = _check_mqar(vocab_size, seq_len, num_kv_pairs, num_queries, prefix="")
+    k = num_kv_pairs
+    half = vocab_size // 2
+    keys = 1 + _sample_distinct(n, half - 1, k, generator)  # (n, K) in [1, V//2)
+    values = half + _sample_distinct(n, vocab_size - half, k, generator)  # (n, K) in [V//2, V)
+
+    input_ids = torch.full((n, seq_len), FILLER, dtype=torch.long)
+    labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)
+    input_ids[:, 0 : 2 * k : 2] = keys
+    input_ids[:, 1 : 2 * k : 2] = values
+
+    # Which pairs are queried, in which order.
+    which = _sample_distinct(n, k, q, generator)  # (n, Q)
+    q_keys, q_values = keys.gather(1, which), values.gather(1, which)
+    # Where: Q non-overlapping 2-token slots in a region of R = T - 2K positions. With s_0 < ... < s_{Q-1}
+    # distinct sorted draws from range(R - Q), p_i = s_i + i gives p_{i+1} >= p_i + 2 and p_{Q-1} <= R - 2,
+    # a bijection onto the valid placements, hence uniform over them.
+    region = seq_len - 2 * k
+    s = _sample_distinct(n, region - q, q, generator).sort(dim=1).values
+    pos = 2 * k + s + torch.arange(q)
+    input_ids.scatter_(1, pos, q_keys)
+    input_ids.scatter_(1, pos + 1, q_values)
+    labels.scatter_(1, pos, q_values)
+    return input_ids, labels
+
+
+class RecallDataModule(LMDataModule):
+    """Multi-query associative recall (MQAR, Zoology section 3) as a Lightning data module.
+
+    Train and val sets are generated in ``setup`` from two different seeds derived from ``seed``
+    (``2 * seed`` and ``2 * seed + 1``), so they are reproducible and (almost surely) disjoint. See
+    :func:`make_mqar` for the exact layout. ``vocab_size`` is known right after construction;
+    ``tokenizer`` and ``eos_id`` are None.
+
+    Raises:
+        ConfigError (a ``ValueError``): at construction, for sizes that do not fit (the message gives the
+            largest ``num_kv_pairs`` for this ``seq_len``/``vocab_size``) or non-positive counts.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        seq_len: int = 128,
+        num_kv_pairs: int = 16,
+        num_queries: int | None = None,
+        train_examples: int = 20000,
+        val_examples: int = 1000,
+        batch_size: int = 64,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        """
+        Args:
+            vocab_size: token vocabulary; keys use ids ``1 .. vocab_size//2 - 1``, values the upper half, 0 is
+                the filler.
+            seq_len: tokens per example (kv section + query section).
+            num_kv_pairs: key-value pairs per example (at most ``min(vocab_size//2 - 1, seq_len//4)`` with the
+                default ``num_queries``).
+            num_queries: queried pairs per example, at most ``num_kv_pairs``; null means ``num_kv_pairs``.
+            train_examples: number of training examples.
+            val_examples: number of validation examples (also used for test and predict).
+            batch_size: examples per batch.
+            seed: seed of the generators (train uses ``2*seed``, val ``2*seed + 1``) and of the train shuffle.
+            num_workers: DataLoader worker processes.
+        """
+        super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed)
+        self.num_queries = _check_mqar(vocab_size, seq_len, num_kv_pairs, num_queries)
+        self.vocab_size = vocab_size
+        self.num_kv_pairs = num_kv_pairs
+        self.train_examples = check_int("data.train_examples", train_examples, 1)
+        self.val_examples = check_int("data.val_examples", val_examples, 1)
+        self.save_hyperparameters()
+
+    def _generate(self, n: int, seed: int) -> TensorPairDataset:
+        generator = torch.Generator().manual_seed(seed)
+        return TensorPairDataset(*make_mqar(n, self.vocab_size, self.seq_len, self.num_kv_pairs, self.num_queries,
+                                            generator))
+
+    def setup(self, stage: str | None = None) -> None:
+        """Generate the train and val sets (once; later calls are no-ops)."""
+        if self._datasets:
+            return
+        self._datasets = {
+            "train": self._generate(self.train_examples, 2 * self.seed),
+            "val": self._generate(self.val_examples, 2 * self.seed + 1),
+        }

@@ -1,0 +1,6 @@
+"""Lightning training: the causal-LM LightningModule and callbacks (no hand-written loop)."""
+
+from .callbacks import ThroughputLogger
+from .module import LMModule
+
+__all__ = ["LMModule", "ThroughputLogger"]

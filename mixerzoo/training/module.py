@@ -1,0 +1,222 @@
+"""The causal-LM LightningModule. Its init arguments are the backbone's fields (``LMConfig``) plus the
+optimizer's, so recipes and the command line set them directly (``--model.layer_types '[attention,swa]'``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from .. import registry
+from ..model import LanguageModel, LMConfig
+from ..model.config import ConfigError, accepted_parameters
+from .optim import build_optimizer, lr_lambda
+
+__all__ = ["LMModule", "NonFiniteLossError"]
+
+IGNORE_INDEX = -100
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised after ``max_bad_steps`` consecutive steps with a non-finite loss."""
+
+
+class LMModule(L.LightningModule):
+    """Causal language modelling over a hybrid stack of mixers.
+
+    Backbone arguments are :class:`mixerzoo.model.LMConfig`'s fields (see it for their meaning); when
+    ``vocab_size`` is None it is taken from the datamodule's tokenizer at setup and saved in the checkpoint.
+
+    Args:
+        lr: peak learning rate of AdamW. betas, weight_decay: AdamW's (no decay on norms, biases,
+            embeddings, scalars). warmup_steps: linear warmup. lr_schedule: ``cosine``, ``linear``
+            (to ``min_lr_ratio``; 0 = linear-to-zero) or ``constant``.
+        compile: ``torch.compile`` each block (in place, parameter names unchanged).
+        max_bad_steps: a step whose loss is not finite is skipped and counted; this many in a row stop the run.
+
+    Logged: ``train/loss``, ``train/acc``, ``val/loss``, ``val/ppl`` (exp of the token-weighted mean loss),
+    ``val/acc`` (next-token accuracy over labelled positions).
+
+    Raises:
+        ConfigError: before training, for a bad backbone field, a layer name without options, an option a
+            mixer does not take, a tokenizer larger than ``vocab_size``, or a ``seq_len`` too short.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int | None = None,
+        d_model: int = 256,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        layer_types: list[str] = ("attention",),
+        mixers: dict[str, dict[str, Any]] | None = None,
+        channel_mixer: str = "swiglu",
+        d_ff: int | None = None,
+        channel_token_shift: bool = False,
+        norm: str = "rmsnorm",
+        norm_eps: float = 1e-5,
+        tie_embeddings: bool = True,
+        init_std: float = 0.02,
+        out_init: str = "scaled",
+        pad_vocab_multiple: int = 64,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        lr_schedule: str = "cosine",
+        min_lr_ratio: float = 0.1,
+        compile: bool = False,
+        max_bad_steps: int = 10,
+    ) -> None:
+        super().__init__()
+        if mixers is None:
+            mixers = {name: {} for name in layer_types}
+        self.save_hyperparameters()
+        self.hparams["layer_types"] = list(layer_types)
+        self.hparams["mixers"] = mixers
+        if lr <= 0:
+            raise ConfigError(f"model.lr must be > 0, got {lr}")
+        lr_lambda(0, warmup_steps, 1, lr_schedule, min_lr_ratio)  # validates lr_schedule
+        self._validate_backbone()
+        self.model: LanguageModel | None = None
+        self._bad_steps = 0
+        if vocab_size is not None:
+            self.configure_model()
+        self.val_loss = MeanMetric()
+
+    # -- model construction -----------------------------------------------------------------------------
+    def lm_config(self, vocab_size: int | None = None) -> LMConfig:
+        """The :class:`LMConfig` described by this module's hyper-parameters."""
+        fields = {k: self.hparams[k] for k in LMConfig.__dataclass_fields__ if k != "vocab_size"}
+        return LMConfig(vocab_size=vocab_size or self.hparams.vocab_size, **fields)
+
+    def _validate_backbone(self) -> None:
+        """Check names and options without allocating weights, so mistakes surface before data is prepared."""
+        config = self.lm_config(vocab_size=self.hparams.vocab_size or 1)
+        for spec in config.layer_specs():
+            factory = registry.get(spec.mixer, "mixer")
+            accepted, open_ended = accepted_parameters(factory)
+            unknown = sorted(set(spec.options) - accepted)
+            if unknown and not open_ended:
+                raise ConfigError(f"model.mixers.{spec.name}: mixer {spec.mixer!r} does not take option(s) "
+                                  f"{unknown}; it takes {sorted(accepted - {'d_model', 'layer_idx', 'n_layers'})}")
+
+    def configure_model(self) -> None:
+        """Build the LM once the vocabulary is known (from ``vocab_size`` or the datamodule's tokenizer)."""
+        if self.model is not None:
+            return
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        data_vocab = getattr(dm, "vocab_size", None)
+        vocab = self.hparams.vocab_size
+        if vocab is None:
+            if data_vocab is None:
+                raise ConfigError("model.vocab_size is not set and the datamodule has no vocab_size; set "
+                                  "--model.vocab_size or use a mixerzoo datamodule")
+            vocab = data_vocab
+        elif data_vocab is not None and data_vocab > vocab:
+            raise ConfigError(f"the tokenizer has {data_vocab} tokens but model.vocab_size={vocab}; raise "
+                              f"model.vocab_size to at least {data_vocab} (or leave it unset to take the "
+                              f"tokenizer's)")
+        self.hparams.vocab_size = vocab
+        self.model = LanguageModel(self.lm_config(vocab))
+        seq_len = getattr(dm, "seq_len", None)
+        if seq_len is not None:
+            self.model.check_seq_len(seq_len)
+        if self.hparams.compile:
+            for block in self.model.blocks:
+                block.compile()
+        self.acc = MulticlassAccuracy(num_classes=self.model.config.padded_vocab_size, average="micro",
+                                      ignore_index=IGNORE_INDEX).to(self.device)
+        self.train_acc = self.acc.clone()
+
+    # -- steps --------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, states: list | None = None):
+        return self.model(input_ids, states)
+
+    def _loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits, _ = self.model(batch["input_ids"])
+        labels = batch["labels"]
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+        return loss, logits.detach().argmax(-1), labels
+
+    def training_step(self, batch: dict, batch_idx: int):
+        loss, preds, labels = self._loss(batch)
+        if not torch.isfinite(loss):
+            self._bad_steps += 1
+            self.log("train/skipped_steps", float(self._bad_steps))
+            if self._bad_steps >= self.hparams.max_bad_steps:
+                raise NonFiniteLossError(
+                    f"{self._bad_steps} consecutive steps had a non-finite loss (last {loss.item()}); stopping. "
+                    f"The last good checkpoint is intact; lower model.lr, raise warmup_steps or use fp32/bf16 "
+                    f"instead of fp16, then resume with --ckpt_path last")
+            return None  # Lightning skips the backward and optimizer step
+        self._bad_steps = 0
+        self.train_acc(preds.flatten(), labels.flatten())
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/acc", self.train_acc, prog_bar=False)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        loss, preds, labels = self._loss(batch)
+        n = (labels != IGNORE_INDEX).sum()
+        self.val_loss.update(loss, weight=n)
+        self.acc.update(preds.flatten(), labels.flatten())
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss.clamp(max=30)))
+        self.log("val/acc", self.acc.compute(), prog_bar=True)
+        self.val_loss.reset()
+        self.acc.reset()
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.log("test/loss", loss)
+        self.log("test/ppl", torch.exp(loss.clamp(max=30)))
+        self.log("test/acc", self.acc.compute())
+        self.val_loss.reset()
+        self.acc.reset()
+
+    def predict_step(self, batch: dict, batch_idx: int) -> dict:
+        """Per-sequence mean loss and the greedy next-token predictions ``(B, T)``."""
+        logits, _ = self.model(batch["input_ids"])
+        per_tok = F.cross_entropy(logits.transpose(1, 2).float(), batch["labels"], ignore_index=IGNORE_INDEX,
+                                  reduction="none")
+        mask = batch["labels"] != IGNORE_INDEX
+        return {"loss": (per_tok * mask).sum(1) / mask.sum(1).clamp(min=1), "predictions": logits.argmax(-1)}
+
+    # -- optimisation -------------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        hp = self.hparams
+        opt = build_optimizer(self.model, hp.lr, hp.weight_decay, tuple(hp.betas))
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: lr_lambda(step, hp.warmup_steps, total, hp.lr_schedule, hp.min_lr_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Refuse a checkpoint whose weights do not fit this model, naming the mismatch, before loading."""
+        if self.model is None:
+            return
+        ours = self.state_dict()
+        theirs = checkpoint.get("state_dict", {})
+        missing = [k for k in ours if k not in theirs]
+        unexpected = [k for k in theirs if k not in ours]
+        shapes = [f"{k}: checkpoint {tuple(theirs[k].shape)} vs model {tuple(v.shape)}"
+                  for k, v in ours.items() if k in theirs and hasattr(theirs[k], "shape") and theirs[k].shape != v.shape]
+        if missing or unexpected or shapes:
+            detail = "; ".join(([f"missing {missing[:3]}"] if missing else []) +
+                               ([f"unexpected {unexpected[:3]}"] if unexpected else []) + shapes[:3])
+            raise ConfigError(f"the checkpoint does not fit this model configuration ({detail}). Use the config "
+                              f"it was trained with (config.yaml next to its logs) or drop --ckpt_path to start "
+                              f"fresh.")

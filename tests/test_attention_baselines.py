@@ -1,0 +1,90 @@
+"""The attention/swa/bswa baselines: conformance, SDPA vs the plain reference, window semantics."""
+
+import pytest
+import torch
+
+from mixerzoo import registry
+from mixerzoo.mixers import Attention, BlockSlidingWindowAttention, SlidingWindowAttention, attention_reference
+from mixerzoo.testing import ConformanceError, check_continuation, run_conformance
+
+D = 32
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("attention", {}),
+    ("attention", {"n_kv_heads": 2, "qk_norm": "layernorm", "positional": {"name": "rope", "rotary_fraction": 0.5}}),
+    ("attention", {"token_shift": True, "qk_norm": "rms", "positional": "nope"}),
+    ("swa", {"window": 5}),
+    ("swa", {"window": 1}),
+    ("bswa", {"chunk_len": 8, "n_bswa_chunks": 2}),
+    ("bswa", {"chunk_len": 5, "n_bswa_chunks": 3, "n_kv_heads": 1}),
+])
+def test_conformance(name, kw):
+    factory = registry.get(name)
+    report = run_conformance(lambda: factory(d_model=D, n_heads=4, **kw), d_model=D, splits=(1, 7, 16, 33))
+    assert "decode" in report.checks
+
+
+def test_sdpa_matches_reference():
+    torch.manual_seed(0)
+    for cls, kw in [(Attention, {"n_kv_heads": 2}), (SlidingWindowAttention, {"window": 6}),
+                    (BlockSlidingWindowAttention, {"chunk_len": 4})]:
+        fast = cls(D, n_heads=4, **kw)
+        ref = cls(D, n_heads=4, use_reference=True, **kw)
+        ref.load_state_dict(fast.state_dict())
+        x = torch.randn(2, 23, D)
+        torch.testing.assert_close(fast(x)[0], ref(x)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_visibility_rules_by_hand():
+    pos = torch.arange(8)
+    swa = SlidingWindowAttention(D, window=3)
+    m = swa.visible(pos, pos)
+    assert m[5].nonzero().flatten().tolist() == [3, 4, 5]
+    bswa = BlockSlidingWindowAttention(D, chunk_len=3, n_bswa_chunks=2)
+    m = bswa.visible(pos, pos)
+    # position 7 is in chunk 2 (6..8): sees chunk 1 (3..5) and chunk 2 up to itself
+    assert m[7].nonzero().flatten().tolist() == [3, 4, 5, 6, 7]
+    assert m[2].nonzero().flatten().tolist() == [0, 1, 2]
+
+
+def test_windowed_caches_are_bounded():
+    x = torch.randn(1, 50, D)
+    _, s = SlidingWindowAttention(D, window=4)(x)
+    assert s.k.shape[2] == 3 and s.next_pos == 50
+    _, s = BlockSlidingWindowAttention(D, chunk_len=8, n_bswa_chunks=2)(x)
+    assert s.k.shape[2] <= 16
+
+
+def test_reference_gqa_equals_repeated_heads():
+    q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    out = attention_reference(q, k, v, mask)
+    manual = torch.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / 8 ** 0.5 + torch.zeros(5, 5).masked_fill(~mask, float("-inf")), -1) @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(out, manual)
+
+
+class _Leaky(torch.nn.Module):
+    """A broken mixer that forgets its state: the kit must catch it with a helpful message."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Attention(D, n_heads=4)
+
+    def forward(self, x, state=None):
+        y, s = self.inner(x, None)
+        return y, s
+
+
+def test_kit_catches_a_mixer_that_drops_its_state():
+    with pytest.raises(ConformanceError, match="continuation differs at split 7"):
+        check_continuation(_Leaky().eval(), D, 24, splits=(7,))
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="window"):
+        SlidingWindowAttention(D, window=0)
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        Attention(D, n_heads=4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="qk_norm"):
+        Attention(D, n_heads=4, qk_norm="batchnorm")

@@ -1,0 +1,84 @@
+"""Positional encodings and state-budget schedules against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from mixerzoo.positional import NoPE, RoPE, build_positional
+from mixerzoo.registry import UnknownNameError
+from mixerzoo.schedules import (FixedSchedule, LinearSchedule, PowerLawSchedule, SaturatingSchedule,
+                                build_schedule)
+
+
+def test_fixed_schedule():
+    s = FixedSchedule(256)
+    assert [s(t) for t in (0, 1, 10**6)] == [256, 256, 256]
+
+
+def test_power_law_schedule_hand_values():
+    s = PowerLawSchedule(coef=16, exponent=0.5, min_size=256)
+    # 16 * sqrt(100) = 160 < 256 -> 256; 16 * sqrt(4096) = 1024; 16 * sqrt(32768) = 2896.3 -> 2896
+    assert s(100) == 256
+    assert s(4096) == 1024
+    assert s(32768) == 2896
+    assert PowerLawSchedule(coef=2, exponent=1.0, max_size=10)(100) == 10
+
+
+def test_saturating_schedule_hand_values():
+    s = SaturatingSchedule(max_size=1024)
+    # N t / (N + t): t=1024 -> 512; t=3072 -> 768; t=0 -> 0; t=100 -> 102400/1124 = 91.1 -> 91
+    assert s(1024) == 512
+    assert s(3072) == 768
+    assert s(0) == 0
+    assert s(100) == 91
+    assert s(10**9) == 1023  # approaches but never reaches N
+
+
+def test_linear_schedule():
+    s = LinearSchedule(rate=0.5, max_size=100)
+    assert (s(10), s(11), s(10**6)) == (5, 5, 100)
+
+
+def test_build_schedule_from_spec_and_errors():
+    assert isinstance(build_schedule({"name": "power_law", "coef": 16, "exponent": 0.5}), PowerLawSchedule)
+    assert build_schedule("fixed" if False else {"name": "fixed", "size": 3})(99) == 3
+    with pytest.raises(UnknownNameError, match="power_law"):
+        build_schedule({"name": "sqrt"})
+    with pytest.raises(ValueError, match="size"):
+        FixedSchedule(0)
+    with pytest.raises(TypeError, match="no 'name'"):
+        build_schedule({"size": 3})
+
+
+def test_rope_full_rotation_hand_computed():
+    rope = RoPE(head_dim=4, theta=10000.0)
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])  # (T=1, D=4), rotate-half pairs (0,2) and (1,3)
+    pos = torch.tensor([3])
+    out = rope.apply(x, pos)
+    f0, f1 = 3 * 1.0, 3 * 10000 ** (-2 / 4)
+    expected = torch.tensor([[1 * math.cos(f0) - 3 * math.sin(f0), 2 * math.cos(f1) - 4 * math.sin(f1),
+                              3 * math.cos(f0) + 1 * math.sin(f0), 4 * math.cos(f1) + 2 * math.sin(f1)]])
+    torch.testing.assert_close(out, expected)
+
+
+def test_rope_partial_leaves_other_channels_and_relative_property():
+    rope = build_positional({"name": "rope", "rotary_fraction": 0.5, "theta": 500.0}, head_dim=8)
+    assert rope.rotary_dim == 4
+    x = torch.randn(2, 5, 8)
+    out = rope.apply(x, torch.arange(10, 15))
+    torch.testing.assert_close(out[..., 4:], x[..., 4:])
+    # relative property: <R_m q, R_n k> depends only on m - n
+    q, k = torch.randn(8), torch.randn(8)
+    a = rope.apply(q[None], torch.tensor([7])) @ rope.apply(k[None], torch.tensor([3])).T
+    b = rope.apply(q[None], torch.tensor([104])) @ rope.apply(k[None], torch.tensor([100])).T
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_nope_and_bad_rope():
+    x = torch.randn(3, 4)
+    assert torch.equal(NoPE().apply(x, torch.arange(3)), x)
+    with pytest.raises(ValueError, match="rotary_fraction"):
+        RoPE(8, rotary_fraction=0.0)
+    with pytest.raises(UnknownNameError, match="nope"):
+        build_positional("alibi", 8)
