@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from mixerzoo.data import LMDataModule
 from mixerzoo.data.icr import (ARROW, PAD, QUERY, SEP, ICRDataModule, basic_icr, icr_batch, ICRSpec,
                                positional_icr, value_token_accuracy)
 
@@ -119,15 +120,18 @@ def test_value_token_accuracy():
 
 
 def test_datamodule_batches_and_lengths():
-    dm = ICRDataModule(task="positional", seq_len=400, batch_size=4, n_train=8, n_val=4,
-                       val_seq_lens=[400, 1600], seed=3)
+    dm = ICRDataModule(task="positional", seq_len=400, batch_size=4, n_train=8, n_val=4, seed=3)
+    assert isinstance(dm, LMDataModule)
     assert (dm.vocab_size, dm.seq_len, dm.batch_size, dm.eos_id, dm.tokenizer) == (10_000, 400, 4, None, None)
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape == batch["labels"].shape == (4, 400)
-    assert batch["input_ids"].dtype == torch.long
-    short, long = dm.val_dataloader()
-    assert next(iter(long))["input_ids"].shape == (4, 1600)
-    val = next(iter(short))["input_ids"]
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
+    val = next(iter(dm.val_dataloader()))["input_ids"]
     assert not torch.equal(val, batch["input_ids"])                     # validation is a different stream
     for row in val:
         parse(row, 8, 8)
+    long = next(iter(dm.eval_dataloader(1600)))["input_ids"]
+    assert long.shape == (4, 1600)
+    parse(long[0], 8, 8)
+    with pytest.raises(ValueError, match="data.n_train"):
+        ICRDataModule(n_train=0)

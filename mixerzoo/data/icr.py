@@ -29,18 +29,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..model.config import ConfigError
-
-try:  # the shared base (mixerzoo.data.base.LMDataModule); before it exists, Lightning's with the same attributes
-    from .base import LMDataModule as _Base
-except ImportError:  # pragma: no cover - depends on the branch
-    from lightning import LightningDataModule as _Base
+from .base import IGNORE_INDEX, LMDataModule, check_int
 
 __all__ = ["PAD", "ARROW", "SEP", "QUERY", "N_SPECIAL", "IGNORE_INDEX", "ICRSpec", "basic_icr", "positional_icr",
            "icr_sample", "icr_batch", "value_token_accuracy", "ICRDataset", "ICRDataModule"]
 
 PAD, ARROW, SEP, QUERY = 0, 1, 2, 3
 N_SPECIAL = 4
-IGNORE_INDEX = -100
 TASKS = ("basic", "positional")
 
 
@@ -236,56 +231,46 @@ class ICRDataset(Dataset):
         return {"input_ids": ids, "labels": labels}
 
 
-class ICRDataModule(_Base):
-    """Lightning DataModule for basic / positional in-context recall, generated in process.
+class ICRDataModule(LMDataModule):
+    """Basic / positional in-context recall as a :class:`~mixerzoo.data.LMDataModule`, generated in process.
 
-    Batches are ``{"input_ids": (B, T) long, "labels": (B, T) long}`` with shifted labels (``-100`` ignored).
+    Batches are ``{"input_ids": (B, T) long, "labels": (B, T) long}`` with shifted labels (``-100`` ignored),
+    so the training stack's next-token accuracy over labelled positions is the paper's per-token accuracy
+    over value tokens.
 
     Args:
         task: ``basic`` or ``positional``.
         seq_len: training context length ``T`` (tokens).
         batch_size: samples per batch.
         vocab_size, key_len, value_len, n_queries, n_copies: see :class:`ICRSpec` (paper defaults).
-        n_train: samples per training epoch (fresh samples, never repeated within an epoch).
-        n_val: samples per validation length.
-        val_seq_lens: context lengths to validate at (default ``[seq_len]``); give e.g.
-            ``[1024, 4096, 16384]`` to watch length extrapolation. One dataloader per length, in that order.
-        seed: seed of every sample (train and validation use different streams).
-        num_workers: DataLoader workers.
+        n_train: training samples per epoch (each generated from its index, so no two repeat).
+        n_val: validation samples (at ``seq_len``; a separate stream from training).
+        num_workers, seed: as :class:`~mixerzoo.data.LMDataModule`.
 
-    Attributes:
-        vocab_size, seq_len, batch_size; ``eos_id = None`` and ``tokenizer = None`` (synthetic ids).
+    For length extrapolation, :meth:`eval_dataloader` gives validation-stream samples at any ``seq_len``.
+
+    Raises:
+        ConfigError (a ValueError): a bad field (named ``data.<field>``) or a ``seq_len`` too short for the task.
     """
 
     def __init__(self, task: str = "basic", seq_len: int = 1024, batch_size: int = 16, vocab_size: int = 10_000,
                  key_len: int = 8, value_len: int = 8, n_queries: int | None = None, n_copies: int = 4,
-                 n_train: int = 100_000, n_val: int = 256, val_seq_lens: list[int] | None = None, seed: int = 0,
-                 num_workers: int = 0) -> None:
-        if getattr(_Base, "__module__", "").startswith("mixerzoo"):   # LMDataModule checks and stores these
-            super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed)
-        else:
-            super().__init__()
+                 n_train: int = 100_000, n_val: int = 256, num_workers: int = 0, seed: int = 0) -> None:
+        super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed)
+        self.save_hyperparameters()
+        self.n_train = check_int("data.n_train", n_train, 1)
+        self.n_val = check_int("data.n_val", n_val, 1)
         self.spec = ICRSpec(task, vocab_size, key_len, value_len, n_queries, n_copies)
         self.spec.context_pairs(seq_len)
-        self.task, self.vocab_size, self.seq_len, self.batch_size = task, vocab_size, seq_len, batch_size
-        self.eos_id, self.tokenizer = None, None
-        self.n_train, self.n_val, self.seed, self.num_workers = n_train, n_val, seed, num_workers
-        self.val_seq_lens = list(val_seq_lens) if val_seq_lens else [seq_len]
+        self.task, self.vocab_size = task, vocab_size
 
-    def dataloader(self, seq_len: int, n_samples: int, split: int, shuffle: bool = False,
-                   batch_size: int | None = None) -> DataLoader:
-        """A DataLoader of ``n_samples`` at context ``seq_len`` (``split`` 0 train, 1 validation, 2 test)."""
-        ds = ICRDataset(self.spec, seq_len, n_samples, self.seed, split)
-        return DataLoader(ds, batch_size=batch_size or self.batch_size, shuffle=shuffle,
+    def setup(self, stage: str | None = None) -> None:
+        self._datasets["train"] = ICRDataset(self.spec, self.seq_len, self.n_train, self.seed, split=0)
+        self._datasets["val"] = ICRDataset(self.spec, self.seq_len, self.n_val, self.seed, split=1)
+
+    def eval_dataloader(self, seq_len: int, n_samples: int | None = None, batch_size: int | None = None,
+                        split: int = 1) -> DataLoader:
+        """Samples of the same task at another context length ``seq_len`` (default ``n_val`` samples)."""
+        ds = ICRDataset(self.spec, seq_len, n_samples or self.n_val, self.seed, split)
+        return DataLoader(ds, batch_size=batch_size or self.batch_size, shuffle=False,
                           num_workers=self.num_workers)
-
-    def train_dataloader(self) -> DataLoader:
-        return self.dataloader(self.seq_len, self.n_train, split=0, shuffle=True)
-
-    def val_dataloader(self):
-        loaders = [self.dataloader(n, self.n_val, split=1) for n in self.val_seq_lens]
-        return loaders[0] if len(loaders) == 1 else loaders
-
-    def test_dataloader(self):
-        loaders = [self.dataloader(n, self.n_val, split=2) for n in self.val_seq_lens]
-        return loaders[0] if len(loaders) == 1 else loaders
