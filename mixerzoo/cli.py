@@ -35,7 +35,7 @@ def print_plugins(stream=None) -> int:
 
 
 def _lightning_cli(args: list[str] | None):
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
     from lightning.pytorch.cli import LightningCLI
 
     from .data import LMDataModule
@@ -52,23 +52,26 @@ def _lightning_cli(args: list[str] | None):
                                  "checkpoint.auto_insert_metric_name": False})
             parser.add_lightning_class_args(ThroughputLogger, "throughput")
 
-        def _check_ckpt(self) -> None:
-            sub = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
-            check_ckpt_path(sub.get("ckpt_path"))
+        def _instantiate_trainer(self, config, callbacks):
+            # Rich progress bar by default, unless the recipe turns progress bars off or brings its own.
+            wants_bar = config.get("enable_progress_bar", True) is not False
+            given = list(callbacks) + list(config.get("callbacks") or [])
+            if wants_bar and not any(isinstance(c, ProgressBar) for c in given):
+                callbacks = [*callbacks, RichProgressBar()]
+            return super()._instantiate_trainer(config, callbacks)
 
-        def before_fit(self) -> None:
-            self._check_ckpt()
-
-        def before_validate(self) -> None:
-            self._check_ckpt()
-
-        def before_test(self) -> None:
-            self._check_ckpt()
+        def _parse_ckpt_path(self) -> None:
+            # LightningCLI reads hyper-parameters from --ckpt_path before anything else: check the file first,
+            # so a truncated or foreign file gets a clear message instead of an unpickling traceback.
+            sub = self.config.get("subcommand")
+            if sub:
+                check_ckpt_path(self.config[sub].get("ckpt_path"))
+            super()._parse_ckpt_path()
 
     trainer_defaults = {
         "default_root_dir": "runs",
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "mixerzoo"}},
-        "callbacks": [RichProgressBar(), LearningRateMonitor(logging_interval="step")],
+        "callbacks": [LearningRateMonitor(logging_interval="step")],
         "plugins": [AtomicCheckpointIO()],
     }
     return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
