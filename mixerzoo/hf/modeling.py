@@ -162,12 +162,13 @@ class MixerzooForCausalLM(PreTrainedModel, GenerationMixin):
         ``PreTrainedModel.from_pretrained``).
 
         Args:
-            dtype / torch_dtype: ``"auto"`` (as saved), a name (``"bfloat16"``) or a ``torch.dtype``.
+            dtype / torch_dtype: ``None``/``"auto"`` (as exported), a name (``"bfloat16"``) or a ``torch.dtype``.
             device_map: ``None``/``"cpu"``, a device (``"cuda"``, ``"cuda:1"``, an int), ``"auto"`` (the first
                 GPU if any) or ``{"": device}``; the model is not split across devices.
         """
         from ..hub.checkpoint import load_weights
-        from ..hub.load import GENERATION_CONFIG_NAME, check_plugins, load_folder_weights, resolve_folder, _dtype
+        from ..hub.load import (GENERATION_CONFIG_NAME, _dtype, check_plugins, load_folder_weights, resolve_folder,
+                                saved_dtype)
 
         folder = resolve_folder(pretrained_model_name_or_path, revision=revision, cache_dir=cache_dir, token=token,
                                 local_files_only=local_files_only)
@@ -178,7 +179,7 @@ class MixerzooForCausalLM(PreTrainedModel, GenerationMixin):
         model = cls(config)
         load_weights(model.model, load_folder_weights(folder), where=str(folder))
         dtype = dtype if dtype is not None else torch_dtype
-        dtype = None if dtype in (None, "auto") else _dtype(dtype)
+        dtype = _dtype(saved_dtype(folder) if dtype in (None, "auto") else dtype)
         device = _device(device_map)
         if dtype is not None or device is not None:
             model.to(device=device, dtype=dtype)

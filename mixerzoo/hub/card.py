@@ -29,7 +29,7 @@ def _human(n: int | None) -> str:
         return "unknown"
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
-            return f"{n / size:.3g}{unit} ({n:,})"
+            return f"{n:,} ({n / size:.3g}{unit})"
     return f"{n:,}"
 
 

@@ -167,6 +167,14 @@ def _dtype(value: Any) -> torch.dtype | None:
     return dtype
 
 
+def saved_dtype(folder: Path) -> str | None:
+    """The dtype the weights were exported in (config.json ``dtype``), or None."""
+    try:
+        return json.loads((Path(folder) / CONFIG_NAME).read_text()).get("dtype")
+    except (OSError, ValueError):
+        return None
+
+
 def load_folder_weights(folder: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The tensors of ``model.safetensors`` (a ``model.`` prefix, as ``transformers`` saves them, is removed)."""
     from safetensors.torch import load_file
@@ -187,7 +195,7 @@ def build_from_folder(folder: Path, device: str | torch.device | None = None,
     check_plugins(config, meta, where=f"{folder}: ")
     model = LanguageModel(config)
     load_weights(model, load_folder_weights(folder), where=str(folder / WEIGHTS_NAME))
-    dtype = _dtype(dtype)
+    dtype = _dtype(saved_dtype(folder) if dtype in (None, "auto") else dtype)
     if dtype is not None or device is not None:
         model.to(device=device, dtype=dtype)
     return model.eval()
@@ -206,7 +214,8 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, device: str | torch.d
     Args:
         path_or_repo_id: a local folder, or ``owner/name`` on the Hugging Face Hub (downloaded with
             ``huggingface_hub.snapshot_download``; configs, safetensors and the card only).
-        device, dtype: where and in which floating type to put the weights (default: CPU, as saved).
+        device, dtype: where and in which floating type to put the weights (default: CPU, the dtype they were
+            exported in).
         revision, cache_dir, token, local_files_only: passed to ``snapshot_download`` for a repository id.
 
     Raises:
