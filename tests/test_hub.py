@@ -11,7 +11,6 @@ import atexit
 import functools
 import json
 import os
-import pickle
 import re
 import shutil
 import sys
@@ -193,22 +192,19 @@ def test_text_export_ships_the_checkpoints_tokenizer(text, text_export):
     assert "mixerzoo.data.TextDataModule" in card and "checkpoint (TextDataModule.tokenizer_json)" in card
 
 
-def test_datamodule_tokenizer_state_round_trip():
-    from mixerzoo.data import RecallDataModule, TextDataModule
-
-    assert RecallDataModule(**RECALL).state_dict() == {}
-    gpt2 = SHARED_DATA / "tokenizers" / "gpt2" / "tokenizer.json"
-    if not gpt2.is_file():
-        pytest.skip("gpt2 tokenizer not in shared data")
-    dm = TextDataModule(paths=str(SHARED_DATA / "tinyshakespeare" / "input.txt"), tokenizer=str(gpt2))
-    state = dm.state_dict()
+def test_datamodule_tokenizer_state_round_trip(text_export):
     from tokenizers import Tokenizer
 
-    assert state["tokenizer_json"] == Tokenizer.from_file(str(gpt2)).to_str()
-    assert Tokenizer.from_str(state["tokenizer_json"]).encode("Hello world").ids == [15496, 995]  # GPT-2's ids
-    dm.load_state_dict(state)  # same tokenizer: silent
+    from mixerzoo.data import RecallDataModule, TextDataModule
     from mixerzoo.hub.checkpoint import id_tokenizer
 
+    assert RecallDataModule(**RECALL).state_dict() == {}
+    bpe = text_export / "tokenizer.json"
+    dm = TextDataModule(paths=str(SHARED_DATA / "tinyshakespeare" / "input.txt"), tokenizer=str(bpe))
+    state = dm.state_dict()
+    assert state["tokenizer_json"] == Tokenizer.from_file(str(bpe)).to_str()
+    dm.load_state_dict(state)  # same tokenizer: silent
+    assert dm.saved_tokenizer_json == state["tokenizer_json"]
     with pytest.warns(UserWarning, match="differs from the one saved in the checkpoint"):
         dm.load_state_dict({"tokenizer_json": id_tokenizer(10).to_str()})
 
@@ -337,6 +333,60 @@ def test_repo_id_download_goes_through_snapshot_download(recall, tmp_path, monke
     assert seen["repo_id"] == "me/mqar-tiny" and seen["revision"] == "v1"
     assert "*.safetensors" in seen["allow_patterns"] and not any("bin" in p for p in seen["allow_patterns"])
     assert torch.equal(model.embed.weight, reference_model(recall["last"]).embed.weight)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# export at the end of training
+# ------------------------------------------------------------------------------------------------------------
+RECIPE = """
+model: {d_model: 32, n_layers: 2, n_heads: 2, layer_types: [swa, attention], mixers: {swa: {window: 8}, attention: {}},
+        warmup_steps: 1}
+data:
+  class_path: mixerzoo.data.RecallDataModule
+  init_args: {vocab_size: 64, seq_len: 32, num_kv_pairs: 4, train_examples: 64, val_examples: 32, batch_size: 16}
+trainer:
+  max_steps: 2
+  enable_progress_bar: false
+  limit_val_batches: 1
+  val_check_interval: 2
+  callbacks:
+    - class_path: mixerzoo.hub.HubExport
+      init_args: {out_dir: exported, which: best}
+"""
+
+
+def test_hub_export_callback_from_yaml_exports_the_best_checkpoint(in_tmp):
+    (in_tmp / "r.yaml").write_text(RECIPE)
+    assert main(["fit", "--config", "r.yaml"]) == 0
+    (best,) = [p for p in in_tmp.glob("runs/mixerzoo/version_*/checkpoints/*.ckpt") if p.name != "last.ckpt"]
+    model = from_pretrained(in_tmp / "exported")
+    ref = reference_model(str(best))
+    ids = torch.randint(0, 64, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], ref(ids)[0])
+    assert best.name in (in_tmp / "exported" / "README.md").read_text()
+
+
+def test_hub_export_callback_last_exports_the_final_weights(tmp_path, monkeypatch):
+    import huggingface_hub
+    import lightning as L
+
+    from mixerzoo.data import RecallDataModule
+    from mixerzoo.hub import HubExport
+    from mixerzoo.training import LMModule
+
+    monkeypatch.setattr(huggingface_hub, "create_repo", lambda *a, **k: (_ for _ in ()).throw(ConnectionError("down")))
+    cb = HubExport(out_dir=str(tmp_path / "final"), which="last", repo_id="me/m", push=True)
+    module = LMModule(**TINY)
+    L.Trainer(max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+              enable_checkpointing=False, limit_val_batches=0, default_root_dir=str(tmp_path),
+              callbacks=[cb]).fit(module, RecallDataModule(**RECALL))
+    model = from_pretrained(tmp_path / "final")  # exported although the push failed
+    for name, p in module.model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], p), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # the temporary checkpoint is gone
+    with pytest.raises(ConfigError, match="which"):
+        HubExport(out_dir="x", which="first")
 
 
 # ------------------------------------------------------------------------------------------------------------
