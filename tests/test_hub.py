@@ -431,3 +431,20 @@ def test_transformers_loads_and_generates_like_mixerzoo(text_export, capsys):
     assert torch.equal(beams, beams_nocache)
     with pytest.raises(ValueError, match="left padding"):
         model(ids["input_ids"], attention_mask=torch.tensor([[0] + [1] * (T - 1)]))
+
+
+def test_transformers_save_pretrained_round_trip(text_export, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(text_export), trust_remote_code=True, dtype="bfloat16")
+    assert model.dtype == torch.bfloat16
+    model.save_pretrained(tmp_path / "saved")
+    files = {p.name for p in (tmp_path / "saved").iterdir()}
+    assert files == {"config.json", "model.safetensors", "generation_config.json", "configuration_mixerzoo.py",
+                     "modeling_mixerzoo.py"}
+    ours = from_pretrained(tmp_path / "saved")  # bfloat16, as saved
+    assert ours.embed.weight.dtype == torch.bfloat16
+    for name, p in model.model.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], p), name
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), trust_remote_code=True)
+    assert torch.equal(again.model.embed.weight, model.model.embed.weight)

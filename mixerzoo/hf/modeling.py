@@ -153,6 +153,38 @@ class MixerzooForCausalLM(PreTrainedModel, GenerationMixin):
             inputs["input_ids"] = inputs["input_ids"].to(self.device)
         return inputs
 
+    def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs: Any) -> None:
+        """Write the same folder layout as ``mixerzoo export`` (config.json with ``lm_config``, model.safetensors
+        under the LanguageModel's names with tied tensors stored once, generation_config.json, the two shims), so
+        the result loads with :func:`mixerzoo.from_pretrained` and with ``AutoModelForCausalLM``. Save the
+        tokenizer with its own ``save_pretrained``. Keyword arguments of ``PreTrainedModel.save_pretrained``
+        (``state_dict``, ``safe_serialization``, ...) are ignored; ``push_to_hub`` is refused (use
+        :func:`mixerzoo.hub.push_to_hub`)."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        from . import ARCHITECTURE, AUTO_MAP, REMOTE_CODE
+        from ..hub.export import safetensors_weights
+        from ..hub.load import CONFIG_NAME, WEIGHTS_NAME
+
+        if kwargs.get("push_to_hub"):
+            raise NotImplementedError("push with mixerzoo.hub.push_to_hub(folder, repo_id) after save_pretrained")
+        if not is_main_process:
+            return
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors, tied = safetensors_weights(self.model)
+        save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt", "mixerzoo_tied": json.dumps(tied)})
+        config = self.config.to_dict()
+        config.update(architectures=[ARCHITECTURE], auto_map=dict(AUTO_MAP),
+                      dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
+        (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, default=str) + "\n")
+        self.generation_config.save_pretrained(str(folder))
+        for filename, text in REMOTE_CODE.items():
+            (folder / filename).write_text(text)
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args: Any,
                         config: MixerzooConfig | None = None, dtype: Any = None, torch_dtype: Any = None,
