@@ -446,5 +446,9 @@ def test_transformers_save_pretrained_round_trip(text_export, tmp_path):
     assert ours.embed.weight.dtype == torch.bfloat16
     for name, p in model.model.state_dict().items():
         assert torch.equal(ours.state_dict()[name], p), name
-    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), trust_remote_code=True)
+    import mixerzoo.hf
+
+    mixerzoo.hf.register()  # model_type mixerzoo known in-process: no remote code needed
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), trust_remote_code=False)
+    assert type(again).__module__ == "mixerzoo.hf.modeling"
     assert torch.equal(again.model.embed.weight, model.model.embed.weight)
