@@ -192,6 +192,18 @@ def test_text_export_ships_the_checkpoints_tokenizer(text, text_export):
     assert "mixerzoo.data.TextDataModule" in card and "checkpoint (TextDataModule.tokenizer_json)" in card
 
 
+def test_checkpoint_without_tokenizer_needs_one(text, text_export, tmp_path):
+    """A text checkpoint from before tokenizers were saved: a clear error, and --tokenizer fixes it."""
+    ckpt = torch.load(text["last"], weights_only=True)
+    del ckpt["TextDataModule"]
+    old = tmp_path / "old.ckpt"
+    torch.save(ckpt, old)
+    with pytest.raises(ConfigError, match="holds no tokenizer.*--tokenizer"):
+        read_checkpoint(old)
+    trained_model = read_checkpoint(old, tokenizer=str(text_export / "tokenizer.json"))
+    assert trained_model.eos_id == 0 and trained_model.tokenizer.get_vocab_size() <= 300
+
+
 def test_datamodule_tokenizer_state_round_trip(text_export):
     from tokenizers import Tokenizer
 

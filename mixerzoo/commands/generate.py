@@ -31,6 +31,8 @@ def load_for_generation(source: str, tokenizer: str | None = None, device: str |
     """
     from ..data.text import find_eos_id, load_tokenizer
 
+    if source.endswith(".ckpt") and not os.path.isfile(os.path.expanduser(source)):
+        raise FileNotFoundError(f"{source!r}: no such checkpoint file")
     if os.path.isfile(os.path.expanduser(source)):
         from ..hub import read_checkpoint
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import yaml
@@ -58,7 +59,7 @@ def model_card(trained: TrainedModel, plugins: dict, n_params: int, repo_id: str
     recipe = yaml.safe_dump(trained.recipe, sort_keys=False, default_flow_style=None, width=100)
     prompt = "Once upon a time" if trained.eos_id is not None else "1 2 3"
     return f"""{_front_matter(trained, plugins, repo_id)}
-# {name}
+# {repo_id.rsplit("/", 1)[-1] if repo_id else name}
 
 A causal language model built with mixerzoo (version {__version__}): {cfg.n_layers} layers of
 width {cfg.d_model} ({pattern}), {n_params:,} parameters, vocabulary {cfg.vocab_size}.
@@ -75,7 +76,7 @@ with the distribution to install).
 - Training tokens: {token_line}
 - Optimizer steps: {trained.global_step}
 - Tokenizer: {trained.tokenizer_source}
-- Exported from: `{trained.source}`
+- Exported from: `{os.path.basename(trained.source)}`
 
 ### Recipe (the checkpoint's hyper-parameters; trainer settings are not stored in checkpoints)
 
@@ -110,7 +111,7 @@ With transformers (the model code comes from the installed mixerzoo):
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained("{where}", trust_remote_code=True)
-tok = AutoTokenizer.from_pretrained("{where}")
+tok = AutoTokenizer.from_pretrained("{where}", trust_remote_code=True)
 out = model.generate(**tok("{prompt}", return_tensors="pt"), max_new_tokens=32, do_sample=False)
 print(tok.decode(out[0]))
 ```

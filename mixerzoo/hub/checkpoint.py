@@ -104,7 +104,22 @@ def id_tokenizer(vocab_size: int):
     return tok
 
 
-def _tokenizer_from(ckpt: dict, data_hparams: dict, vocab_size: int, override: str | None) -> tuple[Any, str]:
+def _has_tokenizer(class_path: str | None) -> bool | None:
+    """Whether the data module class at ``class_path`` has a tokenizer (None if it cannot be imported)."""
+    if not class_path or "." not in class_path:
+        return None
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001 - an unknown class means "unknown", not an error here
+        return None
+    return inspect.getattr_static(cls, "tokenizer", None) is not None
+
+
+def _tokenizer_from(ckpt: dict, data_hparams: dict, class_path: str | None, vocab_size: int,
+                    override: str | None) -> tuple[Any, str]:
     from ..data.text import load_tokenizer
 
     if override is not None:
@@ -117,11 +132,12 @@ def _tokenizer_from(ckpt: dict, data_hparams: dict, vocab_size: int, override: s
     path = data_hparams.get("tokenizer")
     if isinstance(path, str) and os.path.exists(os.path.expanduser(path)):
         return load_tokenizer(path), os.path.abspath(os.path.expanduser(path))
-    if any(k in data_hparams for k in ("paths", "hf_dataset", "tokenizer")):
-        raise ConfigError("the checkpoint holds no tokenizer (it predates tokenizers saved in checkpoints, or its "
-                          f"data.tokenizer {path!r} is gone); pass --tokenizer PATH with the tokenizer.json it was "
-                          f"trained with (a trained BPE is cached under <data.cache_dir>/tokenizers/bpe-*/)")
-    return id_tokenizer(vocab_size), "synthetic task: token i is the text 'i'"
+    if _has_tokenizer(class_path) is False:  # a synthetic task over raw ids (MQAR)
+        return id_tokenizer(vocab_size), "synthetic task: token i is the text 'i'"
+    raise ConfigError(f"the checkpoint holds no tokenizer (data module {class_path or 'unknown'}; it predates "
+                      f"tokenizers saved in checkpoints, or its data.tokenizer {path!r} is gone); pass --tokenizer "
+                      f"PATH with the tokenizer.json it was trained with (a trained BPE is cached under "
+                      f"<data.cache_dir>/tokenizers/bpe-*/)")
 
 
 def _data_class_path(ckpt: dict, data_hparams: dict) -> str | None:
@@ -192,12 +208,12 @@ def read_checkpoint(path: str | os.PathLike, tokenizer: str | None = None) -> Tr
     state = {k[len(_MODEL_PREFIX):]: v for k, v in ckpt["state_dict"].items() if k.startswith(_MODEL_PREFIX)}
     data_hparams = dict(ckpt.get("datamodule_hyper_parameters") or {})
     data_hparams.pop("_instantiator", None)
-    tok, tok_source = _tokenizer_from(ckpt, data_hparams, config.vocab_size, tokenizer)
+    class_path = _data_class_path(ckpt, data_hparams)
+    data_hparams.pop("_class_path", None)
+    tok, tok_source = _tokenizer_from(ckpt, data_hparams, class_path, config.vocab_size, tokenizer)
     from ..data.text import find_eos_id
 
     eos_id = find_eos_id(tok)
-    class_path = _data_class_path(ckpt, data_hparams)
-    data_hparams.pop("_class_path", None)
     recipe = {"model": _plain(hparams),
               "data": {**({"class_path": class_path} if class_path else {}), "init_args": _plain(data_hparams)}}
     step = int(ckpt.get("global_step") or 0)

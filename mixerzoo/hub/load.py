@@ -74,9 +74,9 @@ def resolve_folder(path_or_repo_id: str | os.PathLike, revision: str | None = No
                                    local_files_only=local_files_only, allow_patterns=DOWNLOAD_PATTERNS)
     except Exception as e:  # noqa: BLE001 - huggingface_hub raises many types (HTTP, offline, auth, not found)
         raise HubDownloadError(f"could not download {s!r} from the Hugging Face Hub: {type(e).__name__}: "
-                               f"{str(e).splitlines()[0].rstrip('.') if str(e) else ''}. Check the repository id and your "
-                               f"network; private repositories need `hf auth login` or HF_TOKEN; a local export "
-                               f"is loaded by its folder path") from e
+                               f"{str(e).splitlines()[0].rstrip('.') if str(e) else ''}. No local folder {s!r} exists either. "
+                               f"Check the repository id and your network; private repositories need `hf auth "
+                               f"login` or HF_TOKEN") from e
     return Path(folder)
 
 
