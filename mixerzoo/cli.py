@@ -80,10 +80,14 @@ def _lightning_cli(args: list[str] | None):
 
 
 USAGE = """usage: mixerzoo {fit,validate,test,predict} --config RECIPE.yaml [--field value ...]
+       mixerzoo export CKPT OUT_DIR [--repo-id NAME --push] [--private]
+       mixerzoo generate CKPT_OR_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S]
        mixerzoo plugins
        mixerzoo new-plugin NAME [--dir PATH]
 
   fit/validate/test/predict  train or evaluate with Lightning (add --help for every field)
+  export                     write a Hugging Face Hub folder from a checkpoint (and push it)
+  generate                   stream text from a checkpoint, an exported folder or a Hub repository
   plugins                    list installed mixers, positional encodings and schedules
   new-plugin                 create a working plugin package mixerzoo-NAME/ (mixer, tests, recipe, README)
 """
@@ -102,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         from .commands.new_plugin import main as new_plugin
 
         return new_plugin(argv[1:])
+    if argv[0] in ("export", "generate"):
+        import importlib
+
+        return importlib.import_module(f".commands.{argv[0]}", __package__).main(argv[1:])
     if argv[0] in LIGHTNING_COMMANDS:
         from .errors import friendly_errors
 
