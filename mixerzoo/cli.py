@@ -15,6 +15,7 @@ import sys
 __all__ = ["main", "MixerzooCLI", "print_plugins"]
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+SUBCOMMANDS = {"export": "export", "generate": "generate", "new-plugin": "new_plugin"}  # name -> commands.<module>
 
 
 def print_plugins(stream=None) -> int:
@@ -102,14 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] == "plugins":
         return 1 if print_plugins() else 0
-    if argv[0] == "new-plugin":
-        from .commands.new_plugin import main as new_plugin
-
-        return new_plugin(argv[1:])
-    if argv[0] in ("export", "generate"):
+    if argv[0] in SUBCOMMANDS:
         import importlib
 
-        return importlib.import_module(f".commands.{argv[0]}", __package__).main(argv[1:])
+        return importlib.import_module(f".commands.{SUBCOMMANDS[argv[0]]}", __package__).main(argv[1:])
     if argv[0] in LIGHTNING_COMMANDS:
         from .errors import friendly_errors
 
