@@ -5,6 +5,7 @@
   :class:`~mixerzoo.data.LMDataModule` (``data.class_path``). ``--print_config`` shows the full config.
 - ``mixerzoo plugins``: every installed mixer, positional encoding and schedule, with its distribution,
   version and import path; broken plugins are listed with their error.
+- ``mixerzoo new-plugin NAME [--dir PATH]``: generate a plugin distribution (:mod:`mixerzoo.commands.new_plugin`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 __all__ = ["main", "MixerzooCLI", "print_plugins"]
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+SUBCOMMANDS = {"export": "export", "generate": "generate", "new-plugin": "new_plugin"}  # name -> commands.<module>
 
 
 def print_plugins(stream=None) -> int:
@@ -79,10 +81,16 @@ def _lightning_cli(args: list[str] | None):
 
 
 USAGE = """usage: mixerzoo {fit,validate,test,predict} --config RECIPE.yaml [--field value ...]
+       mixerzoo export CKPT OUT_DIR [--repo-id NAME --push] [--private]
+       mixerzoo generate CKPT_OR_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S]
        mixerzoo plugins
+       mixerzoo new-plugin NAME [--dir PATH]
 
   fit/validate/test/predict  train or evaluate with Lightning (add --help for every field)
+  export                     write a Hugging Face Hub folder from a checkpoint (and push it)
+  generate                   stream text from a checkpoint, an exported folder or a Hub repository
   plugins                    list installed mixers, positional encodings and schedules
+  new-plugin                 create a working plugin package mixerzoo-NAME/ (mixer, tests, recipe, README)
 """
 
 
@@ -95,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] == "plugins":
         return 1 if print_plugins() else 0
+    if argv[0] in SUBCOMMANDS:
+        import importlib
+
+        return importlib.import_module(f".commands.{SUBCOMMANDS[argv[0]]}", __package__).main(argv[1:])
     if argv[0] in LIGHTNING_COMMANDS:
         from .errors import friendly_errors
 

@@ -147,3 +147,20 @@ def test_cli_errors_are_one_clear_line(in_tmp, capsys):
     code, err = _cli(["fit", "--config", "r.yaml", "--ckpt_path", "bad.ckpt"], capsys)
     assert code == 2 and "cannot be read as a checkpoint" in err
     assert not (in_tmp / "runs").exists() or not glob.glob(str(in_tmp / "runs/**/*.ckpt"), recursive=True)
+
+
+def test_cli_fit_on_real_text_with_trained_bpe(in_tmp, shared_data):
+    """The main job on real input: a hybrid on tiny-shakespeare with a BPE trained on the training split."""
+    recipe = f"""
+model: {{d_model: 32, n_layers: 2, n_heads: 2, layer_types: [swa, attention], mixers: {{swa: {{window: 8}}, attention: {{}}}}, warmup_steps: 1}}
+data:
+  class_path: mixerzoo.data.TextDataModule
+  init_args: {{paths: {shared_data}/tinyshakespeare/input.txt, sample_by: paragraph, bpe_vocab_size: 300,
+              seq_len: 32, batch_size: 8, max_tokens: 4000}}
+trainer: {{max_steps: 3, enable_progress_bar: false, limit_val_batches: 2, val_check_interval: 3, log_every_n_steps: 1}}
+"""
+    (in_tmp / "t.yaml").write_text(recipe)
+    assert main(["fit", "--config", "t.yaml"]) == 0
+    metrics = next(in_tmp.glob("runs/mixerzoo/version_*/metrics.csv")).read_text()
+    assert "val/loss" in metrics and "train/loss" in metrics
+    assert list(in_tmp.glob(".mixerzoo_cache/tokenizers/bpe-*/tokenizer.json"))

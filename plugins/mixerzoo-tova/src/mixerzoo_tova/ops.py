@@ -1,0 +1,154 @@
+"""The vectorised step of an evicting KV cache: attend, then cut the cache back to ``multi_state`` entries.
+
+One function, :func:`attend_and_evict`, does the work of both evaluation modes of :class:`TOVAAttention`:
+``decode`` (exact) calls it one token at a time, ``chunked`` (approximation) one chunk at a time. It is
+batched over the batch and the heads; :mod:`mixerzoo_tova.reference` is the plain per-token loop it is
+tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mixerzoo.protocol import MixerState
+
+from .policies import EvictionPolicy
+
+__all__ = ["EvictionCache", "empty_cache", "attend_and_evict", "attend_window_static"]
+
+
+@dataclasses.dataclass
+class EvictionCache(MixerState):
+    """State of :class:`TOVAAttention` in eval mode: a KV cache of at most ``multi_state`` entries per KV head.
+
+    Attributes:
+        k, v: kept keys (after RoPE, at their true positions; never re-rotated) and values,
+            ``(B, H_kv, S, D)``, ``S <= multi_state``, ordered by position.
+        pos: absolute positions of the kept entries, ``(B, G, S)`` int64; ``G = H_kv`` for per-head policies
+            (each KV head keeps its own entries), else 1 (one keep-set for the layer).
+        acc: ``h2o`` only: accumulated attention per entry ``(B, G, S)`` float32; else None.
+        next_pos: tokens seen so far (the position of the next token).
+        shift: previous-token projections for the token-shift option, else None.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    acc: torch.Tensor | None
+    next_pos: int
+    shift: tuple | None = None
+
+    @property
+    def size(self) -> int:
+        """Entries per KV head (the multi-state size in use)."""
+        return self.k.shape[2]
+
+
+def empty_cache(batch: int, n_kv_heads: int, head_dim: int, policy: EvictionPolicy, like: torch.Tensor
+                ) -> EvictionCache:
+    """An empty cache at position 0 with the dtype/device of ``like``."""
+    g = policy.groups(n_kv_heads)
+    kv = like.new_zeros(batch, n_kv_heads, 0, head_dim)
+    return EvictionCache(k=kv, v=kv.clone(), pos=torch.zeros(batch, g, 0, dtype=torch.long, device=like.device),
+                         acc=like.new_zeros(batch, g, 0, dtype=torch.float32) if policy.uses_accumulated else None,
+                         next_pos=0)
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x (B, H, S, *rest)`` at ``idx (B, G, K)`` along dim 2 (``G`` is 1 or ``H``): ``(B, H, K, *rest)``.
+
+    Same result as ``torch.gather`` with an expanded index, written as one ``index_select`` of whole rows
+    (several times faster on CPU for the small per-step caches of decoding).
+    """
+    B, H, S = x.shape[:3]
+    idx = idx.expand(B, H, idx.shape[-1])
+    base = torch.arange(B * H, device=x.device).view(B, H, 1) * S
+    flat = x.reshape(B * H * S, *x.shape[3:]).index_select(0, (idx + base).reshape(-1))
+    return flat.view(B, H, idx.shape[-1], *x.shape[3:])
+
+
+def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     cache: EvictionCache, policy: EvictionPolicy, scale: float | None = None
+                     ) -> tuple[torch.Tensor, EvictionCache]:
+    """New queries attend over ``[cache ; new keys]`` (causal among the new ones); then the policy evicts
+    down to ``multi_state`` entries (paper eq. 9 applied ``S + C - multi_state`` times at once).
+
+    With ``C = 1`` new token this is exactly one decoding step of algorithm 1 (TOVA) or of the baselines.
+    With ``C > 1`` every new query sees the whole cache plus the new tokens before it (up to
+    ``multi_state + C`` entries) and one decision is taken after the chunk, with the last query's attention
+    (TOVA), the chunk's accumulated attention (H2O) or positions (window).
+
+    Args:
+        q: ``(B, H, C, D)`` new queries; k, v: ``(B, H_kv, C, D)`` new keys (RoPE applied) and values.
+        positions: ``(C,)`` absolute positions of the new tokens, following ``cache.next_pos``.
+        cache: the state before these tokens (:func:`empty_cache` at the start).
+        policy: the eviction policy.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+
+    Returns:
+        ``o (B, H, C, D)`` (dtype of ``q``; computed in float32) and the new cache (``next_pos`` and ``shift``
+        are left for the caller to set).
+    """
+    B, H, C, D = q.shape
+    H_kv = k.shape[1]
+    g = H // H_kv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    G = cache.pos.shape[1]
+    K = torch.cat([cache.k.to(k.dtype), k], dim=2)
+    V = torch.cat([cache.v.to(v.dtype), v], dim=2)
+    pos = torch.cat([cache.pos, positions.to(cache.pos.device).view(1, 1, C).expand(B, G, C)], dim=2)
+    S = K.shape[2]
+
+    # GQA: the g query heads of a KV head (heads kv*g .. kv*g+g-1) share its keys; one bmm per (batch, KV head)
+    Kf, Vf = K.float().reshape(B * H_kv, S, D), V.float().reshape(B * H_kv, S, D)
+    logits = torch.bmm(q.float().reshape(B * H_kv, g * C, D), Kf.transpose(1, 2)).view(B, H_kv, g, C, S) * scale
+    if C > 1:  # new queries must not see later new keys; every cached entry is older than every new query
+        S0 = S - C
+        causal = torch.ones(C, S, dtype=torch.bool, device=q.device).tril(diagonal=S0)
+        logits = logits.masked_fill(~causal, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    o = torch.bmm(probs.reshape(B * H_kv, g * C, S), Vf).view(B, H, C, D).to(q.dtype)
+
+    acc = None
+    if policy.uses_accumulated:
+        acc = torch.cat([cache.acc, cache.acc.new_zeros(B, G, C)], dim=2)
+        acc = policy.accumulate(acc, probs)
+    if S > policy.multi_state:
+        prio = policy.priority(probs, pos, acc, int(positions[-1]))
+        n_evict = S - policy.multi_state
+        # ascending stable sort: the lowest priorities go, ties evict the oldest first (argmin in algorithm 1)
+        keep = prio.sort(dim=-1, stable=True).indices[..., n_evict:].sort(dim=-1).values  # (B, G, k)
+        K, V, pos = _gather(K, keep), _gather(V, keep), torch.gather(pos, 2, keep)
+        acc = torch.gather(acc, 2, keep) if acc is not None else None
+    return o, EvictionCache(k=K, v=V, pos=pos, acc=acc, next_pos=cache.next_pos + C, shift=cache.shift)
+
+
+def attend_window_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cache: EvictionCache, policy: EvictionPolicy) -> tuple[torch.Tensor, EvictionCache]:
+    """Exact ``window`` / ``window+i`` decoding in one parallel pass (the paper's static mask, appendix D).
+
+    The window policies' decisions do not depend on attention, so token-by-token eviction has a closed form:
+    the query at position ``t`` sees the sinks (``s < n_sinks``) and ``t - (multi_state - n_sinks) <= s <= t``,
+    which is what :func:`attend_and_evict` with one token per call gives (tested). Afterwards the cache keeps
+    the sinks and the newest ``multi_state - n_sinks`` positions.
+
+    Args and returns as :func:`attend_and_evict` (``policy.name`` must be ``window``).
+    """
+    if policy.name != "window":
+        raise ValueError(f"attend_window_static is exact only for policy window, got {policy.name!r}")
+    B, H, C, D = q.shape
+    K = torch.cat([cache.k.to(k.dtype), k], dim=2)
+    V = torch.cat([cache.v.to(v.dtype), v], dim=2)
+    kpos = torch.cat([cache.pos[0, 0], positions.to(cache.pos.device)])  # one keep-set, the same for every row
+    recent = policy.multi_state - policy.n_sinks
+    is_sink = kpos < policy.n_sinks
+    visible = (kpos[None, :] <= positions[:, None]) & (is_sink[None, :] | (positions[:, None] - kpos[None, :] <= recent))
+    o = F.scaled_dot_product_attention(q, K, V, attn_mask=visible, enable_gqa=H != K.shape[1])
+    keep = (is_sink | (kpos > int(positions[-1]) - recent)).nonzero().squeeze(1)
+    kept = kpos[keep]
+    return o, EvictionCache(k=K[:, :, keep], v=V[:, :, keep], pos=kept.view(1, 1, -1).expand(B, 1, -1).contiguous(),
+                            acc=None, next_pos=cache.next_pos + C, shift=cache.shift)
