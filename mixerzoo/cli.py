@@ -5,6 +5,7 @@
   :class:`~mixerzoo.data.LMDataModule` (``data.class_path``). ``--print_config`` shows the full config.
 - ``mixerzoo plugins``: every installed mixer, positional encoding and schedule, with its distribution,
   version and import path; broken plugins are listed with their error.
+- ``mixerzoo new-plugin NAME [--dir PATH]``: generate a plugin distribution (:mod:`mixerzoo.commands.new_plugin`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 __all__ = ["main", "MixerzooCLI", "print_plugins"]
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+SUBCOMMANDS = {"export": "export", "generate": "generate", "new-plugin": "new_plugin"}  # name -> commands.<module>
 
 
 def print_plugins(stream=None) -> int:
@@ -35,7 +37,7 @@ def print_plugins(stream=None) -> int:
 
 
 def _lightning_cli(args: list[str] | None):
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
     from lightning.pytorch.cli import LightningCLI
 
     from .data import LMDataModule
@@ -52,23 +54,26 @@ def _lightning_cli(args: list[str] | None):
                                  "checkpoint.auto_insert_metric_name": False})
             parser.add_lightning_class_args(ThroughputLogger, "throughput")
 
-        def _check_ckpt(self) -> None:
-            sub = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
-            check_ckpt_path(sub.get("ckpt_path"))
+        def _instantiate_trainer(self, config, callbacks):
+            # Rich progress bar by default, unless the recipe turns progress bars off or brings its own.
+            wants_bar = config.get("enable_progress_bar", True) is not False
+            given = list(callbacks) + list(config.get("callbacks") or [])
+            if wants_bar and not any(isinstance(c, ProgressBar) for c in given):
+                callbacks = [*callbacks, RichProgressBar()]
+            return super()._instantiate_trainer(config, callbacks)
 
-        def before_fit(self) -> None:
-            self._check_ckpt()
-
-        def before_validate(self) -> None:
-            self._check_ckpt()
-
-        def before_test(self) -> None:
-            self._check_ckpt()
+        def _parse_ckpt_path(self) -> None:
+            # LightningCLI reads hyper-parameters from --ckpt_path before anything else: check the file first,
+            # so a truncated or foreign file gets a clear message instead of an unpickling traceback.
+            sub = self.config.get("subcommand")
+            if sub:
+                check_ckpt_path(self.config[sub].get("ckpt_path"))
+            super()._parse_ckpt_path()
 
     trainer_defaults = {
         "default_root_dir": "runs",
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "mixerzoo"}},
-        "callbacks": [RichProgressBar(), LearningRateMonitor(logging_interval="step")],
+        "callbacks": [LearningRateMonitor(logging_interval="step")],
         "plugins": [AtomicCheckpointIO()],
     }
     return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
@@ -76,10 +81,16 @@ def _lightning_cli(args: list[str] | None):
 
 
 USAGE = """usage: mixerzoo {fit,validate,test,predict} --config RECIPE.yaml [--field value ...]
+       mixerzoo export CKPT OUT_DIR [--repo-id NAME --push] [--private]
+       mixerzoo generate CKPT_OR_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S]
        mixerzoo plugins
+       mixerzoo new-plugin NAME [--dir PATH]
 
   fit/validate/test/predict  train or evaluate with Lightning (add --help for every field)
+  export                     write a Hugging Face Hub folder from a checkpoint (and push it)
+  generate                   stream text from a checkpoint, an exported folder or a Hub repository
   plugins                    list installed mixers, positional encodings and schedules
+  new-plugin                 create a working plugin package mixerzoo-NAME/ (mixer, tests, recipe, README)
 """
 
 
@@ -92,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] == "plugins":
         return 1 if print_plugins() else 0
+    if argv[0] in SUBCOMMANDS:
+        import importlib
+
+        return importlib.import_module(f".commands.{SUBCOMMANDS[argv[0]]}", __package__).main(argv[1:])
     if argv[0] in LIGHTNING_COMMANDS:
         from .errors import friendly_errors
 

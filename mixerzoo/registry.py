@@ -12,6 +12,7 @@ that fails to import is reported with its error and does not break the others.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata as md
 from typing import Any, Callable
 
@@ -49,7 +50,7 @@ class Entry:
             self._loaded = True
             try:
                 module, _, attr = self.value.partition(":")
-                obj = importlib_import(module)
+                obj = importlib.import_module(module)
                 for part in attr.split(".") if attr else []:
                     obj = getattr(obj, part)
                 self._obj = obj
@@ -70,12 +71,6 @@ class Entry:
         except PluginImportError:
             return f"{type(self._error).__name__}: {self._error}"
         return None
-
-
-def importlib_import(module: str):
-    import importlib
-
-    return importlib.import_module(module)
 
 
 _cache: dict[str, dict[str, Entry]] = {}

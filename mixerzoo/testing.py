@@ -32,7 +32,13 @@ BF16_RTOL = 3e-2
 
 
 class ConformanceError(AssertionError):
-    """A mixer broke the protocol; the message says which check, where, by how much, and what to look at."""
+    """A mixer broke the protocol; the message says which check, where, by how much, and what to look at.
+
+    ``check`` names the failed check (``causality``, ``continuation``, ``decode``, ``decode-after-prefill``,
+    ``state``, ``gradients``, ``cuda-bf16``) when raised from :func:`run_conformance`, else None.
+    """
+
+    check: str | None = None
 
 
 def _inputs(d_model: int, seq_len: int, batch: int, seed: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
@@ -46,8 +52,8 @@ def _compare(ref: torch.Tensor, out: torch.Tensor, atol: float, rtol: float) -> 
         raise ConformanceError(f"output shape {tuple(out.shape)} differs from the one-pass shape {tuple(ref.shape)}")
     diff = (ref.float() - out.float()).abs()
     tol = atol + rtol * ref.float().abs().max().item()
-    bad = (diff > tol).flatten(0, 0).amax(dim=(0, 2)) if diff.dim() == 3 else diff > tol
-    first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else -1
+    bad_t = (diff > tol).any(dim=2).any(dim=0) if diff.dim() == 3 else (diff > tol).flatten()  # per time step
+    first = int(bad_t.nonzero()[0, 0]) if bool(bad_t.any()) else -1
     return first < 0, float(diff.max()), first
 
 
@@ -203,18 +209,25 @@ def run_conformance(factory: Callable[[], nn.Module], d_model: int, seq_len: int
     Raises:
         ConformanceError: the first check that fails, with a message naming it.
     """
+    def named(check: str, fn: Callable, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ConformanceError as e:
+            e.check = check
+            raise
+
     torch.manual_seed(seed)
     mixer = factory().float()
     mixer.eval()
-    check_causality(mixer, d_model, seq_len, seed=seed, atol=atol, rtol=rtol)
-    check_continuation(mixer, d_model, seq_len, splits, seed=seed, atol=atol, rtol=rtol)
+    named("causality", check_causality, mixer, d_model, seq_len, seed=seed, atol=atol, rtol=rtol)
+    named("continuation", check_continuation, mixer, d_model, seq_len, splits, seed=seed, atol=atol, rtol=rtol)
     n = decode_len or seq_len
-    check_decode(mixer, d_model, n, seed=seed, atol=atol, rtol=rtol)
-    check_decode(mixer, d_model, n, seed=seed, prefill=n // 2 + 1, atol=atol, rtol=rtol)
-    sizes = check_state(mixer, d_model, (seq_len // 4, seq_len))
+    named("decode", check_decode, mixer, d_model, n, seed=seed, atol=atol, rtol=rtol)
+    named("decode-after-prefill", check_decode, mixer, d_model, n, seed=seed, prefill=n // 2 + 1, atol=atol, rtol=rtol)
+    sizes = named("state", check_state, mixer, d_model, (seq_len // 4, seq_len))
     mixer.train()
-    check_gradients(mixer, d_model, seq_len, seed=seed, allow_zero=allow_zero_grad)
+    named("gradients", check_gradients, mixer, d_model, seq_len, seed=seed, allow_zero=allow_zero_grad)
     checks = ["causality", "continuation", "decode", "decode-after-prefill", "state", "gradients"]
-    if check_cuda_bf16(factory, d_model, seq_len):
+    if named("cuda-bf16", check_cuda_bf16, factory, d_model, seq_len):
         checks.append("cuda-bf16")
     return ConformanceReport(checks, sizes)

@@ -7,3 +7,4 @@ from .base import LMDataModule as LMDataModule
 from .recall import RecallDataModule as RecallDataModule
 from .recall import make_mqar as make_mqar
 from .text import TextDataModule as TextDataModule
+from .icr import ICRDataModule as ICRDataModule

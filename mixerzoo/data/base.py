@@ -13,6 +13,9 @@ form::
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -123,3 +126,22 @@ class LMDataModule(L.LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         """The validation set, in order."""
         return self._loader("val", shuffle=False)
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What Lightning stores in checkpoints for this data module: ``{"tokenizer_json": str}`` (the tokenizer's
+        JSON), so that an export ships the exact tokenizer even when it was a BPE trained and cached on another
+        machine. Empty without a tokenizer (synthetic tasks)."""
+        tokenizer = self.tokenizer
+        return {} if tokenizer is None else {"tokenizer_json": tokenizer.to_str()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """On resume: keep the checkpoint's tokenizer JSON as ``saved_tokenizer_json`` and warn when this data
+        module's tokenizer differs from it (the token ids would not mean what the model learned)."""
+        self.saved_tokenizer_json = saved = state_dict.get("tokenizer_json")
+        tokenizer = self.tokenizer
+        if saved is not None and tokenizer is not None and tokenizer.to_str() != saved \
+                and json.loads(tokenizer.to_str()) != json.loads(saved):
+            warnings.warn("data: this data module's tokenizer differs from the one saved in the checkpoint being "
+                          "resumed; token ids will not mean what the model learned. Use the same data.tokenizer / "
+                          "BPE settings as the original run", UserWarning, stacklevel=2)

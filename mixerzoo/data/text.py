@@ -254,7 +254,8 @@ def find_eos_id(tokenizer) -> int | None:
 
 def vocab_size_of(tokenizer) -> int:
     """Number of ids (including added/special tokens): one more than the largest id."""
-    return max(tokenizer.get_vocab_size(with_added_tokens=True), max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1)
+    added = tokenizer.get_added_tokens_decoder()
+    return max([tokenizer.get_vocab_size(with_added_tokens=True)] + [i + 1 for i in added])
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int):
@@ -275,10 +276,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
 def _cut_safe(tokenizer) -> bool:
     """True when cutting text after a ``(?<=\\S)\\n(?=\\S)`` newline cannot change the tokens: no normalizer and a
     plain GPT-2 style ByteLevel pre-tokenizer (regex on, no prefix space)."""
-    cfg = json.loads(tokenizer.to_str())
-    pre = cfg.get("pre_tokenizer") or {}
-    return (cfg.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
-            and not pre.get("add_prefix_space", False))
+    from tokenizers import pre_tokenizers
+
+    pre = tokenizer.pre_tokenizer
+    return (tokenizer.normalizer is None and isinstance(pre, pre_tokenizers.ByteLevel) and pre.use_regex
+            and not pre.add_prefix_space)
 
 
 def _pieces(text: str, size: int, safe: bool) -> list[str]:
@@ -298,13 +300,15 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < 65536 else np.dtype(np.int32)
 
 
-def encode_documents(tokenizer, docs: Sequence[str], eos_id: int | None, dtype=np.int32) -> np.ndarray:
+def encode_documents(tokenizer, docs: Sequence[str], eos_id: int | None, dtype=np.int32,
+                     safe: bool | None = None) -> np.ndarray:
     """One token stream: ``ids(doc_0) eos ids(doc_1) eos ... ids(doc_n)`` (1-D, ``dtype``); no separator when
     ``eos_id`` is None. Encoded with ``encode_batch`` (no special tokens added) in batches of ~8M characters;
     with a byte-level tokenizer, long documents are encoded in ~64k-character pieces cut where that cannot
-    change any token, so one long document also uses every core."""
+    change any token, so one long document also uses every core (``safe``: whether such cuts are exact;
+    None: decide from the tokenizer)."""
     encode = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
-    safe = _cut_safe(tokenizer)
+    safe = _cut_safe(tokenizer) if safe is None else safe
     sep = np.array([] if eos_id is None else [eos_id], dtype=dtype)
     parts: list[np.ndarray] = []
     batch: list[str] = []
@@ -354,13 +358,13 @@ def encode_capped(tokenizer, docs: Sequence[str], eos_id: int | None, dtype, cap
     """:func:`encode_documents` limited to the first ``cap`` tokens, encoding only as much text as needed
     (8 characters per token first, 4x more while short). The result equals the first ``cap`` tokens of the
     whole stream for byte-level tokenizers (text is cut only where no token can change)."""
-    if cap is None:
-        return encode_documents(tokenizer, docs, eos_id, dtype)
     safe = _cut_safe(tokenizer)
+    if cap is None:
+        return encode_documents(tokenizer, docs, eos_id, dtype, safe)
     budget = 8 * cap
     while True:
         head, complete = _char_prefix(docs, budget, safe)
-        ids = encode_documents(tokenizer, head, eos_id, dtype)
+        ids = encode_documents(tokenizer, head, eos_id, dtype, safe)
         if len(ids) >= cap or complete:
             return ids[:cap]
         budget *= 4
@@ -383,8 +387,8 @@ def split_documents(docs: Sequence[str], val_fraction: float, seed: int) -> tupl
     if n == 1:
         text = docs[0]
         cut = len(text) - min(len(text) - 1, max(1, math.ceil(round(val_fraction * len(text), 6))))
-        log.info("data: the corpus is a single document of %d characters; splitting it contiguously: the first %d "
-                 "characters train, the last %d validation", len(text), cut, len(text) - cut)
+        log.warning("data: the corpus is a single document of %d characters; splitting it contiguously: the first "
+                    "%d characters train, the last %d validation", len(text), cut, len(text) - cut)
         return [text[:cut]], [text[cut:]], []
     n_val = min(n - 1, max(1, math.ceil(round(val_fraction * n, 6))))
     perm = np.random.default_rng(seed).permutation(n)
@@ -549,11 +553,14 @@ class TextDataModule(LMDataModule):
         self.bpe_vocab_size = bpe_vocab_size
         self.val_fraction = float(val_fraction)
         self.sample_by = sample_by
-        self.cache_dir = Path(os.path.expanduser(cache_dir))
+        self.cache_dir = Path(os.path.expanduser(cache_dir)).resolve()
         self.max_tokens = max_tokens
         self.files: list[Path] = []
         if paths is not None:
-            self.files = resolve_paths(paths)
+            self.files = [f for f in resolve_paths(paths) if not f.is_relative_to(self.cache_dir)]
+            if not self.files:
+                raise FileNotFoundError(f"data.paths: every file found is inside data.cache_dir ({self.cache_dir}); "
+                                        f"point data.paths at the corpus, or move the cache elsewhere")
             if all(f.stat().st_size == 0 for f in self.files):
                 raise ConfigError(f"data.paths: every file found is empty ({[str(f) for f in self.files][:5]}); point "
                                   f"data.paths at files that contain text")
@@ -735,8 +742,9 @@ class TextDataModule(LMDataModule):
         self._prepare()
         for name, stream in (("train", self.train_tokens), ("val", self.val_tokens)):
             if len(stream) < self.seq_len + 1:
+                fraction = "raise data.val_fraction" if name == "val" else "lower data.val_fraction"
                 raise ConfigError(f"data.seq_len: the {name} split has only {len(stream)} tokens, fewer than one window "
-                                  f"of seq_len + 1 = {self.seq_len + 1}; lower data.seq_len, raise data.val_fraction "
-                                  f"or data.max_tokens, or add text")
+                                  f"of seq_len + 1 = {self.seq_len + 1}; lower data.seq_len, {fraction}, raise "
+                                  f"data.max_tokens, or add text")
         self._datasets = {"train": TokenWindows(self._directory / "train.npy", self.seq_len),
                           "val": TokenWindows(self._directory / "val.npy", self.seq_len)}

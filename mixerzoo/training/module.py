@@ -123,6 +123,9 @@ class LMModule(L.LightningModule):
                               f"model.vocab_size to at least {data_vocab} (or leave it unset to take the "
                               f"tokenizer's)")
         self.hparams.vocab_size = vocab
+        # Lightning logs (and checks against the datamodule's) the *initial* hparams: record the resolved value.
+        if getattr(self, "_hparams_initial", None) is not None:
+            self._hparams_initial["vocab_size"] = vocab
         self.model = LanguageModel(self.lm_config(vocab))
         seq_len = getattr(dm, "seq_len", None)
         if seq_len is not None:

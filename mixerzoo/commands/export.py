@@ -1,0 +1,59 @@
+"""``mixerzoo export CKPT OUT_DIR [--repo-id NAME --push] [--private]``: a checkpoint -> a Hub folder.
+
+``mixerzoo export OUT_DIR --repo-id NAME --push`` pushes a folder exported earlier (e.g. after a push that
+failed for lack of network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import user_errors
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mixerzoo export",
+        description="Export a Lightning checkpoint to a Hugging Face Hub folder (config.json, model.safetensors, "
+                    "tokenizer.json, generation_config.json, README.md model card, transformers shims), optionally "
+                    "pushing it. With a single exported folder and --push, push that folder.")
+    p.add_argument("checkpoint", help="the .ckpt file (read with weights_only=True), or an exported folder to push")
+    p.add_argument("out_dir", nargs="?", help="the folder to write (a previous export there is replaced atomically)")
+    p.add_argument("--repo-id", help="Hub repository owner/name (named in the model card; needed by --push)")
+    p.add_argument("--push", action="store_true", help="upload the folder with huggingface_hub after writing it")
+    p.add_argument("--private", action="store_true", help="create the Hub repository as private")
+    p.add_argument("--tokenizer", help="a tokenizer.json to ship instead of the one saved in the checkpoint")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="cast the floating weights (default: as trained)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """Run ``mixerzoo export``; returns the exit status (2 for user errors)."""
+    args = build_parser().parse_args(argv)
+    status = [0]
+    with user_errors(status):
+        from ..hub import export_checkpoint, push_to_hub
+        from ..model.config import ConfigError
+
+        if args.push and not args.repo_id:
+            raise ConfigError("--push needs --repo-id owner/name (the Hub repository to create or update)")
+        if args.out_dir is None:
+            if not (os.path.isdir(args.checkpoint) and args.push):
+                raise ConfigError("give CKPT OUT_DIR to export, or an exported folder with --repo-id NAME --push "
+                                  "to push it")
+            url = push_to_hub(args.checkpoint, args.repo_id, private=args.private)
+            print(f"pushed {args.checkpoint} to {url}")
+            return 0
+        folder = export_checkpoint(args.checkpoint, args.out_dir, repo_id=args.repo_id, tokenizer=args.tokenizer,
+                                   dtype=args.dtype)
+        print(f"exported {args.checkpoint} -> {folder}")
+        if args.push:
+            url = push_to_hub(folder, args.repo_id, private=args.private)
+            print(f"pushed {folder} to {url}")
+    sys.stdout.flush()
+    return status[0]

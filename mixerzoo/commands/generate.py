@@ -1,0 +1,161 @@
+"""``mixerzoo generate CKPT_OR_DIR --prompt TEXT [--max-new-tokens --temperature --top-k --top-p --seed]``.
+
+Streams the continuation to stdout as tokens are produced, carrying every mixer's state from step to step
+(:func:`mixerzoo.model.generation.stream_tokens`: one prefill pass, then one-token steps; the prefix is never
+recomputed), and reports tokens/s on stderr. The model comes from a Lightning checkpoint (tokenizer from the
+checkpoint's data-module state), an exported folder, or a Hub repository id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import IO
+
+import torch
+
+from . import user_errors
+
+__all__ = ["main", "build_parser", "load_for_generation", "stream_text"]
+
+
+def load_for_generation(source: str, tokenizer: str | None = None, device: str | None = None,
+                        dtype: str | None = None):
+    """``(model, tokenizer, eos_id)`` from a ``.ckpt`` file, an export folder or a Hub repository id.
+
+    Raises:
+        FileNotFoundError, ConfigError, MissingPluginError, HubDownloadError: see :func:`mixerzoo.hub.read_checkpoint`
+            and :func:`mixerzoo.hub.from_pretrained`.
+    """
+    from ..data.text import find_eos_id, load_tokenizer
+
+    if source.endswith(".ckpt") and not os.path.isfile(os.path.expanduser(source)):
+        raise FileNotFoundError(f"{source!r}: no such checkpoint file")
+    if os.path.isfile(os.path.expanduser(source)):
+        from ..hub import read_checkpoint
+
+        trained = read_checkpoint(os.path.expanduser(source), tokenizer=tokenizer)
+        model, tok, eos_id = trained.build_model(), trained.tokenizer, trained.eos_id
+    else:
+        import json
+
+        from ..hub.load import GENERATION_CONFIG_NAME, TOKENIZER_NAME, build_from_folder, resolve_folder
+
+        folder = resolve_folder(source)
+        model = build_from_folder(folder)
+        tok = load_tokenizer(tokenizer or folder / TOKENIZER_NAME, field="tokenizer")
+        eos_id = find_eos_id(tok)
+        gen = folder / GENERATION_CONFIG_NAME
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id", eos_id)
+            eos_id = eos[0] if isinstance(eos, list) and eos else eos
+    if device is not None or dtype is not None:
+        from ..hub.load import _dtype
+
+        model.to(device=device, dtype=_dtype(dtype))
+    return model.eval(), tok, eos_id
+
+
+def stream_text(model, tokenizer, prompt_ids: list[int], out: IO[str], max_new_tokens: int = 64,
+                temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                eos_id: int | None = None, seed: int | None = None) -> tuple[list[int], dict]:
+    """Generate after ``prompt_ids`` and write the continuation's text to ``out`` as it is produced.
+
+    Text is written once it decodes cleanly (a byte-level BPE may split a character over several tokens; the
+    text appears when the character is complete). Returns ``(new token ids, timings)`` with timings in seconds:
+    ``first_token_s`` (prefill + first step), ``total_s``, ``tokens_per_s`` (new tokens / total) and
+    ``decode_tokens_per_s`` (tokens after the first / time after the first).
+    """
+    from ..model.generation import stream_tokens
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    base = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+
+    def continuation() -> str:  # decode with the prompt, so that spacing and merges come out right
+        text = tokenizer.decode(prompt_ids + new, skip_special_tokens=False)
+        return text[len(base):] if text.startswith(base) else tokenizer.decode(new, skip_special_tokens=False)
+
+    new: list[int] = []
+    shown = 0
+    start = time.perf_counter()
+    first = None
+    for tok in stream_tokens(model, ids, max_new_tokens, temperature, top_k, top_p, eos_id, generator):
+        new.append(int(tok[0]))
+        if first is None:
+            first = time.perf_counter() - start
+        text = continuation()
+        if not text.endswith("\ufffd") and len(text) > shown:
+            out.write(text[shown:])
+            out.flush()
+            shown = len(text)
+    total = time.perf_counter() - start
+    text = continuation()
+    if len(text) > shown:
+        out.write(text[shown:])
+    out.flush()
+    n = len(new)
+    after = total - (first or 0.0)
+    return new, {"first_token_s": first or 0.0, "total_s": total, "tokens_per_s": n / total if total > 0 else 0.0,
+                 "decode_tokens_per_s": (n - 1) / after if n > 1 and after > 0 else 0.0}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mixerzoo generate",
+        description="Generate text from a checkpoint, an exported folder or a Hub repository id, streaming tokens "
+                    "to stdout (each step reuses the mixers' states) and reporting tokens/s on stderr.")
+    p.add_argument("source", help="a Lightning .ckpt, a folder made by `mixerzoo export`, or a Hub repo id")
+    p.add_argument("--prompt", default="", help="the text to continue (default: start after end-of-text)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy; default 1.0")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the smallest set with mass >= p")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampler (reproducible samples)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="compute dtype (default: as saved)")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer.json to use instead of the model's")
+    p.add_argument("--no-echo", action="store_true", help="do not print the prompt before the continuation")
+    return p
+
+
+def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None) -> int:
+    """Run ``mixerzoo generate``; returns the exit status (2 for user errors)."""
+    args = build_parser().parse_args(argv)
+    out, err = out or sys.stdout, err or sys.stderr
+    status = [0]
+    with user_errors(status):
+        from ..model.config import ConfigError
+
+        if args.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        if args.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+        if args.top_p is not None and not 0 < args.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        t0 = time.perf_counter()
+        model, tok, eos_id = load_for_generation(args.source, args.tokenizer, device=device, dtype=args.dtype)
+        load_s = time.perf_counter() - t0
+        prompt_ids = tok.encode(args.prompt).ids if args.prompt else []
+        if not prompt_ids:
+            if eos_id is None:
+                raise ConfigError("--prompt is empty and the tokenizer has no end-of-text token to start from; give "
+                                  "a prompt")
+            prompt_ids = [eos_id]
+        elif not args.no_echo:
+            out.write(tok.decode(prompt_ids, skip_special_tokens=False))
+        new, t = stream_text(model, tok, prompt_ids, out, args.max_new_tokens, args.temperature, args.top_k,
+                             args.top_p, eos_id, args.seed)
+        out.write("\n")
+        out.flush()
+        state = getattr(model, "_last_state_bytes", None)
+        print(f"[mixerzoo generate] {len(prompt_ids)} prompt + {len(new)} new tokens on {device}: "
+              f"{t['tokens_per_s']:.1f} tokens/s overall, {t['decode_tokens_per_s']:.1f} tokens/s after the first "
+              f"(first token {t['first_token_s'] * 1e3:.0f} ms; model loaded in {load_s:.1f} s"
+              + (f"; state {state / 2**10:.1f} KiB" if state else "") + ")", file=err)
+    return status[0]

@@ -1,0 +1,233 @@
+"""Reading what an export needs out of a Lightning checkpoint: the backbone's config and weights, the
+tokenizer, the recipe, how much it was trained and how well it did.
+
+Checkpoints are read with ``torch.load(weights_only=True)`` (:func:`mixerzoo.training.checkpoints.load_checkpoint`),
+so no code in the file runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+from typing import Any
+
+import torch
+
+from ..model import LanguageModel, LMConfig
+from ..model.config import ConfigError
+
+__all__ = ["TrainedModel", "read_checkpoint", "id_tokenizer", "TOKENIZER_KEY"]
+
+TOKENIZER_KEY = "tokenizer_json"  # what LMDataModule.state_dict() stores
+_MODEL_PREFIX = "model."  # LMModule keeps the LanguageModel as ``self.model``
+
+
+@dataclasses.dataclass
+class TrainedModel:
+    """Everything an export or ``mixerzoo generate`` takes from a checkpoint.
+
+    Attributes:
+        config: the backbone's :class:`LMConfig` (``vocab_size`` resolved).
+        state_dict: the :class:`LanguageModel` weights under its own names (``embed.weight``, ``blocks.0...``).
+        tokenizer: a ``tokenizers.Tokenizer``.
+        tokenizer_source: where it came from (the checkpoint, a file, or the synthetic id tokenizer).
+        eos_id: end-of-text id (None without one).
+        recipe: ``{"model": LMModule init args, "data": {"class_path": ..., "init_args": ...}}``.
+        global_step: optimizer steps; batches: training batches consumed (per process; more than
+            ``global_step`` with gradient accumulation).
+        training_tokens: ``batches * batch_size * seq_len`` (per process), or None when the data
+            hyper-parameters are unknown.
+        metrics: scalars (ModelCheckpoint's monitored metric, best and current score, epoch, step).
+        source: the checkpoint's path.
+    """
+
+    config: LMConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Any
+    tokenizer_source: str
+    eos_id: int | None
+    recipe: dict
+    global_step: int
+    batches: int
+    training_tokens: int | None
+    metrics: dict
+    source: str
+
+    def build_model(self) -> LanguageModel:
+        """The :class:`LanguageModel` with these weights, in eval mode.
+
+        Raises:
+            UnknownNameError / PluginImportError: a mixer of the config is not installed / fails to import.
+            ConfigError: the weights do not fit the config.
+        """
+        model = LanguageModel(self.config)
+        load_weights(model, self.state_dict, where=self.source)
+        return model.eval()
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
+    """Copy ``weights`` into ``model`` exactly: every parameter/buffer is loaded, except names that the model
+    itself ties to a loaded one (e.g. ``head.weight`` tied to ``embed.weight``), and nothing is left over.
+
+    Raises:
+        ConfigError: missing, unexpected or mis-shaped tensors (names the first few).
+    """
+    # Names that share one tensor in the freshly built model: loading one of them fills the others.
+    groups: dict[int, list[str]] = {}
+    for name, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(p), []).append(name)
+    alias_of = {n: names for names in groups.values() for n in names}
+    expected = set(model.state_dict())
+    missing = [k for k in expected if k not in weights and not any(a in weights for a in alias_of.get(k, []))]
+    unexpected = [k for k in weights if k not in expected]
+    own = model.state_dict()
+    shapes = [f"{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in weights.items()
+              if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    if missing or unexpected or shapes:
+        detail = "; ".join(([f"missing {sorted(missing)[:3]}"] if missing else []) +
+                           ([f"unexpected {sorted(unexpected)[:3]}"] if unexpected else []) + shapes[:3])
+        raise ConfigError(f"{where}: the weights do not fit the model built from its config ({detail}); the "
+                          f"file is incomplete or belongs to another configuration")
+    model.load_state_dict(weights, strict=False)
+
+
+def id_tokenizer(vocab_size: int):
+    """A tokenizer for synthetic tasks whose tokens are numbers: token ``i`` is the text ``"i"``, split on
+    whitespace (``"3 17 5"`` -> ``[3, 17, 5]``), decoded with single spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({str(i): i for i in range(vocab_size)}, unk_token="0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with single spaces
+    return tok
+
+
+def _has_tokenizer(class_path: str | None) -> bool | None:
+    """Whether the data module class at ``class_path`` has a tokenizer (None if it cannot be imported)."""
+    if not class_path or "." not in class_path:
+        return None
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001 - an unknown class means "unknown", not an error here
+        return None
+    return inspect.getattr_static(cls, "tokenizer", None) is not None
+
+
+def _tokenizer_from(ckpt: dict, data_hparams: dict, class_path: str | None, vocab_size: int,
+                    override: str | None) -> tuple[Any, str]:
+    from ..data.text import load_tokenizer
+
+    if override is not None:
+        return load_tokenizer(override, field="--tokenizer"), os.path.abspath(override)
+    for key, value in ckpt.items():  # LMDataModule.state_dict(), stored under the data module's class name
+        if isinstance(value, dict) and isinstance(value.get(TOKENIZER_KEY), str):
+            from tokenizers import Tokenizer
+
+            return Tokenizer.from_str(value[TOKENIZER_KEY]), f"checkpoint ({key}.{TOKENIZER_KEY})"
+    path = data_hparams.get("tokenizer")
+    if isinstance(path, str) and os.path.exists(os.path.expanduser(path)):
+        return load_tokenizer(path), os.path.abspath(os.path.expanduser(path))
+    if _has_tokenizer(class_path) is False:  # a synthetic task over raw ids (MQAR)
+        return id_tokenizer(vocab_size), "synthetic task: token i is the text 'i'"
+    raise ConfigError(f"the checkpoint holds no tokenizer (data module {class_path or 'unknown'}; it predates "
+                      f"tokenizers saved in checkpoints, or its data.tokenizer {path!r} is gone); pass --tokenizer "
+                      f"PATH with the tokenizer.json it was trained with (a trained BPE is cached under "
+                      f"<data.cache_dir>/tokenizers/bpe-*/)")
+
+
+def _data_class_path(ckpt: dict, data_hparams: dict) -> str | None:
+    if "_class_path" in data_hparams:
+        return data_hparams["_class_path"]
+    from .. import data as data_pkg
+
+    classes = {name: obj for name, obj in vars(data_pkg).items() if inspect.isclass(obj)}
+    for key in ckpt:  # the data module's state is stored under its class name
+        if key in classes:
+            return f"mixerzoo.data.{key}"
+    for name, cls in classes.items():  # otherwise: the mixerzoo data module whose arguments match
+        params = set(inspect.signature(cls.__init__).parameters) - {"self"}
+        if data_hparams and set(data_hparams) <= params and name != "LMDataModule":
+            return f"mixerzoo.data.{name}"
+    return None
+
+
+def _plain(obj: Any) -> Any:
+    """Hyper-parameters as plain YAML/JSON values (tuples -> lists, tensors -> numbers)."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
+
+
+def _metrics(ckpt: dict) -> dict:
+    out: dict[str, Any] = {"epoch": ckpt.get("epoch"), "global_step": ckpt.get("global_step")}
+    for key, state in (ckpt.get("callbacks") or {}).items():
+        if not str(key).startswith("ModelCheckpoint") or not isinstance(state, dict) or not state.get("monitor"):
+            continue
+        monitor = state["monitor"]
+        for field in ("best_model_score", "current_score"):
+            value = state.get(field)
+            if value is not None:
+                out[f"{monitor} ({field.replace('_model', '').replace('_', ' ')})"] = float(value)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def read_checkpoint(path: str | os.PathLike, tokenizer: str | None = None) -> TrainedModel:
+    """Read a Lightning checkpoint of :class:`mixerzoo.training.LMModule` safely (``weights_only=True``).
+
+    Args:
+        path: the ``.ckpt`` file.
+        tokenizer: a tokenizer.json to use instead of the one saved in the checkpoint.
+
+    Raises:
+        FileNotFoundError: no such file. ConfigError: not a readable Lightning checkpoint, not an LMModule
+            checkpoint, or no tokenizer can be found for a text model.
+    """
+    from ..training.checkpoints import load_checkpoint  # imports lightning: only when reading checkpoints
+
+    path = os.fspath(path)
+    ckpt = load_checkpoint(path)
+    hparams = dict(ckpt.get("hyper_parameters") or {})
+    hparams.pop("_instantiator", None)
+    hparams.pop("_class_path", None)
+    fields = set(LMConfig.__dataclass_fields__)
+    if not hparams.get("vocab_size") or not {"d_model", "layer_types"} <= set(hparams):
+        raise ConfigError(f"{path!r} is not a mixerzoo LMModule checkpoint (its hyper-parameters lack vocab_size, "
+                          f"d_model or layer_types)")
+    config = LMConfig(**{k: _plain(v) for k, v in hparams.items() if k in fields})
+    state = {k[len(_MODEL_PREFIX):]: v for k, v in ckpt["state_dict"].items() if k.startswith(_MODEL_PREFIX)}
+    data_hparams = dict(ckpt.get("datamodule_hyper_parameters") or {})
+    data_hparams.pop("_instantiator", None)
+    class_path = _data_class_path(ckpt, data_hparams)
+    data_hparams.pop("_class_path", None)
+    tok, tok_source = _tokenizer_from(ckpt, data_hparams, class_path, config.vocab_size, tokenizer)
+    from ..data.text import find_eos_id
+
+    eos_id = find_eos_id(tok)
+    recipe = {"model": _plain(hparams),
+              "data": {**({"class_path": class_path} if class_path else {}), "init_args": _plain(data_hparams)}}
+    step = int(ckpt.get("global_step") or 0)
+    try:
+        batches = int(ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"])
+    except (KeyError, TypeError, ValueError):
+        batches = step
+    batch_size, seq_len = data_hparams.get("batch_size"), data_hparams.get("seq_len")
+    tokens = batches * batch_size * seq_len if isinstance(batch_size, int) and isinstance(seq_len, int) else None
+    return TrainedModel(config=config, state_dict=state, tokenizer=tok, tokenizer_source=tok_source, eos_id=eos_id,
+                        recipe=recipe, global_step=step, batches=batches, training_tokens=tokens,
+                        metrics=_metrics(ckpt), source=path)
+
+
+def tokenizer_json(tokenizer) -> str:
+    """The tokenizer serialised as a tokenizer.json string (pretty-printed)."""
+    return json.dumps(json.loads(tokenizer.to_str()), indent=2, ensure_ascii=False)

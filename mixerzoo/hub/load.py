@@ -1,0 +1,235 @@
+"""Loading an exported folder (local, or a Hub repository) back into a :class:`LanguageModel`.
+
+The folder's ``config.json`` holds the backbone's fields under ``lm_config`` and, under ``mixerzoo.plugins``,
+the distribution and version that provided every mixer, positional encoding and schedule it names; weights
+come from ``model.safetensors`` only (never a pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import registry
+from ..model import LanguageModel, LMConfig
+from ..model.config import ConfigError
+from ..registry import UnknownNameError
+from .checkpoint import load_weights
+
+__all__ = ["from_pretrained", "resolve_folder", "read_config", "check_plugins", "load_tokenizer",
+           "MissingPluginError", "HubDownloadError", "CONFIG_NAME", "WEIGHTS_NAME", "TOKENIZER_NAME",
+           "GENERATION_CONFIG_NAME", "DOWNLOAD_PATTERNS"]
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+TOKENIZER_NAME = "tokenizer.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+# What a download fetches: configs, safetensors weights, the card and the transformers shims; never pickles.
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.md", "*.py", "*.txt"]
+
+
+class MissingPluginError(UnknownNameError):
+    """The model uses a mixer (or positional encoding / schedule) that is not installed; names the
+    distribution (and version) that provided it at export time."""
+
+
+class HubDownloadError(OSError):
+    """A Hub repository could not be downloaded (no network, unknown repository, no access)."""
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None, cache_dir: str | None = None,
+                   token: str | bool | None = None, local_files_only: bool = False) -> Path:
+    """The local folder of an export: ``path_or_repo_id`` itself when it is a directory, else the snapshot of
+    the Hub repository ``owner/name`` (``huggingface_hub.snapshot_download``, configs/safetensors/card only).
+
+    Raises:
+        FileNotFoundError: a local path that does not exist or holds no config.json.
+        HubDownloadError: the repository cannot be downloaded (the message says why and what to do).
+    """
+    s = os.fspath(path_or_repo_id)
+    p = Path(os.path.expanduser(s))
+    if p.is_dir():
+        if not (p / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"{s!r} holds no {CONFIG_NAME}: it is not an exported mixerzoo model (make one "
+                                    f"with `mixerzoo export CKPT OUT_DIR`)")
+        return p
+    if p.exists() or not _REPO_ID.match(s):
+        raise FileNotFoundError(f"{s!r} is neither a folder made by `mixerzoo export` nor a Hub repository id "
+                                f"(owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - huggingface_hub is in the hub extra
+        raise ImportError("loading from the Hub needs huggingface_hub: pip install 'mixerzoo[hub]'") from e
+    try:
+        folder = snapshot_download(s, revision=revision, cache_dir=cache_dir, token=token,
+                                   local_files_only=local_files_only, allow_patterns=DOWNLOAD_PATTERNS)
+    except Exception as e:  # noqa: BLE001 - huggingface_hub raises many types (HTTP, offline, auth, not found)
+        raise HubDownloadError(f"could not download {s!r} from the Hugging Face Hub: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0].rstrip('.') if str(e) else ''}. No local folder {s!r} exists either. "
+                               f"Check the repository id and your network; private repositories need `hf auth "
+                               f"login` or HF_TOKEN") from e
+    return Path(folder)
+
+
+def read_config(folder: str | os.PathLike) -> tuple[LMConfig, dict]:
+    """``(LMConfig, mixerzoo metadata)`` from an export's config.json.
+
+    Raises:
+        ConfigError: the file is not a mixerzoo export's config (no ``lm_config``) or has bad fields.
+    """
+    path = Path(folder) / CONFIG_NAME
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot be read as JSON ({e})") from e
+    if not isinstance(cfg.get("lm_config"), dict):
+        raise ConfigError(f"{path} has no 'lm_config': it was not written by `mixerzoo export` "
+                          f"(model_type {cfg.get('model_type')!r})")
+    fields = set(LMConfig.__dataclass_fields__)
+    unknown = sorted(set(cfg["lm_config"]) - fields)
+    if unknown:
+        raise ConfigError(f"{path}: lm_config has fields this mixerzoo does not know ({unknown}); it was exported "
+                          f"by a newer mixerzoo ({cfg.get('mixerzoo', {}).get('version')}); upgrade mixerzoo")
+    return LMConfig(**cfg["lm_config"]), dict(cfg.get("mixerzoo") or {})
+
+
+def _named_components(config: LMConfig) -> list[tuple[str, str]]:
+    """``(kind, name)`` of every registered component the config uses: mixers, and the positional encodings and
+    schedules named in their options (``positional: rope`` or ``{name: rope, ...}``, likewise ``schedule``)."""
+    out = []
+    for spec in config.layer_specs():
+        out.append(("mixer", spec.mixer))
+        for key, kind in (("positional", "positional"), ("schedule", "schedule")):
+            value = spec.options.get(key)
+            name = value.get("name") if isinstance(value, dict) else value
+            if isinstance(name, str):
+                out.append((kind, name))
+    return list(dict.fromkeys(out))
+
+
+def plugin_metadata(config: LMConfig) -> dict:
+    """``{kind: {name: {"distribution", "version"}}}`` for every component the config uses, from the registry
+    (what an export records, so that a loader can name what to install)."""
+    meta: dict[str, dict] = {}
+    for kind, name in _named_components(config):
+        entry = registry.entries(kind).get(name)
+        if entry is None:  # building the model would already have failed; keep the record honest
+            continue
+        meta.setdefault(kind, {})[name] = {"distribution": entry.distribution, "version": entry.version,
+                                           "import_path": entry.value}
+    return meta
+
+
+def check_plugins(config: LMConfig, meta: dict, where: str = "") -> None:
+    """Raise :class:`MissingPluginError` for a component the model needs that is not installed, naming the
+    distribution (and version) that provided it at export; warn when an installed version differs.
+
+    Args:
+        config: the model's config. meta: the ``mixerzoo`` block of config.json (``plugins`` inside).
+    """
+    plugins = meta.get("plugins") or {}
+    for kind, name in _named_components(config):
+        recorded = (plugins.get(kind) or {}).get(name) or {}
+        dist, version = recorded.get("distribution"), recorded.get("version")
+        installed = registry.entries(kind)
+        if name not in installed:
+            installed = registry.entries(kind, refresh=True)
+        if name not in installed:
+            if dist and not dist.startswith("("):
+                how = f"install the distribution {dist!r} ({version} at export), e.g. `pip install '{dist}=={version}'`"
+            else:
+                how = f"it was {dist or 'not recorded'} at export; register or install the package that provides it"
+            raise MissingPluginError(f"{where}this model needs the {kind} {name!r}, which is not installed: {how} "
+                                     f"(installed {kind}s: {', '.join(sorted(installed)) or 'none'})")
+        entry = installed[name]
+        if dist and version and (entry.distribution, entry.version) != (dist, version) and not dist.startswith("("):
+            warnings.warn(f"{where}{kind} {name!r} was exported with {dist} {version}; installed is "
+                          f"{entry.distribution} {entry.version}. Outputs may differ if that plugin changed",
+                          UserWarning, stacklevel=3)
+
+
+def _dtype(value: Any) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"dtype {value!r} is not a torch dtype; use float32, bfloat16 or float16")
+    return dtype
+
+
+def saved_dtype(folder: Path) -> str | None:
+    """The dtype the weights were exported in (config.json ``dtype``), or None."""
+    try:
+        return json.loads((Path(folder) / CONFIG_NAME).read_text()).get("dtype")
+    except (OSError, ValueError):
+        return None
+
+
+def load_folder_weights(folder: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of ``model.safetensors`` (a ``model.`` prefix, as ``transformers`` saves them, is removed)."""
+    from safetensors.torch import load_file
+
+    path = folder / WEIGHTS_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no {WEIGHTS_NAME}; re-export the checkpoint with `mixerzoo export`")
+    weights = load_file(str(path), device=str(device))
+    if weights and all(k.startswith("model.") for k in weights):
+        weights = {k[len("model."):]: v for k, v in weights.items()}
+    return weights
+
+
+def build_from_folder(folder: Path, device: str | torch.device | None = None,
+                      dtype: str | torch.dtype | None = None) -> LanguageModel:
+    """Build the model of an export folder and load its weights exactly (see :func:`from_pretrained`)."""
+    config, meta = read_config(folder)
+    check_plugins(config, meta, where=f"{folder}: ")
+    model = LanguageModel(config)
+    load_weights(model, load_folder_weights(folder), where=str(folder / WEIGHTS_NAME))
+    dtype = _dtype(saved_dtype(folder) if dtype in (None, "auto") else dtype)
+    if dtype is not None or device is not None:
+        model.to(device=device, dtype=dtype)
+    return model.eval()
+
+
+def from_pretrained(path_or_repo_id: str | os.PathLike, *, device: str | torch.device | None = None,
+                    dtype: str | torch.dtype | None = None, revision: str | None = None,
+                    cache_dir: str | None = None, token: str | bool | None = None,
+                    local_files_only: bool = False) -> LanguageModel:
+    """Rebuild a :class:`LanguageModel` from a folder written by ``mixerzoo export`` or a Hub repository id.
+
+    The model is built from ``config.json`` through the mixer registry (so the plugins it uses must be
+    installed), the weights are loaded from ``model.safetensors`` with every tensor accounted for, and the model
+    is returned in eval mode; its logits equal those of the checkpoint it was exported from.
+
+    Args:
+        path_or_repo_id: a local folder, or ``owner/name`` on the Hugging Face Hub (downloaded with
+            ``huggingface_hub.snapshot_download``; configs, safetensors and the card only).
+        device, dtype: where and in which floating type to put the weights (default: CPU, the dtype they were
+            exported in).
+        revision, cache_dir, token, local_files_only: passed to ``snapshot_download`` for a repository id.
+
+    Raises:
+        MissingPluginError: a mixer/positional/schedule the model uses is not installed (names its distribution).
+        FileNotFoundError: a local path that is not an export. HubDownloadError: a repository that cannot be
+            downloaded. ConfigError: a config.json or weights that do not belong to this mixerzoo.
+    """
+    folder = resolve_folder(path_or_repo_id, revision=revision, cache_dir=cache_dir, token=token,
+                            local_files_only=local_files_only)
+    return build_from_folder(folder, device=device, dtype=dtype)
+
+
+def load_tokenizer(path_or_repo_id: str | os.PathLike, **hub_kwargs):
+    """The ``tokenizers.Tokenizer`` of an export (its tokenizer.json)."""
+    from ..data.text import load_tokenizer as _load
+
+    return _load(resolve_folder(path_or_repo_id, **hub_kwargs) / TOKENIZER_NAME, field="tokenizer")

@@ -1,0 +1,193 @@
+"""Gated DeltaNet as a mixerzoo mixer (registered as ``gdn``).
+
+Yang, Kautz & Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule", ICLR 2025
+(arXiv:2412.06464). The layer mirrors flash-linear-attention 0.6.0's ``fla.layers.GatedDeltaNet``:
+same parameters (names and shapes, so fla state dicts load), same definitions, same defaults for the
+mechanism's options. On CUDA it calls fla's Triton kernels; elsewhere the chunked PyTorch form of
+:func:`mixerzoo_fla.ops.chunk_gated_delta_rule`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixerzoo.protocol import Mixer, MixerState
+
+from . import backend as _backend
+from .modules import GatedRMSNorm, ShortConvolution
+from .ops import chunk_gated_delta_rule, gdn_log_decay, l2_normalize
+
+__all__ = ["GatedDeltaNet", "GDNState"]
+
+
+@dataclasses.dataclass
+class GDNState(MixerState):
+    """Decoding state of :class:`GatedDeltaNet` (constant size in the sequence length).
+
+    Attributes:
+        recurrent: the delta-rule memory ``[B, HV, head_k_dim, head_v_dim]``, float32 (``S_t`` of the paper
+            transposed, fla's default ``[K, V]`` layout).
+        conv: short-convolution caches ``(q [B, key_dim, W], k [B, key_dim, W], v [B, value_dim, W])``
+            (the last ``W = conv_size`` projected inputs, most recent last), or None without short convolutions.
+    """
+
+    recurrent: torch.Tensor
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+class GatedDeltaNet(Mixer):
+    """Gated DeltaNet layer: short conv -> gated delta rule per head -> gated RMSNorm -> output projection.
+
+    Per value head (``alpha``, ``beta`` data dependent; GDN paper section 3.1; state as ``d_k x d_v``)::
+
+        q, k = l2norm(silu(conv(W_q x))), l2norm(silu(conv(W_k x)));   v = silu(conv(W_v x))
+        beta_t = sigmoid(W_b x_t)            (x2 with allow_neg_eigval, so that beta in (0, 2))
+        log alpha_t = -exp(A_log) * softplus(W_a x_t + dt_bias)          (Mamba-2 parameterisation)
+        S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t / sqrt(d_k)
+        y_t = W_o [RMSNorm(o_t) * swish(W_g x_t)]     (per head; plain RMSNorm when use_gate=False)
+
+    Init (fla's): ``A = exp(A_log) ~ U(0, 16)``; ``dt = softplus(dt_bias)`` log-uniform in ``[1e-3, 0.1]``.
+
+    Args:
+        d_model: model width (fla: ``hidden_size``).
+        n_heads: query/key heads (fla: ``num_heads``).
+        head_dim: per-head key width ``d_k``; default ``d_model // n_heads``. (fla's default is 256 with 6
+            heads at width 2048, i.e. ``n_heads * head_dim = 0.75 d_model``, about ``6 d_model^2`` parameters.)
+        expand_v: value width per head is ``head_dim * expand_v`` (fla default 2).
+        n_v_heads: value heads (grouped values, fla: ``num_v_heads``); a multiple of ``n_heads``; default
+            ``n_heads``. Value head ``j`` reads q/k head ``j // (n_v_heads / n_heads)``.
+        use_gate: output gate ``swish(W_g x)`` inside the norm (fla default True).
+        use_short_conv, conv_size, conv_bias: the causal depthwise convolution (fla defaults True, 4, False).
+        allow_neg_eigval: ``beta`` in ``(0, 2)`` (Grazzi et al. 2024), allowing negative eigenvalues.
+        norm_eps: RMSNorm epsilon.
+        output_gate_activation: ``swish`` (= ``silu``) or ``sigmoid``.
+        chunk_len: chunk length of the CPU/PyTorch path (the fla kernels choose their own tiling).
+        backend: ``auto`` (fla kernels on CUDA, PyTorch elsewhere), ``torch`` or ``fla``
+            (see :mod:`mixerzoo_fla.backend`).
+
+    State: :class:`GDNState`; ``n_v_heads * d_k * d_v * 4`` bytes per sequence plus the conv caches.
+
+    Raises:
+        ValueError: a width that does not divide, non-integer value width, bad head grouping, unknown
+            activation or backend (the message names the option).
+    """
+
+    positional_encodings = ()
+
+    def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, expand_v: float = 2.0,
+                 n_v_heads: int | None = None, use_gate: bool = True, use_short_conv: bool = True,
+                 conv_size: int = 4, conv_bias: bool = False, allow_neg_eigval: bool = False, norm_eps: float = 1e-5,
+                 output_gate_activation: str = "swish", chunk_len: int = 64, backend: str = "auto") -> None:
+        super().__init__()
+        if n_heads < 1:
+            raise ValueError(f"n_heads must be >= 1, got {n_heads}")
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; set head_dim explicitly")
+            head_dim = d_model // n_heads
+        n_v_heads = n_heads if n_v_heads is None else n_v_heads
+        if n_v_heads < n_heads or n_v_heads % n_heads:
+            raise ValueError(f"n_v_heads={n_v_heads} must be a multiple of n_heads={n_heads} (grouped values)")
+        head_v_dim = head_dim * expand_v
+        if not math.isclose(head_v_dim, round(head_v_dim)) or round(head_v_dim) < 1:
+            raise ValueError(f"head_dim * expand_v = {head_dim} * {expand_v} is not a positive integer; "
+                             f"change expand_v or head_dim")
+        if chunk_len < 1:
+            raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
+        if output_gate_activation not in ("swish", "silu", "sigmoid"):
+            raise ValueError(f"output_gate_activation must be swish, silu or sigmoid, got {output_gate_activation!r}")
+        _backend.check_backend(backend)
+        self.d_model, self.n_heads, self.n_v_heads = d_model, n_heads, n_v_heads
+        self.head_k_dim, self.head_v_dim = head_dim, round(head_v_dim)
+        self.key_dim, self.value_dim = n_heads * head_dim, n_v_heads * self.head_v_dim
+        self.use_gate, self.use_short_conv, self.allow_neg_eigval = use_gate, use_short_conv, allow_neg_eigval
+        self.chunk_len, self.backend = chunk_len, backend
+
+        self.q_proj = nn.Linear(d_model, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, self.value_dim, bias=False)
+        self.a_proj = nn.Linear(d_model, n_v_heads, bias=False)
+        self.b_proj = nn.Linear(d_model, n_v_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(n_v_heads).uniform_(0, 16).log())
+        dt = torch.exp(torch.rand(n_v_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))   # inverse softplus
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        if use_short_conv:
+            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias)
+            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias)
+            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias)
+        if use_gate:
+            self.g_proj = nn.Linear(d_model, self.value_dim, bias=False)
+            self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps, activation=output_gate_activation)
+        else:
+            self.o_norm = nn.RMSNorm(self.head_v_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(self.value_dim, d_model, bias=False)
+
+    @classmethod
+    def from_fla(cls, layer: nn.Module, **overrides: Any) -> "GatedDeltaNet":
+        """A copy of an ``fla.layers.GatedDeltaNet`` (same options, its weights loaded strictly).
+
+        ``overrides`` set our extra options (``chunk_len``, ``backend``). Nothing of fla's layer is run.
+        """
+        options = dict(d_model=layer.hidden_size, n_heads=layer.num_heads, head_dim=layer.head_dim,
+                       expand_v=layer.expand_v, n_v_heads=layer.num_v_heads, use_gate=layer.use_gate,
+                       use_short_conv=layer.use_short_conv, conv_size=layer.conv_size, conv_bias=layer.conv_bias,
+                       allow_neg_eigval=layer.allow_neg_eigval, norm_eps=layer.o_norm.eps)
+        if layer.use_gate:
+            options["output_gate_activation"] = layer.o_norm.activation
+        mixer = cls(**{**options, **overrides})
+        mixer.load_state_dict(layer.state_dict())
+        return mixer
+
+    def forward(self, x: torch.Tensor, state: GDNState | None = None) -> tuple[torch.Tensor, GDNState]:
+        """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given."""
+        B, T, _ = x.shape
+        use_fla = _backend.resolve_backend(self.backend, x.device) == "fla"
+        if self.use_short_conv:
+            cq, ck, cv = state.conv if state is not None and state.conv is not None else (None, None, None)
+            q, cq = self.q_conv1d(self.q_proj(x), cq, use_fla)
+            k, ck = self.k_conv1d(self.k_proj(x), ck, use_fla)
+            v, cv = self.v_conv1d(self.v_proj(x), cv, use_fla)
+            conv = (cq, ck, cv)
+        else:
+            q, k, v = F.silu(self.q_proj(x)), F.silu(self.k_proj(x)), F.silu(self.v_proj(x))
+            conv = None
+        q, k = q.view(B, T, self.n_heads, self.head_k_dim), k.view(B, T, self.n_heads, self.head_k_dim)
+        v = v.view(B, T, self.n_v_heads, self.head_v_dim)
+        a, b = self.a_proj(x), self.b_proj(x)
+        s0 = None if state is None else state.recurrent
+        if use_fla:
+            o, s = self._fla_delta_rule(q, k, v, a, b, s0)
+        else:
+            beta = b.float().sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)
+            g = gdn_log_decay(a, self.A_log, self.dt_bias)
+            o, s = chunk_gated_delta_rule(l2_normalize(q), l2_normalize(k), v, g, beta, initial_state=s0,
+                                          chunk_len=self.chunk_len)
+        o = o.to(x.dtype)
+        if self.use_gate:
+            o = self.o_norm(o, self.g_proj(x).view(B, T, self.n_v_heads, self.head_v_dim))
+        else:
+            o = self.o_norm(o)
+        return self.o_proj(o.reshape(B, T, self.value_dim)), GDNState(recurrent=s, conv=conv)
+
+    def _fla_delta_rule(self, q, k, v, a, b, initial_state):
+        """fla's kernels with the gate, beta sigmoid and q/k L2 norm fused in, as fla's layer calls them:
+        ``fused_recurrent`` for short inference calls (decode, T <= 64 without autograd), ``chunk`` otherwise."""
+        kernels = _backend.fla_kernels()
+        recurrent = q.shape[1] <= 64 and not torch.is_grad_enabled() and not self.training
+        fn = kernels.fused_recurrent_gated_delta_rule if recurrent else kernels.chunk_gated_delta_rule
+        o, s = fn(q=q, k=k, v=v, g=a, beta=b, initial_state=initial_state, output_final_state=True,
+                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
+                  use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval)
+        return o, s.float()
+
+    def extra_repr(self) -> str:
+        return (f"n_heads={self.n_heads}, n_v_heads={self.n_v_heads}, head_k_dim={self.head_k_dim}, "
+                f"head_v_dim={self.head_v_dim}, chunk_len={self.chunk_len}, backend={self.backend}")

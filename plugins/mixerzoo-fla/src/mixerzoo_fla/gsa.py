@@ -1,0 +1,194 @@
+"""Gated Slot Attention as a mixerzoo mixer (registered as ``gsa``).
+
+Zhang, Yang, Zhu, Zhang, Cui, Wang, Wang, Shi, Wang, Bi, Zhou & Fu, "Gated Slot Attention for Efficient
+Linear-Time Sequence Modeling", NeurIPS 2024 (arXiv:2409.07146). The layer mirrors flash-linear-attention
+0.6.0's ``fla.layers.GatedSlotAttention``: same parameters (names and shapes, so fla state dicts load), same
+definitions. On CUDA it calls fla's Triton kernels; elsewhere the chunked two-pass PyTorch form of
+:func:`mixerzoo_fla.ops.chunk_gsa`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixerzoo.protocol import Mixer, MixerState
+
+from . import backend as _backend
+from .modules import ShortConvolution
+from .ops import chunk_gsa
+
+__all__ = ["GatedSlotAttention", "GSAState"]
+
+FEATURE_MAPS = {"swish": F.silu, "relu": F.relu}
+
+
+@dataclasses.dataclass
+class GSAState(MixerState):
+    """Decoding state of :class:`GatedSlotAttention` (constant size in the sequence length).
+
+    Attributes:
+        hk: key memory ``[B, n_kv_heads, head_k_dim, num_slots]``, float32.
+        hv: value memory ``[B, n_kv_heads, num_slots, head_v_dim]``, float32. (One memory per key/value
+            head; with grouped queries the query heads of a group read the same memory.)
+        conv: short-convolution caches ``(q [B, key_dim, W], k [B, n_kv_heads * head_k_dim, W],
+            v [B, n_kv_heads * head_v_dim, W])``, or None without short convolutions.
+    """
+
+    hk: torch.Tensor
+    hv: torch.Tensor
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+class GatedSlotAttention(Mixer):
+    """Gated Slot Attention: a bounded memory of ``num_slots`` slots per head, written with per-slot forget
+    gates and read through a softmax over slots (a two-pass gated linear attention, GSA paper section 3)::
+
+        q, k = phi(W_q x), phi(W_k x)   (phi = swish);   v = silu(W_v x)     (after the short conv if enabled)
+        log alpha_t = logsigmoid(W_f x_t) / gate_logit_normalizer,    s_t = 1 - alpha_t      (per slot)
+        Hk_t = Hk_{t-1} diag(alpha_t) + k_t s_t^T,    p_t = softmax(Hk_t^T q_t * scale)
+        Hv_t = diag(alpha_t) Hv_{t-1} + s_t v_t^T,    o_t = Hv_t^T p_t
+        y_t = W_o RMSNorm(silu(concat_heads o_t))
+
+    Args:
+        d_model: model width (fla: ``hidden_size``).
+        n_heads: query heads (fla: ``num_heads``); n_kv_heads: key/value/slot heads (GQA), default ``n_heads``.
+        expand_k, expand_v: total key / value width ``d_model * expand`` split over ``n_heads`` (fla: 1, 1).
+        num_slots: memory slots per head ``m`` (the paper's 64; fla's own default is ``head_k_dim``).
+        use_short_conv, conv_size, conv_bias: causal depthwise conv + SiLU on q/k/v (fla default off).
+        feature_map: ``swish`` (default) or ``relu`` on q and k.
+        gate_logit_normalizer: divides the log forget gate (fla default 8: gates close to 1).
+        norm_eps, elementwise_affine: the output RMSNorm over ``n_heads * head_v_dim`` (fla 0.6.0 always
+            uses eps 1e-5 there, whatever its ``norm_eps``; the default here is the same 1e-5).
+        scale: query scale in the slot scores; fla's layer uses 1.0.
+        chunk_len: chunk length of the CPU/PyTorch path (the fla kernels choose their own tiling).
+        backend: ``auto`` (fla kernels on CUDA, PyTorch elsewhere), ``torch`` or ``fla``.
+
+    fla 0.6.0 also takes ``use_output_gate`` and ``use_norm`` but its forward ignores them; they are not
+    options here. The ``t2r`` feature map (learned) is not supported.
+
+    State: :class:`GSAState`; ``n_kv_heads * num_slots * (head_k_dim + head_v_dim) * 4`` bytes per sequence
+    plus the conv caches.
+
+    Raises:
+        ValueError: widths that do not divide, bad head grouping, unknown feature map or backend.
+    """
+
+    positional_encodings = ()
+
+    def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, expand_k: float = 1.0,
+                 expand_v: float = 1.0, num_slots: int = 64, use_short_conv: bool = False, conv_size: int = 4,
+                 conv_bias: bool = False, feature_map: str = "swish", gate_logit_normalizer: float = 8,
+                 norm_eps: float = 1e-5, elementwise_affine: bool = True, scale: float = 1.0, chunk_len: int = 32,
+                 backend: str = "auto") -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if n_heads < 1 or n_kv_heads < 1 or n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} must be a positive multiple of n_kv_heads={n_kv_heads}")
+        key_dim, value_dim = d_model * expand_k, d_model * expand_v
+        for name, width in (("expand_k", key_dim), ("expand_v", value_dim)):
+            if not math.isclose(width, round(width)) or round(width) % n_heads or round(width) < n_heads:
+                raise ValueError(f"d_model * {name} = {width} must be an integer multiple of n_heads={n_heads}")
+        if feature_map not in FEATURE_MAPS:
+            raise ValueError(f"feature_map must be one of {sorted(FEATURE_MAPS)}, got {feature_map!r}")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if gate_logit_normalizer <= 0:
+            raise ValueError(f"gate_logit_normalizer must be > 0, got {gate_logit_normalizer}")
+        if chunk_len < 1:
+            raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
+        _backend.check_backend(backend)
+        self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
+        self.key_dim, self.value_dim = round(key_dim), round(value_dim)
+        self.head_k_dim, self.head_v_dim = self.key_dim // n_heads, self.value_dim // n_heads
+        self.num_slots, self.use_short_conv, self.feature_map = num_slots, use_short_conv, feature_map
+        self.gate_logit_normalizer, self.scale = gate_logit_normalizer, scale
+        self.chunk_len, self.backend = chunk_len, backend
+        kv_key_dim, kv_value_dim = n_kv_heads * self.head_k_dim, n_kv_heads * self.head_v_dim
+
+        self.q_proj = nn.Linear(d_model, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, kv_key_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, kv_value_dim, bias=False)
+        self.f_proj = nn.Linear(d_model, n_kv_heads * num_slots, bias=False)
+        if use_short_conv:
+            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias)
+            self.k_conv1d = ShortConvolution(kv_key_dim, conv_size, bias=conv_bias)
+            self.v_conv1d = ShortConvolution(kv_value_dim, conv_size, bias=conv_bias)
+        self.g_norm = nn.RMSNorm(self.value_dim, eps=norm_eps, elementwise_affine=elementwise_affine)
+        self.o_proj = nn.Linear(self.value_dim, d_model, bias=False)
+
+    @classmethod
+    def from_fla(cls, layer: nn.Module, **overrides: Any) -> "GatedSlotAttention":
+        """A copy of an ``fla.layers.GatedSlotAttention`` (same options, its weights loaded strictly).
+
+        ``overrides`` set our extra options (``chunk_len``, ``backend``). Nothing of fla's layer is run.
+
+        Raises:
+            ValueError: fla's layer uses a feature map this mixer does not support (t2r).
+        """
+        maps = {"SwishFeatureMap": "swish", "ReLUFeatureMap": "relu"}
+        fmap = type(layer.feature_map).__name__
+        if fmap not in maps:
+            raise ValueError(f"fla layer uses feature map {fmap}; only {sorted(maps)} are supported")
+        options = dict(d_model=layer.hidden_size, n_heads=layer.num_heads, n_kv_heads=layer.num_kv_heads,
+                       expand_k=layer.expand_k, expand_v=layer.expand_v, num_slots=layer.num_slots,
+                       use_short_conv=layer.use_short_conv, conv_size=layer.conv_size, conv_bias=layer.conv_bias,
+                       feature_map=maps[fmap], gate_logit_normalizer=layer.gate_logit_normalizer,
+                       elementwise_affine=layer.g_norm.elementwise_affine, scale=layer.scale)
+        mixer = cls(**{**options, **overrides})
+        mixer.load_state_dict(layer.state_dict())
+        return mixer
+
+    def forward(self, x: torch.Tensor, state: GSAState | None = None) -> tuple[torch.Tensor, GSAState]:
+        """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given."""
+        B, T, _ = x.shape
+        use_fla = _backend.resolve_backend(self.backend, x.device) == "fla"
+        if self.use_short_conv:
+            cq, ck, cv = state.conv if state is not None and state.conv is not None else (None, None, None)
+            q, cq = self.q_conv1d(self.q_proj(x), cq, use_fla)
+            k, ck = self.k_conv1d(self.k_proj(x), ck, use_fla)
+            v, cv = self.v_conv1d(self.v_proj(x), cv, use_fla)
+            conv = (cq, ck, cv)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            conv = None
+        phi = FEATURE_MAPS[self.feature_map]
+        q = phi(q.view(B, T, self.n_heads, self.head_k_dim))
+        k = phi(k.view(B, T, self.n_kv_heads, self.head_k_dim))
+        v = F.silu(v.view(B, T, self.n_kv_heads, self.head_v_dim))
+        f = self.f_proj(x).view(B, T, self.n_kv_heads, self.num_slots)
+        initial = None if state is None else (state.hk, state.hv)
+        if use_fla:
+            g = F.logsigmoid(f) / self.gate_logit_normalizer
+            o, (hk, hv) = self._fla_gsa(q, k, v, 1 - g.exp(), g, initial)
+        else:
+            g = F.logsigmoid(f.float()) / self.gate_logit_normalizer
+            o, (hk, hv) = chunk_gsa(q, k, v, 1 - g.exp(), g, scale=self.scale, initial_state=initial,
+                                    chunk_len=self.chunk_len)
+        o = F.silu(o.to(x.dtype).reshape(B, T, self.value_dim))
+        return self.o_proj(self.g_norm(o)), GSAState(hk=hk, hv=hv, conv=conv)
+
+    def _fla_gsa(self, q, k, v, s, g, initial_state):
+        """fla's kernels as fla's layer calls them: key/value/slot heads repeated to the query heads,
+        ``fused_recurrent`` for T <= 64, ``chunk`` otherwise. The memories of a group are identical, so the
+        state keeps the first of each group."""
+        group = self.n_heads // self.n_kv_heads
+        if group > 1:
+            k, v, s, g = (t.repeat_interleave(group, dim=2) for t in (k, v, s, g))
+            if initial_state is not None:
+                initial_state = tuple(t.repeat_interleave(group, dim=1) for t in initial_state)
+        kernels = _backend.fla_kernels()
+        fn = kernels.fused_recurrent_gsa if q.shape[1] <= 64 else kernels.chunk_gsa
+        o, (hk, hv) = fn(q=q, k=k, v=v, s=s, g=g, scale=self.scale, initial_state=initial_state,
+                         output_final_state=True)
+        return o, (hk[:, ::group].float(), hv[:, ::group].float())
+
+    def extra_repr(self) -> str:
+        return (f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_k_dim={self.head_k_dim}, "
+                f"head_v_dim={self.head_v_dim}, num_slots={self.num_slots}, chunk_len={self.chunk_len}, "
+                f"backend={self.backend}")

@@ -1,0 +1,101 @@
+"""Small building blocks shared by both layers, with fla's parameter names and definitions.
+
+- :class:`ShortConvolution`: causal depthwise convolution + SiLU over projected q/k/v (fla's
+  ``ShortConvolution``; parameters ``weight [D, 1, W]`` and optional ``bias [D]``).
+- :class:`GatedRMSNorm`: per-head RMSNorm times a swish/sigmoid output gate (fla's ``FusedRMSNormGated``;
+  parameter ``weight [D]``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import backend as _backend
+
+__all__ = ["ShortConvolution", "GatedRMSNorm"]
+
+
+class ShortConvolution(nn.Conv1d):
+    """Causal depthwise convolution of width ``W`` over time, then SiLU, with a cache for streaming.
+
+    ``y_t = silu(bias + sum_{j<W} weight[:, 0, j] * x_{t-W+1+j})`` per channel, with zeros before the start
+    of the sequence. That is fla's definition: an ``nn.Conv1d(D, D, W, groups=D, padding=W-1)`` truncated to
+    the first ``T`` outputs, and the same parameters, so fla's state dicts load.
+
+    Cache (the mixer states carry it): ``[B, D, W]``, the last ``W`` inputs, most recent last; fla's layout.
+    Only the newest ``W - 1`` entries are read (the oldest is kept for layout compatibility with fla's decode
+    kernel, which shifts it out).
+
+    Args:
+        hidden_size: channels ``D``.
+        kernel_size: width ``W`` (fla default 4).
+        bias: learn a per-channel bias.
+        activation: ``"silu"`` (fla's choice for GDN and GSA) or None.
+
+    Raises:
+        ValueError: ``kernel_size < 1`` or an unknown activation.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int = 4, bias: bool = False, activation: str | None = "silu"):
+        if kernel_size < 1:
+            raise ValueError(f"conv_size must be >= 1, got {kernel_size}")
+        if activation not in (None, "silu", "swish"):
+            raise ValueError(f"short convolution activation must be silu or None, got {activation!r}")
+        super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=bias)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, use_fla: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [B, T, D] -> (y [B, T, D], new cache [B, D, W])``, continuing ``cache`` if given.
+
+        ``use_fla`` runs fla's Triton ``causal_conv1d`` (CUDA only; decode steps stay in PyTorch, where a
+        single-token dot product is as fast and does not write into the cache in place).
+        """
+        W = self.kernel_size[0]
+        B, T, D = x.shape
+        if use_fla and T > 1:
+            y, new_cache = _backend.fla_kernels().causal_conv1d(
+                x=x, weight=self.weight.squeeze(1), bias=self.bias,
+                initial_state=None if cache is None else cache.to(x.dtype),
+                output_final_state=True, activation=self.activation)
+            return y, new_cache
+        past = x.new_zeros(B, D, W - 1) if cache is None else cache[..., 1:].to(x.dtype)
+        window = torch.cat([past, x.transpose(1, 2)], dim=-1)            # [B, D, W - 1 + T]
+        y = F.conv1d(window, self.weight, self.bias, groups=D).transpose(1, 2)
+        if self.activation is not None:
+            y = F.silu(y)
+        return y, window[..., -W:]
+
+
+class GatedRMSNorm(nn.Module):
+    """``RMSNorm(x) * weight * act(gate)`` over the last dimension (fla's ``FusedRMSNormGated``, in PyTorch).
+
+    ``act`` is ``swish``/``silu`` (``g * sigmoid(g)``) or ``sigmoid``. The norm is computed in float32:
+    ``x / sqrt(mean(x^2) + eps)``. Output dtype follows ``x``.
+
+    Args:
+        hidden_size: normalised width (GDN: ``head_v_dim``, shared by all heads).
+        eps: added to the mean square (fla default 1e-5).
+        activation: ``swish`` | ``silu`` | ``sigmoid``.
+
+    Raises:
+        ValueError: an unknown activation.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, activation: str = "swish") -> None:
+        super().__init__()
+        if activation not in ("swish", "silu", "sigmoid"):
+            raise ValueError(f"output_gate_activation must be swish, silu or sigmoid, got {activation!r}")
+        self.eps, self.activation = eps, activation
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf, gf = x.float(), gate.float()
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        y = y * (torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf))
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, activation={self.activation}"

@@ -1,0 +1,264 @@
+"""Chunked pure-PyTorch forms of the gated delta rule and of Gated Slot Attention (the CPU path).
+
+Both follow the usual chunkwise-parallel recipe: cut the sequence into chunks of ``chunk_len`` tokens;
+compute everything inside a chunk that does not depend on the state carried in from earlier chunks with
+dense batched matrix products (a block of :data:`BLOCK_CHUNKS` chunks at a time); then walk over the chunks
+to pass the state along, with a few small matrix products per chunk. There is no loop over tokens. The
+plain token loops in :mod:`mixerzoo_fla.reference` are the definitions these are tested against.
+
+Layouts follow flash-linear-attention (so the CPU and CUDA paths share calling conventions): sequences
+``[B, T, H, D]``, states per head. All arithmetic is float32; outputs are float32.
+
+Decay factors are formed as ``exp(a - b)`` with ``a <= b`` (a later cumulative log decay minus an earlier
+one), so they lie in ``[0, 1]`` whatever the gates; the one exception, GSA's split form, is guarded (see
+:func:`chunk_gsa`). A partial last chunk is padded with tokens that neither decay nor write
+(``log alpha = 0``, ``beta = 0``, ``k = 0``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["l2_normalize", "gdn_log_decay", "chunk_gated_delta_rule", "chunk_gsa"]
+
+# Chunks processed together: their intra-chunk products are batched, and a block's tensors stay small enough
+# to remain in cache while the state walks through it (about 1k tokens at the default chunk lengths).
+BLOCK_CHUNKS = 16
+# GSA: largest log decay accumulated inside one chunk for which the intra-chunk products use the split
+# exp(b_i - b_j) = exp(b_i) * exp(-b_j) (exp(60) ~ 1e26, far from float32 overflow at 3e38).
+GSA_MAX_LOG_SPAN = 60.0
+# GSA: below this chunk length, chunks that still decay more than GSA_MAX_LOG_SPAN use the exact form.
+GSA_MIN_SPLIT_CHUNK = 4
+# GSA exact fallback: elements of the (chunk, chunk, slots) decay tensor built at once (about 64 MB).
+GSA_BLOCK_ELEMENTS = 1 << 24
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dimension, in float32 (fla's ``l2norm``: eps inside the root)."""
+    x = x.float()
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def gdn_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """Gated DeltaNet's log forget gate ``log alpha = -exp(A_log) * softplus(a + dt_bias)`` (float32, <= 0).
+
+    The Mamba-2 parameterisation that GDN and fla use: ``exp(A_log)`` is a per-head decay rate,
+    ``softplus(a + dt_bias)`` a data-dependent step size. Args: ``a [..., HV]`` (``a_proj(x)``), ``A_log [HV]``,
+    ``dt_bias [HV]``.
+    """
+    a = a.float()
+    if dt_bias is not None:
+        a = a + dt_bias.float()
+    return -A_log.float().exp() * F.softplus(a)
+
+
+def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int) -> torch.Tensor:
+    """``[B, T, H, *rest] -> [B, H, N, C, *rest]``, zero-padding time up to ``N * C``."""
+    B, T, H = x.shape[:3]
+    x = x.movedim(1, 2)  # [B, H, T, ...]
+    pad = n_chunks * chunk - T
+    if pad:
+        x = torch.cat([x, x.new_zeros(B, H, pad, *x.shape[3:])], dim=2)
+    return x.reshape(B, H, n_chunks, chunk, *x.shape[3:])
+
+
+def _from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
+    """``[B, H, N, C, D] -> [B, T, H, D]`` (drops padding)."""
+    B, H, N, C, D = x.shape
+    return x.reshape(B, H, N * C, D)[:, :, :T].transpose(1, 2)
+
+
+def _blocks(n_chunks: int, per_block: int) -> list[slice]:
+    """Consecutive blocks of ``per_block`` chunks covering ``n_chunks``."""
+    return [slice(lo, lo + per_block) for lo in range(0, n_chunks, per_block)]
+
+
+def _pairwise_decay(b: torch.Tensor, per_slot: bool = False) -> torch.Tensor:
+    """``exp(b_i - b_j)`` for ``j <= i``, 0 above the diagonal, from cumulative log decays inside a chunk.
+
+    ``b [..., C]`` (one decay per token) -> ``[..., C, C]``; with ``per_slot``, ``b [..., C, M]`` (one per
+    slot) -> ``[..., C, C, M]``. Every entry lies in ``[0, 1]`` because ``b`` does not increase.
+    """
+    C = b.shape[-2] if per_slot else b.shape[-1]
+    causal = torch.ones(C, C, dtype=torch.bool, device=b.device).tril()
+    if per_slot:
+        diff = b[..., :, None, :] - b[..., None, :, :]
+        return diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
+    diff = b[..., :, None] - b[..., None, :]
+    return diff.masked_fill(~causal, float("-inf")).exp()
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           scale: float | None = None, initial_state: torch.Tensor | None = None,
+                           chunk_len: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule in chunkwise-parallel (WY / UT-transform) form (GDN paper, section 3.2).
+
+    Same definition and calling convention as :func:`mixerzoo_fla.reference.gated_delta_rule_recurrent` and
+    fla's ``chunk_gated_delta_rule`` with precomputed gates. Per chunk, with ``gamma_i`` the cumulative log
+    decay inside the chunk, ``D_ij = exp(gamma_i - gamma_j)`` (``j <= i``) and ``S`` the state entering it:
+
+    - UT transform: ``T = (I + tril_strict(diag(beta) K K^T * D))^-1`` (a unit lower-triangular solve), then
+      ``U = T diag(beta) V`` and ``W = T diag(beta exp(gamma)) K`` (the WY factors);
+    - per chunk, in order: new values ``U - W S``; output ``(Q * exp(gamma)) S + (Q K^T * D)(U - W S)``;
+      state ``exp(gamma_C) S + (K * exp(gamma_C - gamma))^T (U - W S)``.
+
+    Args:
+        q, k: ``[B, T, H, K]``, L2-normalised; v: ``[B, T, HV, V]`` (``HV`` a multiple of ``H``).
+        g: log decay ``[B, T, HV]``; beta: ``[B, T, HV]`` in ``[0, 2]``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[B, HV, K, V]`` or None.
+        chunk_len: tokens per chunk (any ``T`` works; the last chunk is padded).
+
+    Returns:
+        ``o [B, T, HV, V]`` and the final state ``[B, HV, K, V]``, float32.
+
+    Raises:
+        ValueError: ``HV`` not a multiple of ``H``, or ``chunk_len < 1``.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        raise ValueError(f"value heads ({HV}) must be a multiple of query/key heads ({H})")
+    if chunk_len < 1:
+        raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
+    scale = K ** -0.5 if scale is None else scale
+    C = min(chunk_len, T)
+    N = math.ceil(T / C)
+    group = HV // H
+    if group > 1:
+        q, k = (x.repeat_interleave(group, dim=2) for x in (q, k))
+    q, k, v = (_to_chunks(x, N, C) for x in (q.float() * scale, k.float(), v.float()))   # [B, HV, N, C, D]
+    g, beta = (_to_chunks(x.float()[..., None], N, C)[..., 0] for x in (g, beta))       # [B, HV, N, C]
+
+    eye = torch.eye(C, device=q.device)
+    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.float()
+    outs = []
+    for blk in _blocks(N, BLOCK_CHUNKS):      # blocks of chunks: batched products, data still in cache
+        qb, kb, vb, bb = q[:, :, blk], k[:, :, blk], v[:, :, blk], beta[:, :, blk]
+        gamma = g[:, :, blk].cumsum(-1)
+        decay = _pairwise_decay(gamma)                                                  # [B, HV, n, C, C]
+        k_beta = kb * bb[..., None]
+        lower = ((k_beta @ kb.transpose(-1, -2)) * decay).tril(-1)
+        ut = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+        u = ut @ (vb * bb[..., None])                                                   # WY factors
+        w = ut @ (k_beta * gamma.exp()[..., None])
+        attn = (qb @ kb.transpose(-1, -2)) * decay                                      # causal, decayed
+        q_decayed = qb * gamma.exp()[..., None]
+        k_to_end = kb * (gamma[..., -1:] - gamma).exp()[..., None]
+        chunk_decay = gamma[..., -1].exp()[..., None, None]                             # [B, HV, n, 1, 1]
+        for n in range(qb.shape[2]):
+            v_new = u[:, :, n] - w[:, :, n] @ S
+            outs.append(q_decayed[:, :, n] @ S + attn[:, :, n] @ v_new)
+            S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+    return _from_chunks(torch.stack(outs, dim=2), T), S
+
+
+def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
+              scale: float | None = None, initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+              chunk_len: int = 32) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Gated Slot Attention in chunked two-pass form (GSA paper, section 3: two GLA passes joined by a softmax).
+
+    Same definition and calling convention as :func:`mixerzoo_fla.reference.gsa_recurrent` (and fla's
+    ``chunk_gsa``). With ``b_i`` the cumulative log forget gate from the chunk start to token ``i`` (one per
+    slot, ``<= 0``) and ``E_ijm = exp(b_im - b_jm)`` for ``j <= i``:
+
+    - pass 1 (slot scores; the gate acts on the slot side of ``Hk``): ``z_im = exp(b_im) (q_i^T Hk)_m +
+      sum_j (q_i . k_j) s_jm E_ijm``, then ``p_i = softmax(z_i)``;
+    - pass 2 (read; the gate acts on the slot side of ``Hv``): ``o_i = (p_i * exp(b_i))^T Hv +
+      sum_j (sum_m p_im s_jm E_ijm) v_j``;
+    - states after the chunk: ``Hk diag(exp(b_C)) + K^T (S * exp(b_C - b))`` and
+      ``diag(exp(b_C)) Hv + (S * exp(b_C - b))^T V``.
+
+    The intra-chunk sums are matrix products after splitting ``E_ijm = exp(b_im) exp(-b_jm)``. ``exp(-b_jm)``
+    grows with the decay accumulated inside a chunk, so the split is used only while that decay stays below
+    :data:`GSA_MAX_LOG_SPAN` nats; otherwise the chunk length is halved until it does (realistic gates never
+    need it at the default length). If even chunks of :data:`GSA_MIN_SPLIT_CHUNK` tokens decay more, the exact
+    ``E`` is built instead (``C x C x M`` per chunk, a block of chunks at a time within
+    :data:`GSA_BLOCK_ELEMENTS`): slower, finite for any gate.
+
+    Args:
+        q: ``[B, T, HQ, K]``; k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; s, g: ``[B, T, H, M]`` (``HQ`` a
+            multiple of ``H``: query head ``j`` reads memory ``j // (HQ / H)``).
+        scale: default ``K ** -0.5`` (the GSA layer passes 1.0, as fla's layer does).
+        initial_state: ``(Hk [B, H, K, M], Hv [B, H, M, V])`` or None.
+        chunk_len: tokens per chunk.
+
+    Returns:
+        ``o [B, T, HQ, V]`` and ``(Hk, Hv)``, float32.
+
+    Raises:
+        ValueError: ``HQ`` not a multiple of ``H``, or ``chunk_len < 1``.
+    """
+    HQ, H = q.shape[2], k.shape[2]
+    if HQ % H:
+        raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({H})")
+    if chunk_len < 1:
+        raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
+    g = g.float()
+    T = q.shape[1]
+    C = max(1, min(chunk_len, T))
+    while True:
+        span = -_to_chunks(g, math.ceil(T / C), C).sum(-2).min().item()      # largest decay inside a chunk
+        if span <= GSA_MAX_LOG_SPAN:
+            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact=False)
+        if C <= GSA_MIN_SPLIT_CHUNK:
+            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact=True)
+        C = math.ceil(C / 2)
+
+
+def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact):
+    B, T, HQ, K = q.shape
+    H, V, M = k.shape[2], v.shape[3], s.shape[3]
+    scale = K ** -0.5 if scale is None else scale
+    G = HQ // H
+    N = math.ceil(T / C)
+    # queries carry a group axis: [B, H, G, N, C, K]; everything else is per key/value head: [B, H, N, C, *]
+    q = _to_chunks(q.float() * scale, N, C).unflatten(1, (H, G))
+    k, v, s, g = (_to_chunks(x.float(), N, C) for x in (k, v, s, g))
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    per_block = max(1, GSA_BLOCK_ELEMENTS // max(1, B * H * C * C * M)) if exact else BLOCK_CHUNKS
+    hk = q.new_zeros(B, H, K, M) if initial_state is None else initial_state[0].float()
+    hv = q.new_zeros(B, H, M, V) if initial_state is None else initial_state[1].float()
+    outs = []
+    for blk in _blocks(N, per_block):         # both passes, a block of chunks at a time
+        qb, kb, vb, sb = q[:, :, :, blk], k[:, :, blk], v[:, :, blk], s[:, :, blk]
+        b = g[:, :, blk].cumsum(-2)                                     # [B, H, n, C, M], <= 0
+        b_exp = b.exp()
+        s_to_end = sb * (b[..., -1:, :] - b).exp()                      # s_j exp(b_C - b_j)
+        chunk_decay = b_exp[..., -1, :]                                 # [B, H, n, M]
+        if exact:
+            E = _pairwise_decay(b, per_slot=True) * sb[:, :, :, None]   # s_jm E_ijm: [B, H, n, C, C, M]
+        else:
+            s_from_start = sb * (-b).exp()                              # s_j exp(-b_j), bounded by the span check
+
+        # pass 1: slot scores z, softmax -> p
+        u_k = kb.transpose(-1, -2) @ s_to_end                           # [B, H, n, K, M]
+        hk_starts = []
+        for n in range(u_k.shape[2]):
+            hk_starts.append(hk)
+            hk = hk * chunk_decay[:, :, n, None, :] + u_k[:, :, n]
+        z = (qb @ torch.stack(hk_starts, dim=2)[:, :, None]) * b_exp[:, :, None]   # [B, H, G, n, C, M]
+        qk = (qb @ kb[:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)    # [B, H, G, n, C, C]
+        if exact:
+            z = z + torch.einsum("bhgnij,bhnijm->bhgnim", qk, E)
+        else:
+            z = z + (qk @ s_from_start[:, :, None]) * b_exp[:, :, None]
+        p = z.softmax(dim=-1)
+
+        # pass 2: read the values through the slot probabilities
+        u_v = s_to_end.transpose(-1, -2) @ vb                           # [B, H, n, M, V]
+        hv_starts = []
+        for n in range(u_v.shape[2]):
+            hv_starts.append(hv)
+            hv = chunk_decay[:, :, n, :, None] * hv + u_v[:, :, n]
+        p_decayed = p * b_exp[:, :, None]
+        o = p_decayed @ torch.stack(hv_starts, dim=2)[:, :, None]       # [B, H, G, n, C, V]
+        if exact:
+            scores = torch.einsum("bhgnim,bhnijm->bhgnij", p, E)
+        else:
+            scores = (p_decayed @ s_from_start[:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)
+        outs.append(o + scores @ vb[:, :, None])
+    return _from_chunks(torch.cat(outs, dim=3).flatten(1, 2), T), (hk, hv)

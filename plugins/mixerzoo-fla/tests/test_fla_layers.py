@@ -1,0 +1,104 @@
+"""The gdn and gsa mixers: the full mixerzoo conformance suite (causality, continuation, decode == parallel,
+state bytes, gradients), registry and LM integration, state shapes and sizes, config errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixerzoo import registry
+from mixerzoo.model import LanguageModel
+from mixerzoo.model.config import ConfigError
+from mixerzoo.testing import run_conformance
+from mixerzoo_fla import GatedDeltaNet, GatedSlotAttention, GDNState, GSAState
+
+D = 32
+
+
+@pytest.mark.parametrize("options", [
+    dict(n_heads=2, chunk_len=8),
+    dict(n_heads=2, n_v_heads=4, expand_v=1.5, use_gate=False, use_short_conv=False, allow_neg_eigval=True,
+         chunk_len=16, output_gate_activation="sigmoid"),
+    dict(n_heads=1, head_dim=8, conv_bias=True, conv_size=2, output_gate_activation="sigmoid", chunk_len=5),
+], ids=["default", "grouped-values-no-conv-no-gate", "sigmoid-gate-conv-bias"])
+def test_gdn_conformance(options):
+    report = run_conformance(lambda: GatedDeltaNet(D, **options), d_model=D, seq_len=40, splits=(1, 7, 8, 21))
+    assert report.state_bytes[0] == report.state_bytes[1]          # constant-size state
+
+
+@pytest.mark.parametrize("options", [
+    dict(n_heads=2, num_slots=8, chunk_len=8),
+    dict(n_heads=4, n_kv_heads=2, num_slots=6, use_short_conv=True, feature_map="relu", chunk_len=5),
+    dict(n_heads=2, expand_k=0.5, expand_v=2, num_slots=4, elementwise_affine=False, scale=0.5, chunk_len=64),
+], ids=["default", "gqa-conv-relu", "expand-no-affine"])
+def test_gsa_conformance(options):
+    report = run_conformance(lambda: GatedSlotAttention(D, **options), d_model=D, seq_len=40, splits=(1, 7, 8, 21))
+    assert report.state_bytes[0] == report.state_bytes[1]
+
+
+def test_gdn_state_shapes_and_bytes():
+    m = GatedDeltaNet(D, n_heads=2, head_dim=8, expand_v=2, n_v_heads=4)
+    _, state = m(torch.randn(3, 11, D))
+    assert isinstance(state, GDNState)
+    assert state.recurrent.shape == (3, 4, 8, 16) and state.recurrent.dtype == torch.float32
+    assert [c.shape for c in state.conv] == [(3, 16, 4), (3, 16, 4), (3, 64, 4)]
+    assert state.nbytes() == 4 * 3 * (4 * 8 * 16 + (16 + 16 + 64) * 4)
+
+
+def test_gsa_state_shapes_and_bytes():
+    m = GatedSlotAttention(D, n_heads=4, n_kv_heads=2, num_slots=6, use_short_conv=True)
+    _, state = m(torch.randn(3, 11, D))
+    assert isinstance(state, GSAState)
+    assert state.hk.shape == (3, 2, 8, 6) and state.hv.shape == (3, 2, 6, 8)
+    assert [c.shape for c in state.conv] == [(3, 32, 4), (3, 16, 4), (3, 16, 4)]
+    assert state.nbytes() == 4 * 3 * (2 * 8 * 6 * 2 + (32 + 16 + 16) * 4)
+
+
+def test_registered_and_usable_in_a_hybrid_lm():
+    assert registry.get("gdn") is GatedDeltaNet and registry.get("gsa") is GatedSlotAttention
+    torch.manual_seed(0)
+    lm = LanguageModel(dict(vocab_size=64, d_model=D, n_layers=3, n_heads=2, layer_types=["gdn", "gsa", "attention"],
+                            mixers={"gdn": {"chunk_len": 8}, "gsa": {"num_slots": 4}, "attention": {}}))
+    tokens = torch.randint(0, 64, (2, 20))
+    logits, _ = lm(tokens)
+    with torch.no_grad():
+        a, states = lm(tokens[:, :13])
+        b, _ = lm(tokens[:, 13:], states)
+    torch.testing.assert_close(torch.cat([a, b], 1), logits.detach(), atol=1e-4, rtol=1e-4)
+    logits.float().logsumexp(-1).mean().backward()
+    assert lm.blocks[0].mixer.A_log.grad is not None and lm.blocks[1].mixer.f_proj.weight.grad is not None
+
+
+def test_bf16_forward_on_cpu():
+    for m in (GatedDeltaNet(D, n_heads=2), GatedSlotAttention(D, n_heads=2, num_slots=4)):
+        m = m.to(torch.bfloat16)
+        x = torch.randn(2, 9, D, dtype=torch.bfloat16)
+        y, state = m(x)
+        y2, _ = m(x[:, :1], state)
+        assert y.dtype == torch.bfloat16 and torch.isfinite(y).all() and torch.isfinite(y2).all()
+
+
+@pytest.mark.parametrize("factory,options,field", [
+    (GatedDeltaNet, dict(n_heads=3), "n_heads"),
+    (GatedDeltaNet, dict(n_heads=2, n_v_heads=3), "n_v_heads"),
+    (GatedDeltaNet, dict(head_dim=5, expand_v=0.3), "expand_v"),
+    (GatedDeltaNet, dict(chunk_len=0), "chunk_len"),
+    (GatedDeltaNet, dict(backend="triton"), "backend"),
+    (GatedDeltaNet, dict(output_gate_activation="gelu"), "output_gate_activation"),
+    (GatedSlotAttention, dict(n_heads=4, n_kv_heads=3), "n_kv_heads"),
+    (GatedSlotAttention, dict(n_heads=3), "n_heads"),
+    (GatedSlotAttention, dict(feature_map="t2r"), "feature_map"),
+    (GatedSlotAttention, dict(num_slots=0), "num_slots"),
+])
+def test_bad_options_name_the_field(factory, options, field):
+    with pytest.raises(ValueError, match=field):
+        factory(D, **options)
+
+
+def test_lm_config_errors_name_the_layer():
+    with pytest.raises(ConfigError, match=r"model.mixers.gdn.*n_v_heads"):
+        LanguageModel(dict(vocab_size=64, d_model=D, n_layers=1, n_heads=2, layer_types=["gdn"],
+                           mixers={"gdn": {"n_v_heads": 3}}))
+    with pytest.raises(ConfigError, match="positional"):
+        LanguageModel(dict(vocab_size=64, d_model=D, n_layers=1, n_heads=2, layer_types=["gsa"],
+                           mixers={"gsa": {"positional": "rope"}}))

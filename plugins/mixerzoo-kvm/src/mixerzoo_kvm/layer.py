@@ -1,0 +1,137 @@
+"""``KVMAttention``: the Key-Value Means mixer (Key-Value Means, section 4), registered as ``kvm``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixerzoo.mixers import QKVProjection
+from mixerzoo.protocol import Mixer
+from mixerzoo.schedules import FixedSchedule, build_schedule
+
+from .ops import merge_gate
+from .packed import kvm_packed, kvm_step
+from .reference import kvm_chunk_loop
+from .state import KVMState
+
+__all__ = ["KVMAttention"]
+
+HALF_ROPE = {"name": "rope", "rotary_fraction": 0.5}
+
+
+class KVMAttention(Mixer):
+    """Key-Value Means attention: one softmax over a compressed key/value state and a block sliding window.
+
+    Every query attends to ``[tau_state * LN_s(s_k) ; tau_bswa * k_window]`` (values ``[rho * s_v / ||s_v|| ;
+    v_window]``) where the window is the query's own chunk (causal) plus the previous ``n_bswa_chunks - 1``
+    chunks. When a chunk leaves the window it is folded into the state: the first one initialises it, later
+    ones append their least redundant tokens up to the state budget ``schedule`` and merge the rest
+    (winner-take-all on ``k_bar . LN_s(s_k)``, weighted by the merge gate ``1 + ELU(x W_g)``; sinks protected).
+
+    Args:
+        d_model: model width.
+        n_heads: query heads (paper: 6 at d_model 768 and 8 at d_model 1024, head_dim 128).
+        n_kv_heads: key/value heads (GQA; the state, gate and temperatures are per key/value head).
+        head_dim: channels per head (default ``d_model // n_heads``).
+        chunk_len: ``C``, tokens per chunk (paper 256).
+        n_bswa_chunks: chunks in the block sliding window (paper 2): window ``L = n_bswa_chunks * C``.
+        sink_len: ``S``, the first state rows (the sequence's first tokens) protected from merging (paper 1).
+        schedule: state-budget schedule ``B(t)`` (``mixerzoo.schedules``): e.g. ``{name: fixed, size: 256}``,
+            ``{name: power_law, coef: 16, exponent: 0.5, min_size: 256}``, ``{name: saturating, max_size: 1024}``.
+            Default: fixed at ``chunk_len`` (the state keeps its initial size).
+        positional: positional strategy of q and k (default half RoPE ``{name: rope, rotary_fraction: 0.5}``;
+            ``nope`` works too). The rotary channels are zeroed in the memory keys.
+        qk_norm: per-head norm on q and k (default ``layernorm`` with bias, as in the paper).
+        token_shift, value_residual, bias: backbone options of :class:`mixerzoo.mixers.QKVProjection`.
+        value_norm: ``radius`` (paper: renormalise each value row to its stored radius) or ``mean`` (ablation:
+            the plain mean of the row's values).
+        protect_sinks: keep the ``sink_len`` first rows out of merges (ablation: False).
+        merge_gate: gate merged keys/values by ``1 + ELU(x W_g)`` (ablation: False, every weight 1).
+        gate_appends: also gate appended rows (the paper does not; the authors' code had it as a flag).
+        routing: ``hard`` (winner-take-all, paper) or ``soft`` (ablation: softmax weights over the rows with
+            scale ``1/sqrt(head_dim)``, not differentiated, like the argmax).
+        eps: ``eps_norm`` of the value renormalisation.
+        use_reference: compute with the readable chunk loop instead of the packed fast path (for tests).
+
+    State: :class:`mixerzoo_kvm.KVMState` (``m`` compressed rows plus at most ``L`` window tokens).
+
+    Raises:
+        ValueError: a bad option (the message names it), e.g. ``sink_len >= chunk_len``.
+    """
+
+    positional_encodings = ("rope", "nope")
+    uses_schedule = True
+    uses_shared = True
+
+    def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, head_dim: int | None = None,
+                 chunk_len: int = 64, n_bswa_chunks: int = 2, sink_len: int = 1, schedule: Any = None,
+                 positional: Any = None, qk_norm: str | None = "layernorm", token_shift: bool = False,
+                 value_residual: bool = False, bias: bool = False, value_norm: str = "radius",
+                 protect_sinks: bool = True, merge_gate: bool = True, gate_appends: bool = False,
+                 routing: str = "hard", eps: float = 1e-6, use_reference: bool = False, layer_idx: int = 0) -> None:
+        super().__init__()
+        if not isinstance(chunk_len, int) or chunk_len < 1:
+            raise ValueError(f"kvm chunk_len must be a positive integer, got {chunk_len!r}")
+        if not isinstance(n_bswa_chunks, int) or n_bswa_chunks < 1:
+            raise ValueError(f"kvm n_bswa_chunks must be a positive integer, got {n_bswa_chunks!r}")
+        if sink_len < 0 or (protect_sinks and sink_len >= chunk_len):
+            raise ValueError(f"kvm sink_len={sink_len} must be >= 0 and < chunk_len={chunk_len} (the state starts "
+                             f"with chunk_len rows and needs at least one merge target); lower sink_len")
+        if value_norm not in ("radius", "mean"):
+            raise ValueError(f"kvm value_norm must be 'radius' (paper) or 'mean' (ablation), got {value_norm!r}")
+        if routing not in ("hard", "soft"):
+            raise ValueError(f"kvm routing must be 'hard' (winner-take-all, paper) or 'soft', got {routing!r}")
+        self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim, HALF_ROPE if positional is None else positional,
+                                 qk_norm, token_shift, value_residual, bias)
+        H, D = self.qkv.n_kv_heads, self.qkv.head_dim
+        if self.rotary_dim >= D:
+            raise ValueError(f"kvm positional rotates all {D} channels of a head; KVM zeroes the rotary channels of "
+                             f"its memory keys, so nothing would be left to match on. Use partial RoPE "
+                             f"({{name: rope, rotary_fraction: 0.5}}, the paper's) or nope")
+        self.o_proj = nn.Linear(n_heads * D, d_model, bias=bias)
+        self.ln_s = nn.LayerNorm(D)  # LN_s of eq. (1) and of the key readout
+        self.tau_state = nn.Parameter(torch.ones(H))  # per-head inverse temperatures on the keys
+        self.tau_bswa = nn.Parameter(torch.ones(H))
+        self.gate_proj = nn.Linear(d_model, H, bias=False) if merge_gate else None  # W_g of eq. (2)
+        self.schedule = FixedSchedule(chunk_len) if schedule is None else build_schedule(schedule)
+        self.chunk_len, self.n_bswa_chunks, self.sink_len = chunk_len, n_bswa_chunks, sink_len
+        self.value_norm, self.protect_sinks, self.gate_appends = value_norm, protect_sinks, gate_appends
+        self.routing, self.eps, self.use_reference, self.layer_idx = routing, eps, use_reference, layer_idx
+
+    @property
+    def rotary_dim(self) -> int:
+        """``r``: channels rotated by the positional encoding (0 for NoPE)."""
+        return int(getattr(self.qkv.pos, "rotary_dim", 0))
+
+    @property
+    def n_protected(self) -> int:
+        """State rows that merges may not target."""
+        return self.sink_len if self.protect_sinks else 0
+
+    @property
+    def min_seq_len(self) -> int:
+        """``(n_bswa_chunks + 1) * chunk_len + 1``: the shortest sequence whose last chunk sees a state that has
+        absorbed a merge, so every parameter (the merge gate and ``LN_s`` included) is trained."""
+        return (self.n_bswa_chunks + 1) * self.chunk_len + 1
+
+    def forward(self, x: torch.Tensor, state: KVMState | None = None, shared: dict | None = None
+                ) -> tuple[torch.Tensor, KVMState]:
+        """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given (any ``T >= 1``)."""
+        B, T, _ = x.shape
+        p0 = 0 if state is None else state.next_pos
+        positions = torch.arange(p0, p0 + T, device=x.device)
+        q, k, v, shift = self.qkv(x, positions, None if state is None else state.shift, shared)
+        g = merge_gate(x, self.gate_proj)
+        if state is None:
+            state = KVMState.empty(k, with_count=self.value_norm == "mean", with_gate=g is not None)
+        impl = kvm_chunk_loop if self.use_reference else kvm_step if T == 1 else kvm_packed
+        o, new_state = impl(self, q, k, v, g, state)
+        new_state.shift = shift
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), new_state
+
+    def extra_repr(self) -> str:
+        return (f"chunk_len={self.chunk_len}, n_bswa_chunks={self.n_bswa_chunks}, sink_len={self.sink_len}, "
+                f"schedule={self.schedule!r}, value_norm={self.value_norm}, protect_sinks={self.protect_sinks}, "
+                f"gate_appends={self.gate_appends}, routing={self.routing}")

@@ -1,0 +1,174 @@
+"""The pieces of KVM math shared by the reference loop and the fast path (paper section 4).
+
+Notation (single layer): ``B`` batch, ``H`` key/value heads, ``C`` chunk_len, ``D`` head_dim, ``m`` state
+rows, ``r`` rotary channels. Every function is written for all heads at once; ``(B, H, ...)`` leads.
+
+- :func:`memory_keys`   eq. (1): zero the rotary channels, then ``LN_s``.
+- :func:`merge_gate`    eq. (2): ``g = 1 + ELU(x W_g)``.
+- :func:`read_values`   readout of the value state (JIT norm to the stored radius, or the mean ablation).
+- :func:`state_budget`  ``M* = max(m, min(B(e), m + |Omega|))`` (section 4, "Merge", last paragraph).
+- :func:`route_overflow` the append / merge decisions of one overflow block (no gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["memory_keys", "merge_gate", "read_values", "state_budget", "Routing", "route_overflow"]
+
+
+def memory_keys(k: torch.Tensor, rotary_dim: int, ln_s: nn.Module) -> torch.Tensor:
+    """Memory keys ``k_bar = LN_s(k * diag(0_r, 1_{D-r}))`` (eq. 1).
+
+    Args:
+        k: keys after the per-head q/k norm and (partial) RoPE, ``(..., D)``. RoPE only touches the first
+            ``rotary_dim`` channels, which are zeroed here, so rotated and unrotated keys give the same result.
+        rotary_dim: ``r``, channels rotated by RoPE (0 for NoPE: nothing is zeroed).
+        ln_s: the state's LayerNorm over ``D`` (affine weight and bias).
+
+    Returns:
+        ``(..., D)``; after ``LN_s`` the zeroed channels are in general no longer zero (paper behaviour).
+    """
+    if rotary_dim > 0:
+        k = torch.cat([torch.zeros_like(k[..., :rotary_dim]), k[..., rotary_dim:]], dim=-1)
+    return ln_s(k)
+
+
+def merge_gate(x: torch.Tensor, gate_proj: nn.Module | None) -> torch.Tensor | None:
+    """Merge gate ``g_t = 1 + ELU(x_t W_g)`` (eq. 2), one scalar per head and token, always > 0.
+
+    Args:
+        x: mixer input ``(B, T, d_model)``.
+        gate_proj: ``Linear(d_model, H, bias=False)``, or ``None`` when the gate is switched off.
+
+    Returns:
+        ``(B, H, T)``, or ``None`` (gate off: every weight is 1).
+    """
+    if gate_proj is None:
+        return None
+    return (1.0 + F.elu(gate_proj(x))).transpose(1, 2)
+
+
+def read_values(s_v: torch.Tensor, rho: torch.Tensor, count: torch.Tensor | None, value_norm: str,
+                eps: float) -> torch.Tensor:
+    """Value readout of the state (section 4, "Readout"), computed in fp32, returned in ``s_v``'s dtype.
+
+    ``radius``: ``rho_i * s_v_i / max(||s_v_i||_2, eps)`` (the stored sum's direction at the row's fixed radius).
+    ``mean`` (ablation): ``s_v_i / count_i``, the plain mean of the values summed into the row.
+
+    Args:
+        s_v: stored value sums ``(..., m, D)``.
+        rho: value radii ``(..., m)`` (``||v||`` of the token that created the row).
+        count: tokens summed into each row ``(..., m)`` (needed for ``mean`` only).
+        value_norm: ``"radius"`` or ``"mean"``.
+        eps: ``eps_norm``, the floor of the norm / count.
+
+    Raises:
+        ValueError: ``mean`` without counts, or an unknown ``value_norm``.
+    """
+    sv = s_v.float()
+    if value_norm == "radius":
+        out = sv * (rho.float()[..., None] / sv.norm(dim=-1, keepdim=True).clamp_min(eps))  # one pass over s_v
+    elif value_norm == "mean":
+        if count is None:
+            raise ValueError("value_norm='mean' needs the per-row token counts")
+        out = sv / count.float()[..., None].clamp_min(eps)
+    else:
+        raise ValueError(f"value_norm must be 'radius' or 'mean', got {value_norm!r}")
+    return out.to(s_v.dtype)
+
+
+def state_budget(m: int, schedule: Callable[[int], int], tokens_seen: int, chunk_len: int) -> int:
+    """State rows after folding one overflow block: ``M* = max(m, min(B(e), m + |Omega|))``.
+
+    The state never shrinks, grows by at most one chunk per fold, and is initialised with exactly one chunk
+    (``m = 0 -> C``: the first chunk becomes the state, whatever the schedule says).
+
+    Args:
+        m: rows before the fold.
+        schedule: state-budget schedule ``B(t)`` (``mixerzoo.schedules``).
+        tokens_seen: ``e``, the context length when the fold happens (the start of the query chunk that first
+            sees the folded block; e.g. ``3 C`` for the first merge with two window chunks).
+        chunk_len: ``C = |Omega|``.
+    """
+    if m == 0:
+        return chunk_len
+    return max(m, min(int(schedule(tokens_seen)), m + chunk_len))
+
+
+@dataclasses.dataclass
+class Routing:
+    """Where each token of one overflow block goes (section 4, "Append" and "Merge").
+
+    Attributes:
+        append_idx: ``(B, H, n_append)`` token indices (ascending) appended as new rows ``m, m+1, ...``.
+        appended: ``(B, H, C)`` bool, True for appended tokens.
+        target: ``(B, H, C)`` row of the grown state (``m + n_append`` rows) each token is added to: its own
+            new row for appended tokens, the winner-take-all merge target for the others.
+        probs: soft routing only: ``(B, H, C, m + n_append)`` weights (rows sum to 1; one-hot for appended
+            tokens); ``None`` for winner-take-all.
+    """
+
+    append_idx: torch.Tensor
+    appended: torch.Tensor
+    target: torch.Tensor
+    probs: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def route_overflow(keys_hat: torch.Tensor, kbar: torch.Tensor, append_rows: torch.Tensor, n_append: int,
+                   ln_s: nn.Module, n_protected: int, soft: bool = False) -> Routing:
+    """Append and merge decisions for one overflow block (not differentiable, as in the paper).
+
+    1. Novelty: ``s_j = max_i k_bar_j . LN_s(s_k)_i`` over all current rows; the ``n_append`` tokens with the
+       smallest ``s_j`` become new rows (holding ``append_rows``).
+    2. Every other token is merged into ``argmax_{i >= S} k_bar_j . LN_s(s_+)_i`` over the grown state ``s_+``
+       (appended rows are valid targets; the first ``n_protected`` rows, the sinks, are not). The gate
+       ``g_j > 0`` does not change the argmax, so it is left out here.
+    With ``soft`` the merge weights are ``softmax_i(k_bar_j . LN_s(s_+)_i / sqrt(D))`` over the same rows instead
+    (an ablation of winner-take-all routing).
+
+    Args:
+        keys_hat: ``LN_s(s_k)`` of the current state ``(B, H, m, D)``.
+        kbar: memory keys of the overflow block ``(B, H, C, D)``.
+        append_rows: what an appended token's key row will hold, ``(B, H, C, D)`` (``k_bar``, or ``g k_bar``
+            with ``gate_appends``); used for the routing logits of the grown state.
+        n_append: tokens to append, ``0 <= n_append <= C``.
+        ln_s: the state's LayerNorm.
+        n_protected: sink rows that cannot be merge targets (0 to allow every row).
+        soft: softmax routing instead of argmax.
+
+    Raises:
+        ValueError: no row is left to merge into (``n_protected >= m + n_append`` with tokens to merge).
+    """
+    B, H, C, D = kbar.shape
+    m = keys_hat.shape[2]
+    kb = kbar.float()
+    if n_append > 0:
+        novelty = (kb @ keys_hat.float().transpose(-1, -2)).amax(dim=-1)  # (B, H, C)
+        append_idx = novelty.topk(n_append, dim=-1, largest=False).indices.sort(dim=-1).values
+    else:
+        append_idx = torch.zeros(B, H, 0, dtype=torch.long, device=kbar.device)
+    appended = torch.zeros(B, H, C, dtype=torch.bool, device=kbar.device).scatter(-1, append_idx, True)
+    new_rows = torch.gather(append_rows, 2, append_idx[..., None].expand(-1, -1, -1, D))
+    grown = torch.cat([keys_hat.float(), ln_s(new_rows).float()], dim=2)  # LN_s(s_+), (B, H, m', D)
+    m_grown = m + n_append
+    if n_protected >= m_grown and n_append < C:
+        raise ValueError(f"no merge target: {n_protected} protected sink rows out of {m_grown} state rows")
+    logits = kb @ grown.transpose(-1, -2)  # (B, H, C, m')
+    if n_protected > 0:
+        logits[..., :n_protected] = float("-inf")
+    target = logits.argmax(dim=-1)
+    own_rows = (m + torch.arange(n_append, device=kbar.device)).expand(B, H, n_append)
+    target = target.scatter(-1, append_idx, own_rows)
+    probs = None
+    if soft:
+        probs = (logits / math.sqrt(D)).softmax(dim=-1)
+        probs = torch.where(appended[..., None], F.one_hot(target, m_grown).float(), probs)
+    return Routing(append_idx=append_idx, appended=appended, target=target, probs=probs)

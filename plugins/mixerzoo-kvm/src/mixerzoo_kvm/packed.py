@@ -1,0 +1,328 @@
+"""Fast KVM forward: all state snapshots first, then one packed attention call (paper appendix A, note).
+
+Three steps, each over the whole call at once except the routing loop:
+
+1. **Routing** (no gradient, a cheap loop over folds): the append / merge decisions of every overflow
+   block, tracking the stored key sums in a preallocated buffer (:func:`mixerzoo_kvm.ops.route_overflow`).
+2. **Snapshots** (differentiable, vectorised): every fold adds weighted ``k_bar`` / ``v`` rows into known
+   rows, so all per-chunk states are one ``scatter_add`` into a ``(folds, rows)`` grid followed by a prefix sum
+   over folds (a lower-triangular matmul); ``LN_s`` and the value radius renormalisation are then applied to
+   all snapshots at once.
+3. **Attention**: for every query chunk, keys ``[snapshot of its state (m_max rows, padded) ; its block
+   window (n_bswa_chunks * C)]``; all chunks go to one ``scaled_dot_product_attention`` call as a batch
+   (grouped-query heads folded into the query length), with a boolean mask for padded rows and causality.
+
+On this project's CPU, FlexAttention was ruled out by measurement: torch 2.13 has no FlexAttention backward on
+CPU (NotImplementedError), while the packed SDPA call runs on the CPU flash kernel (it needs the 4-D mask) and
+was 4.4x faster than full causal SDPA at 8k tokens (docs/mechanisms/kvm.md). Single-token decoding uses
+:func:`kvm_step`, which needs no mask at all.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .ops import Routing, memory_keys, read_values, route_overflow, state_budget
+from .reference import fold_reference, keep_from
+from .state import KVMState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .layer import KVMAttention
+
+__all__ = ["kvm_packed", "kvm_step"]
+
+
+@torch.no_grad()
+def _route_all(layer: "KVMAttention", s_k0: torch.Tensor, kbar: torch.Tensor, g: torch.Tensor | None,
+               sizes: list[int]) -> list[Routing]:
+    """Routing of ``F`` consecutive overflow blocks ``kbar (B, H, F, C, D)``; ``sizes[f]`` rows before fold ``f``."""
+    B, H, n_folds, C, D = kbar.shape
+    buf = kbar.new_zeros(B, H, sizes[-1], D)  # running stored key sums, no gradient
+    buf[:, :, :sizes[0]] = s_k0
+    routes = []
+    for f in range(n_folds):
+        m, m_new = sizes[f], sizes[f + 1]
+        kb = kbar[:, :, f]
+        gk = kb if g is None else g[:, :, f, :, None] * kb
+        if m == 0:  # initialisation: token i becomes row i, ungated
+            idx = torch.arange(C, device=kb.device).expand(B, H, C)
+            route = Routing(append_idx=idx, appended=torch.ones(B, H, C, dtype=torch.bool, device=kb.device),
+                            target=idx)
+            buf[:, :, :C] += kb
+        else:
+            rows = gk if layer.gate_appends else kb
+            route = route_overflow(layer.ln_s(buf[:, :, :m]), kb, rows, m_new - m, layer.ln_s, layer.n_protected,
+                                   soft=layer.routing == "soft")
+            src = torch.where(route.appended[..., None], rows, gk)  # what each token adds to its row
+            if route.probs is None:
+                buf.scatter_add_(2, route.target[..., None].expand(-1, -1, -1, D), src)
+            else:
+                buf[:, :, :m_new] += route.probs.transpose(-1, -2).to(src.dtype) @ src
+        routes.append(route)
+    return routes
+
+
+class _FoldScan(torch.autograd.Function):
+    """Stored sums after every fold for winner-take-all routing, in linear time and memory.
+
+    ``out[:, :, 0] = s0`` and ``out[:, :, f + 1] = out[:, :, f]`` plus ``src[:, :, f, j]`` added into row
+    ``index[:, :, f, j]`` (scatter-add). Backward: the gradient of ``src[f]`` is the reverse running sum of the
+    output gradient over folds ``> f``, gathered at the same rows; ``s0`` gets the sum over all folds.
+    Shapes: ``s0 (B, H, R, D)``, ``src (B, H, F, C, D)``, ``index (B, H, F, C)`` -> ``(B, H, F + 1, R, D)``.
+    """
+
+    @staticmethod
+    def forward(ctx, s0: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        B, H, n_folds, C, D = src.shape
+        idx = index[..., None].expand(-1, -1, -1, -1, D)
+        out = s0.new_empty(B, H, n_folds + 1, s0.shape[2], D)
+        out[:, :, 0] = s0
+        for f in range(n_folds):
+            out[:, :, f + 1] = out[:, :, f]
+            out[:, :, f + 1].scatter_add_(2, idx[:, :, f], src[:, :, f])
+        ctx.save_for_backward(idx)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (idx,) = ctx.saved_tensors
+        n_folds = grad.shape[2] - 1
+        acc = grad[:, :, n_folds].clone()
+        grad_src = grad.new_empty(idx.shape)
+        for f in range(n_folds - 1, -1, -1):
+            grad_src[:, :, f] = acc.gather(2, idx[:, :, f])
+            acc += grad[:, :, f]
+        return acc, grad_src, None
+
+
+def _snapshots(layer: "KVMAttention", state: KVMState, kbar: torch.Tensor, v_o: torch.Tensor,
+               g: torch.Tensor | None, routes: list[Routing], sizes: list[int]):
+    """Stored sums after every fold, with gradient; entry 0 is the incoming state, entry ``f + 1`` the state
+    after fold ``f``.
+
+    Returns ``(s_k, s_v, rho, count)``: sums ``(B, H, F + 1, R, D)``, radii ``(B, H, R)`` and token counts
+    ``(B, H, F + 1, R)`` (or None), with ``R = sizes[-1]`` rows (rows past ``sizes[entry]`` are zero padding).
+    """
+    B, H, n_folds, C, D = kbar.shape
+    R = sizes[-1]
+    s_k0 = F.pad(state.s_k, (0, 0, 0, R - state.n_rows))
+    s_v0 = F.pad(state.s_v.to(state.s_k.dtype), (0, 0, 0, R - state.n_rows))
+    if n_folds == 0:
+        return s_k0[:, :, None], s_v0[:, :, None], state.rho, None if state.count is None else state.count[:, :, None]
+    appended = torch.stack([r.appended for r in routes], dim=2)  # (B, H, F, C)
+    initial = torch.tensor([s == 0 for s in sizes[:-1]], device=kbar.device)[:, None]  # folds that initialise
+    xs = [kbar, v_o.to(kbar.dtype)]
+    if g is not None:  # merged tokens and (with gate_appends) appended tokens are gated; initial rows never are
+        ungated = initial | (appended & (not layer.gate_appends))
+        w = torch.where(ungated, torch.ones_like(g), g)[..., None].to(kbar.dtype)
+        xs = [x * w for x in xs]
+    if layer.routing == "hard":
+        target = torch.stack([r.target for r in routes], dim=2)  # (B, H, F, C)
+        s_k, s_v = (_FoldScan.apply(s0, x, target) for s0, x in zip((s_k0, s_v0), xs))
+    else:  # soft routing (an ablation): dense weights, a plain running sum
+        snaps = []
+        for s0, x in zip((s_k0, s_v0), xs):
+            run = [s0]
+            for f, r in enumerate(routes):
+                probs = r.probs if r.probs is not None else F.one_hot(r.target, sizes[f + 1]).float()
+                add = probs.transpose(-1, -2).to(x.dtype) @ x[:, :, f]
+                run.append(run[-1] + F.pad(add, (0, 0, 0, R - sizes[f + 1])))
+            snaps.append(torch.stack(run, dim=2))
+        s_k, s_v = snaps
+    norms = v_o.float().norm(dim=-1)  # (B, H, F, C)
+    rho = torch.cat([state.rho] + [torch.gather(norms[:, :, f], 2, r.append_idx) for f, r in enumerate(routes)],
+                    dim=2)
+    count = None
+    if state.count is not None:
+        with torch.no_grad():
+            per_fold = []
+            for f, r in enumerate(routes):
+                probs = r.probs if r.probs is not None else F.one_hot(r.target, sizes[f + 1]).float()
+                per_fold.append(F.pad(probs.sum(dim=2), (0, R - sizes[f + 1])))
+            c0 = F.pad(state.count, (0, R - state.count.shape[2]))[:, :, None]
+            count = torch.cat([c0, c0 + torch.stack(per_fold, dim=2).cumsum(dim=2)], dim=2)
+    return s_k, s_v, rho, count
+
+
+def _group_chunks(rows: list[int], growth: float = 1.25) -> list[tuple[int, int]]:
+    """Split consecutive query chunks into groups whose state sizes stay within ``growth`` x the group's first
+    (a state only grows), so padding every snapshot of a group to its largest wastes little."""
+    groups, start = [], 0
+    for i in range(1, len(rows)):
+        if rows[i] > growth * rows[start]:
+            groups.append((start, i))
+            start = i
+    groups.append((start, len(rows)))
+    return groups
+
+
+def _split_by_group(t: torch.Tensor, entry: list[int], groups: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """``t[:, :, entry[a:b]]`` for every group ``(a, b)``, through one ``split`` (whose backward is one ``cat``;
+    separate slices would each allocate a full-size gradient). ``entry`` is zeros (the incoming state) then
+    consecutive fold indices; zeros are expanded."""
+    sizes, which, pos = [], [], 0
+    for a, b in groups:
+        lo, hi = entry[a], entry[b - 1] + 1
+        if lo > pos:
+            sizes.append(lo - pos)
+        which.append(len(sizes))
+        sizes.append(hi - lo)
+        pos = hi
+    if pos < t.shape[2]:
+        sizes.append(t.shape[2] - pos)
+    pieces = torch.split(t, sizes, dim=2)
+    out = []
+    for (a, b), i in zip(groups, which):
+        piece, zeros = pieces[i], entry[a:b].count(0)
+        if zeros > 1:
+            first = piece[:, :, :1]
+            piece = torch.cat([first.expand(-1, -1, zeros, *first.shape[3:]), piece[:, :, 1:]], dim=2)
+        out.append(piece)
+    return out
+
+
+def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               g: torch.Tensor | None, state: KVMState) -> tuple[torch.Tensor, KVMState]:
+    """KVM attention over new tokens: all state snapshots first, then batched attention over all chunks.
+    Same contract as :func:`mixerzoo_kvm.reference.kvm_chunk_loop` (which it equals to fp32 rounding).
+
+    Query chunks are batched in groups of similar state size (one group for a fixed budget), one
+    ``scaled_dot_product_attention`` call per group.
+
+    Args:
+        layer: the KVM layer.
+        q: ``(B, H_q, T, D)``; k, v: ``(B, H, T, D)`` after q/k norm and RoPE; g: gates ``(B, H, T)`` or None.
+        state: the state before these tokens.
+
+    Returns:
+        ``o (B, H_q, T, D)`` and the new state (``shift`` left to the caller).
+
+    Raises:
+        ValueError: the state's window does not hold the chunk that must be folded next.
+    """
+    C, nb = layer.chunk_len, layer.n_bswa_chunks
+    B, Hq, T, D = q.shape
+    H = k.shape[1]
+    G = Hq // H
+    dev = q.device
+    p0, p1 = state.next_pos, state.next_pos + T
+    K = torch.cat([state.win_k.to(k.dtype), k], dim=2)  # positions [kpos0, p1)
+    V = torch.cat([state.win_v.to(v.dtype), v], dim=2)
+    Gt = None if g is None else torch.cat([state.win_g.to(g.dtype), g], dim=2)
+    kpos0 = p0 - state.win_k.shape[2]
+
+    # -- 1 + 2: folds happen where a chunk c >= nb starts inside [p0, p1) -----------------------------
+    cf0 = max(nb, -(-p0 // C))
+    n_folds = max((p1 - 1) // C - cf0 + 1, 0)
+    sizes = [state.n_rows]
+    for f in range(n_folds):
+        sizes.append(state_budget(sizes[-1], layer.schedule, (cf0 + f) * C, C))
+    lo = (cf0 - nb) * C - kpos0 if n_folds else 0  # first overflow token in K
+    if lo < 0:
+        raise ValueError(f"KVM state window starts at position {kpos0} but the chunk leaving the window starts at "
+                         f"{(cf0 - nb) * C}; was the state made by a layer with another chunk_len/n_bswa_chunks?")
+    k_o = K[:, :, lo:lo + n_folds * C].reshape(B, H, n_folds, C, D)
+    v_o = V[:, :, lo:lo + n_folds * C].reshape(B, H, n_folds, C, D)
+    g_o = None if Gt is None else Gt[:, :, lo:lo + n_folds * C].reshape(B, H, n_folds, C)
+    kbar = memory_keys(k_o, layer.rotary_dim, layer.ln_s)
+    routes = _route_all(layer, state.s_k, kbar.detach(), None if g_o is None else g_o.detach(), sizes) \
+        if n_folds else []
+    s_k, s_v, rho, count = _snapshots(layer, state, kbar, v_o, g_o, routes, sizes)
+
+    # -- 3: query chunks, each with its state snapshot and its window ------------------------------------
+    cq0, cq1 = p0 // C, (p1 - 1) // C
+    n_q = cq1 - cq0 + 1
+    # snapshot of every query chunk: the incoming state until the first fold here, then one fold per chunk
+    entry = [0] * (n_q - n_folds) + list(range(1, n_folds + 1))
+    rows = [sizes[e] for e in entry]
+    Kw = K * layer.tau_bswa[None, :, None, None]
+    if n_q == 1:  # one (partial) chunk, e.g. a short continuation: no padding of queries or window
+        qb = q[:, :, None]
+        q_pos = torch.arange(p0, p1, device=dev)[None]
+        w0 = max((cq0 - nb + 1) * C, 0)
+        win_k, win_v = [Kw[:, :, None, w0 - kpos0:]], [V[:, :, None, w0 - kpos0:]]
+        k_pos = torch.arange(w0, p1, device=dev)[None]
+        q_off = 0
+    else:  # chunk-aligned grid: queries padded to whole chunks; window j of chunk c is grid chunk c + j
+        q_off = p0 - cq0 * C
+        qb = F.pad(q, (0, 0, q_off, (cq1 + 1) * C - p1)).view(B, Hq, n_q, C, D)
+        q_pos = torch.arange(cq0 * C, (cq1 + 1) * C, device=dev).view(n_q, C)
+        gs, ge = (cq0 - nb + 1) * C, (cq1 + 1) * C
+        start = max(gs, kpos0)
+        pad = (0, 0, start - gs, ge - p1)
+        grid_k = F.pad(Kw[:, :, start - kpos0:], pad).view(B, H, n_q + nb - 1, C, D)
+        grid_v = F.pad(V[:, :, start - kpos0:], pad).view(B, H, n_q + nb - 1, C, D)
+        grid_pos = torch.arange(gs, ge, device=dev).view(n_q + nb - 1, C)
+        k_pos = torch.cat([grid_pos[j:j + n_q] for j in range(nb)], dim=1)  # (n_q, L)
+    win_mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & ((k_pos >= max(kpos0, 0)) & (k_pos < p1))[:, None, :]
+    Cq = q_pos.shape[1]
+    tau_s = layer.tau_state[None, :, None, None, None]
+    groups = _group_chunks(rows)
+    snaps = zip(*(_split_by_group(t, entry, groups) if t is not None else [None] * len(groups)
+                  for t in (s_k, s_v, count)))
+    win_chunks = [list(w.unbind(dim=2)) for w in (grid_k, grid_v)] if n_q > 1 else None
+    outs = []
+    for (a, b), (sk, sv, cnt) in zip(groups, snaps):
+        n, R = b - a, max(rows[a:b])
+        if win_chunks is None:
+            wk, wv = win_k, win_v
+        else:  # window j of chunk c is grid chunk c + j
+            wk, wv = ([torch.stack(chunks[a + j:b + j], dim=2) for j in range(nb)] for chunks in win_chunks)
+        keys = torch.cat([layer.ln_s(sk[:, :, :, :R]) * tau_s] + wk, dim=3)
+        vals = read_values(sv[:, :, :, :R], rho[:, :, None, :R], None if cnt is None else cnt[..., :R],
+                           layer.value_norm, layer.eps)
+        values = torch.cat([vals] + wv, dim=3)
+        rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
+        mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask[a:b]], dim=2)  # (n, Cq, S)
+        # grouped-query heads: the G query heads of one key/value head are stacked along the query axis
+        qg = qb[:, :, a:b].reshape(B, H, G, n, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n, G * Cq, D)
+        mask = mask[:, None].expand(-1, G, -1, -1).reshape(1, n, G * Cq, -1)  # 4-D: the CPU flash kernel takes it
+        S = keys.shape[3]
+        o = F.scaled_dot_product_attention(qg, keys.reshape(B * H, n, S, D), values.reshape(B * H, n, S, D),
+                                           attn_mask=mask)
+        outs.append(o.view(B, H, n, G, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * Cq, D))
+    o = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))[:, :, q_off:q_off + T]
+
+    keep = keep_from(p1, C, nb) - kpos0
+    # copies, so that the state does not keep every snapshot or the whole prefill's keys alive
+    new_state = KVMState(s_k=s_k[:, :, -1].clone(), s_v=s_v[:, :, -1].to(state.s_v.dtype, copy=True), rho=rho,
+                         count=None if count is None else count[:, :, -1].clone(), win_k=K[:, :, keep:].clone(),
+                         win_v=V[:, :, keep:].clone(), win_g=None if Gt is None else Gt[:, :, keep:].clone(),
+                         next_pos=p1)
+    return o, new_state
+
+
+def kvm_step(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             g: torch.Tensor | None, state: KVMState) -> tuple[torch.Tensor, KVMState]:
+    """One decoding step (``T = 1``), with as few tensor operations as possible.
+
+    A single query sees every state row and every window token, so no mask is needed; when the token starts
+    a chunk, the chunk leaving the window is first folded with :func:`mixerzoo_kvm.reference.fold_reference`.
+    Same contract as :func:`kvm_packed` (``q (B, H_q, 1, D)``, ``k, v (B, H, 1, D)``, ``g (B, H, 1)``).
+    """
+    C, nb = layer.chunk_len, layer.n_bswa_chunks
+    B, Hq, _, D = q.shape
+    H = k.shape[1]
+    p0 = state.next_pos
+    K = torch.cat([state.win_k.to(k.dtype), k], dim=2)
+    V = torch.cat([state.win_v.to(v.dtype), v], dim=2)
+    Gt = None if g is None else torch.cat([state.win_g.to(g.dtype), g], dim=2)
+    kpos0 = p0 - state.win_k.shape[2]
+    s_k, s_v, rho, count = state.s_k, state.s_v, state.rho, state.count
+    c = p0 // C
+    if p0 == c * C and c >= nb:  # this token starts chunk c: chunk c - nb leaves the window
+        lo = (c - nb) * C - kpos0
+        s_k, s_v, rho, count = fold_reference(layer, s_k, s_v, rho, count, K[:, :, lo:lo + C], V[:, :, lo:lo + C],
+                                              None if Gt is None else Gt[:, :, lo:lo + C], p0)
+    w0 = max((c - nb + 1) * C, 0) - kpos0
+    keys = torch.cat([layer.ln_s(s_k) * layer.tau_state[None, :, None, None],
+                      K[:, :, w0:] * layer.tau_bswa[None, :, None, None]], dim=2)
+    values = torch.cat([read_values(s_v, rho, count, layer.value_norm, layer.eps), V[:, :, w0:]], dim=2)
+    o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, D), keys, values)  # G query heads as G queries
+    keep = keep_from(p0 + 1, C, nb) - kpos0
+    return o.reshape(B, Hq, 1, D), KVMState(s_k=s_k, s_v=s_v, rho=rho, count=count, win_k=K[:, :, keep:],
+                                            win_v=V[:, :, keep:], win_g=None if Gt is None else Gt[:, :, keep:],
+                                            next_pos=p0 + 1)

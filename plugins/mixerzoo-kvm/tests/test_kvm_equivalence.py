@@ -1,0 +1,166 @@
+"""KVM: readable chunk loop == packed fast path == token-by-token decode, gradients included, plus the
+mixerzoo conformance kit and independent checks against the core attention baselines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixerzoo.mixers import Attention, BlockSlidingWindowAttention
+from mixerzoo.testing import run_conformance
+from mixerzoo_kvm import KVMAttention
+
+D_MODEL = 16
+GROW = {"name": "power_law", "coef": 2.0, "exponent": 0.5, "min_size": 4}
+
+CONFIGS = {
+    "default": {},
+    "power_law": {"schedule": GROW},
+    "saturating": {"schedule": {"name": "saturating", "max_size": 12}},
+    "linear_gate_appends": {"schedule": {"name": "linear", "rate": 0.3}, "gate_appends": True},
+    "value_mean": {"value_norm": "mean", "schedule": GROW},
+    "no_sink_protection": {"protect_sinks": False},
+    "no_merge_gate": {"merge_gate": False, "schedule": GROW},
+    "soft_routing": {"routing": "soft", "schedule": GROW},
+    "nope": {"positional": "nope", "schedule": GROW},
+    "quarter_rope_sinks2": {"positional": {"name": "rope", "rotary_fraction": 0.25}, "sink_len": 2},
+    "gqa_token_shift": {"n_heads": 4, "n_kv_heads": 2, "token_shift": True, "schedule": GROW},
+    "one_window_chunk": {"n_bswa_chunks": 1, "schedule": GROW},
+    "three_window_chunks": {"n_bswa_chunks": 3},
+}
+
+
+def make(seed: int = 0, **kw) -> KVMAttention:
+    """A tiny KVM layer whose LN_s, temperatures and gate are moved off their init (so they matter)."""
+    torch.manual_seed(seed)
+    opts = {"n_heads": 2, "chunk_len": 4, **kw}
+    layer = KVMAttention(D_MODEL, **opts)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.startswith(("ln_s", "tau_")):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return layer
+
+
+def decode(layer: KVMAttention, x: torch.Tensor, prefill: int = 0) -> torch.Tensor:
+    state, outs = None, []
+    if prefill:
+        y, state = layer(x[:, :prefill])
+        outs.append(y)
+    for t in range(prefill, x.shape[1]):
+        y, state = layer(x[:, t:t + 1], state)
+        outs.append(y)
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_reference_fast_decode_agree(name):
+    layer = make(**CONFIGS[name]).eval()
+    x = torch.randn(2, 45, D_MODEL, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        layer.use_reference = True
+        y_ref, s_ref = layer(x)
+        y_dec_ref = decode(layer, x, prefill=10)
+        layer.use_reference = False
+        y_fast, s_fast = layer(x)
+        y_dec = decode(layer, x)
+        y_split = torch.cat([y for y in _split_run(layer, x, (6, 13, 29))], dim=1)
+    tol = dict(atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(y_fast, y_ref, **tol)
+    torch.testing.assert_close(y_dec, y_ref, **tol)
+    torch.testing.assert_close(y_dec_ref, y_ref, **tol)
+    torch.testing.assert_close(y_split, y_ref, **tol)
+    assert s_ref.n_rows == s_fast.n_rows
+    for field in ("s_k", "s_v", "rho", "count", "win_k", "win_v", "win_g"):
+        a, b = getattr(s_ref, field), getattr(s_fast, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            torch.testing.assert_close(b, a, **tol)
+    assert s_ref.n_rows > 0
+
+
+def _split_run(layer, x, cuts):
+    state, start = None, 0
+    for end in (*cuts, x.shape[1]):
+        y, state = layer(x[:, start:end], state)
+        yield y
+        start = end
+
+
+@pytest.mark.parametrize("name", ["default", "power_law", "soft_routing", "gqa_token_shift", "value_mean"])
+def test_gradients_agree(name):
+    layer = make(**CONFIGS[name]).train()
+    x = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(4))
+    w = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for ref in (True, False):
+        layer.use_reference = ref
+        layer.zero_grad(set_to_none=True)
+        y, _ = layer(x)
+        (y * w).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=5e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("name", ["default", "power_law"])
+def test_gradients_through_a_carried_state(name):
+    """Backpropagating through a state carried across calls (no detach) equals one pass."""
+    layer = make(**CONFIGS[name]).train()
+    x = torch.randn(1, 37, D_MODEL, generator=torch.Generator().manual_seed(6))
+    w = torch.randn(1, 37, D_MODEL, generator=torch.Generator().manual_seed(7))
+    y, _ = layer(x)
+    (y * w).sum().backward()
+    want = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    y1, state = layer(x[:, :14])
+    y2, _ = layer(x[:, 14:], state)
+    (torch.cat([y1, y2], dim=1) * w).sum().backward()
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], atol=5e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("name", ["default", "power_law", "nope", "gqa_token_shift"])
+def test_conformance(name):
+    report = run_conformance(lambda: make(**CONFIGS[name]), D_MODEL, seq_len=48, splits=(1, 5, 7, 13, 30, 33))
+    assert "gradients" in report.checks
+
+
+def test_conformance_value_residual_and_ablations():
+    run_conformance(lambda: make(value_residual=True, value_norm="mean", protect_sinks=False, schedule=GROW),
+                    D_MODEL, seq_len=40, splits=(3, 9, 22), allow_zero_grad=("v_lambda",))
+
+
+def test_append_everything_equals_full_attention():
+    """Independent check: with NoPE, a budget that appends every overflow token (B(t) = t) and fresh LN_s, the
+    state rows are the tokens' own keys (LN is idempotent) and values (radius renorm of one vector is exact),
+    so KVM must equal the core's full causal attention with the same q/k/v/o weights."""
+    torch.manual_seed(0)
+    kvm = KVMAttention(D_MODEL, n_heads=2, chunk_len=4, positional="nope", qk_norm="layernorm",
+                       schedule={"name": "linear", "rate": 1.0})
+    att = Attention(D_MODEL, n_heads=2, positional="nope", qk_norm="layernorm")
+    att.qkv.load_state_dict(kvm.qkv.state_dict())
+    att.o_proj.load_state_dict(kvm.o_proj.state_dict())
+    x = torch.randn(2, 40, D_MODEL, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        y_att, _ = att(x)
+        y_kvm, state = kvm(x)
+    assert state.n_rows == 40 - 8  # everything that left the window was appended
+    torch.testing.assert_close(y_kvm, y_att, atol=1e-4, rtol=1e-3)
+
+
+def test_short_sequences_equal_block_sliding_window():
+    """Before the first chunk leaves the window (T <= n_bswa_chunks * C) KVM is exactly BSWA."""
+    torch.manual_seed(0)
+    kvm = KVMAttention(D_MODEL, n_heads=2, chunk_len=4, n_bswa_chunks=2)
+    bswa = BlockSlidingWindowAttention(D_MODEL, n_heads=2, chunk_len=4, n_bswa_chunks=2, qk_norm="layernorm",
+                                       positional={"name": "rope", "rotary_fraction": 0.5})
+    bswa.qkv.load_state_dict(kvm.qkv.state_dict())
+    bswa.o_proj.load_state_dict(kvm.o_proj.state_dict())
+    x = torch.randn(1, 8, D_MODEL, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(kvm(x)[0], bswa(x)[0], atol=1e-5, rtol=1e-4)
+        with torch.no_grad():
+            kvm.tau_bswa.fill_(2.0)
+        assert not torch.allclose(kvm(x)[0], bswa(x)[0], atol=1e-3)

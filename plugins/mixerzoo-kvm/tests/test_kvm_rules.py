@@ -1,0 +1,175 @@
+"""KVM: the append / merge rule on a hand-checked example, the budget, sinks, state size, config errors and
+use inside the LM."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from mixerzoo import registry
+from mixerzoo.model import LanguageModel, LMConfig
+from mixerzoo.model.config import ConfigError
+from mixerzoo.protocol import state_nbytes
+from mixerzoo_kvm import KVMAttention, KVMState, kvm_chunk_loop, kvm_packed, kvm_step, memory_keys, state_budget
+
+# --------------------------------------------------------------------------------------------------------
+# Hand-checked example: 1 head, head_dim 4, chunk_len 4, window of one chunk, NoPE, LN_s = identity.
+# State (4 rows, from chunk 0): keys e0..e3, row 0 is the sink. Overflow chunk (tokens t0..t3):
+#   t0 = [.9, .1, 0, 0]  best row 0 (the sink) -> protected: row 1      novelty 0.9
+#   t1 = [0, 2, 0, 0]    row 1                                        novelty 2
+#   t2 = [0, 0, -1, -1]  least similar (novelty 0): appended as row 4
+#   t3 = [0, 0, .5, .2]  row 2 (row 4 scores -0.7)                    novelty 0.5
+# Budget: fixed 5 -> M* = max(4, min(5, 4 + 4)) = 5 -> one append. Gates g = [2, .5, 1, 3].
+# --------------------------------------------------------------------------------------------------------
+S_K = torch.eye(4)
+S_V = torch.tensor([[1.0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 3, 0], [0, 0, 0, 4]])
+K_O = torch.tensor([[0.9, 0.1, 0, 0], [0, 2, 0, 0], [0, 0, -1, -1], [0, 0, 0.5, 0.2]])
+V_O = torch.tensor([[1.0, 0, 0, 0], [0, 1, 0, 0], [2, 2, 2, 2], [0, 0, 1, 1]])
+GATE = torch.tensor([2.0, 0.5, 1.0, 3.0])
+
+EXPECTED_PROTECTED = {
+    "s_k": [[1, 0, 0, 0], [1.8, 2.2, 0, 0], [0, 0, 2.5, 0.6], [0, 0, 0, 1], [0, 0, -1, -1]],
+    "s_v": [[1, 1, 0, 0], [2, 2.5, 0, 0], [0, 0, 6, 3], [0, 0, 0, 4], [2, 2, 2, 2]],
+}
+EXPECTED_UNPROTECTED = {  # t0 goes to the sink row instead
+    "s_k": [[2.8, 0.2, 0, 0], [0, 2, 0, 0], [0, 0, 2.5, 0.6], [0, 0, 0, 1], [0, 0, -1, -1]],
+    "s_v": [[3, 1, 0, 0], [0, 2.5, 0, 0], [0, 0, 6, 3], [0, 0, 0, 4], [2, 2, 2, 2]],
+}
+RHO = [math.sqrt(2), 2, 3, 4, 4]  # fixed at creation; row 4 from ||t2's value||
+
+
+def hand_layer(protect_sinks: bool = True) -> KVMAttention:
+    layer = KVMAttention(4, n_heads=1, head_dim=4, chunk_len=4, n_bswa_chunks=1, positional="nope", qk_norm=None,
+                         schedule={"name": "fixed", "size": 5}, protect_sinks=protect_sinks)
+    layer.ln_s = nn.Identity()
+    return layer
+
+
+def hand_state() -> KVMState:
+    """State after 8 tokens: chunk 0 is the state, chunk 1 (the overflow block) is the window."""
+    return KVMState(s_k=S_K[None, None], s_v=S_V[None, None], rho=S_V.norm(dim=-1)[None, None], count=None,
+                    win_k=K_O[None, None], win_v=V_O[None, None], win_g=GATE[None, None], next_pos=8)
+
+
+@pytest.mark.parametrize("impl", [kvm_chunk_loop, kvm_packed, kvm_step])
+@pytest.mark.parametrize("protect", [True, False])
+def test_hand_checked_append_and_merge(impl, protect):
+    layer = hand_layer(protect)
+    q = torch.tensor([[[[0.0, 1, 1, 0]]]])  # one new token at position 8: chunk 2 starts, chunk 1 is folded
+    k_new = torch.tensor([[[[1.0, 0, 0, 1]]]])
+    v_new = torch.tensor([[[[0.0, 0, 5, 0]]]])
+    with torch.no_grad():
+        o, state = impl(layer, q, k_new, v_new, torch.ones(1, 1, 1), hand_state())
+    expected = EXPECTED_PROTECTED if protect else EXPECTED_UNPROTECTED
+    torch.testing.assert_close(state.s_k[0, 0], torch.tensor(expected["s_k"]))  # raw sums, never normalised
+    torch.testing.assert_close(state.s_v[0, 0], torch.tensor(expected["s_v"]))
+    torch.testing.assert_close(state.rho[0, 0], torch.tensor(RHO))
+    # readout: keys LN_s(s_k) (identity here) * tau, values rho * s_v / ||s_v||, plus the new token itself
+    s_v = torch.tensor(expected["s_v"])
+    keys = torch.cat([torch.tensor(expected["s_k"]), k_new[0, 0]])
+    values = torch.cat([torch.tensor(RHO)[:, None] * s_v / s_v.norm(dim=-1, keepdim=True), v_new[0, 0]])
+    weights = torch.softmax(keys @ q[0, 0, 0] / 2.0, dim=0)  # scale 1 / sqrt(head_dim)
+    torch.testing.assert_close(o[0, 0, 0], weights @ values)
+    assert state.win_k.shape[2] == 1 and state.next_pos == 9
+
+
+def test_budget_rule():
+    fixed = lambda t: 256  # noqa: E731
+    assert state_budget(0, fixed, 512, 256) == 256  # the first chunk always initialises the state
+    assert state_budget(256, fixed, 768, 256) == 256
+    sqrt = lambda t: max(math.floor(16 * math.sqrt(t)), 256)  # noqa: E731
+    assert state_budget(256, sqrt, 768, 256) == 443  # floor(16 sqrt(768)) = 443
+    assert state_budget(256, lambda t: 10_000, 768, 256) == 512  # at most one chunk appended per fold
+    assert state_budget(300, lambda t: 5, 768, 256) == 300  # never shrinks
+
+
+class Bumpy:
+    """A schedule that rises then falls: the state must still never shrink."""
+
+    max_size = None
+
+    def __call__(self, t: int) -> int:
+        return 4 + t // 3 if t < 40 else 2
+
+
+def test_budget_never_shrinks_and_follows_schedule():
+    C, nb = 4, 2
+    layer = KVMAttention(8, n_heads=1, chunk_len=C, n_bswa_chunks=nb, schedule=Bumpy()).eval()
+    x = torch.randn(1, 70, 8, generator=torch.Generator().manual_seed(0))
+    state, rows = None, []
+    with torch.no_grad():
+        for t in range(70):
+            _, state = layer(x[:, t:t + 1], state)
+            rows.append(state.n_rows)
+    assert all(a <= b for a, b in zip(rows, rows[1:]))
+    expected, m = [], 0  # independent restatement of M* = max(m, min(B(e), m + C)), e = tokens seen at the fold
+    for t in range(70):
+        if t % C == 0 and t // C >= nb:
+            m = C if m == 0 else max(m, min(Bumpy()(t), m + C))
+        expected.append(m)
+    assert rows == expected
+    assert max(rows) > C  # it did grow
+
+
+@pytest.mark.parametrize("protect", [True, False])
+def test_sinks_never_merged_into_when_protected(protect):
+    layer = KVMAttention(8, n_heads=2, chunk_len=4, sink_len=2, protect_sinks=protect).eval()
+    x = torch.randn(2, 64, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, first = layer(x[:, :2])
+        _, state = layer(x)
+        sink_keys = memory_keys(first.win_k, layer.rotary_dim, layer.ln_s)
+    same = torch.allclose(state.s_k[:, :, :2], sink_keys) and torch.allclose(state.s_v[:, :, :2], first.win_v)
+    assert same == protect
+
+
+def test_state_bytes_bounded_or_sublinear():
+    x = torch.randn(1, 256, 8, generator=torch.Generator().manual_seed(2))
+    fixed = KVMAttention(8, n_heads=1, chunk_len=8).eval()
+    grow = KVMAttention(8, n_heads=1, chunk_len=8, schedule={"name": "power_law", "coef": 4, "exponent": 0.5,
+                                                              "min_size": 8}).eval()
+    with torch.no_grad():
+        b_fixed = [state_nbytes(fixed(x[:, :n])[1]) for n in (64, 128, 256)]
+        s_grow = [grow(x[:, :n])[1] for n in (64, 128, 256)]
+    assert b_fixed[0] == b_fixed[1] == b_fixed[2]
+    assert [s.n_rows for s in s_grow] == [29, 43, 62]  # floor(4 sqrt(e)), e = n - 8: the last fold
+    assert state_nbytes(s_grow[2]) < state_nbytes(s_grow[0]) * 3
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="sink_len"):
+        KVMAttention(8, n_heads=1, chunk_len=4, sink_len=4)
+    with pytest.raises(ValueError, match="value_norm"):
+        KVMAttention(8, n_heads=1, value_norm="length")
+    with pytest.raises(ValueError, match="routing"):
+        KVMAttention(8, n_heads=1, routing="topk")
+    with pytest.raises(ValueError, match="chunk_len"):
+        KVMAttention(8, n_heads=1, chunk_len=0)
+    with pytest.raises(ValueError, match="partial RoPE"):
+        KVMAttention(8, n_heads=1, positional="rope")
+    cfg = LMConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2, layer_types=["kvm"],
+                   mixers={"kvm": {"chunk_len": 4, "sink_len": 9}})
+    with pytest.raises(ConfigError, match=r"model\.mixers\.kvm.*sink_len"):
+        LanguageModel(cfg)
+
+
+def test_registered_and_in_the_lm():
+    assert registry.get("kvm") is KVMAttention
+    cfg = LMConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, layer_types=["kvm", "swa"],
+                   mixers={"kvm": {"chunk_len": 4, "value_residual": True, "token_shift": True,
+                                   "schedule": {"name": "power_law", "coef": 2, "exponent": 0.5, "min_size": 4}},
+                           "swa": {"window": 6, "value_residual": True}},
+                   channel_mixer="relu2", channel_token_shift=True)
+    model = LanguageModel(cfg).eval()
+    assert model.min_seq_len == 13  # (n_bswa_chunks + 1) * chunk_len + 1
+    with pytest.raises(ConfigError, match="data.seq_len"):
+        model.check_seq_len(12)
+    ids = torch.randint(0, 40, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, _ = model(ids)
+        a, states = model(ids[:, :11])
+        b, _ = model(ids[:, 11:], states)
+    torch.testing.assert_close(torch.cat([a, b], dim=1), logits, atol=1e-4, rtol=1e-4)

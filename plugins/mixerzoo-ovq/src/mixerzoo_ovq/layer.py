@@ -1,0 +1,221 @@
+"""The OVQ-attention mixer (Online Vector-Quantized attention; Anonymous et al., arXiv 2602.03922, sec. 3).
+
+One layer, per key/value head, keeps a key dictionary ``D_k (n, D)``, a value dictionary ``D_v (n, D)`` and
+counts ``c (n)``. The sequence is cut into chunks of ``chunk_len`` tokens at absolute positions
+``0, L, 2L, ...``. Each chunk's queries attend over ``[D_k ; K_c]`` with the log-count prior (eq. 15); once a
+chunk is complete its keys and values are merged into the dictionaries (eq. 17-19), whose size follows a
+state-budget schedule (the plateau ``N t / (t + N)`` by default) up to ``max_size = N`` rows.
+
+The state carries the dictionaries plus the raw keys/values of the unfinished chunk, so a call may stop
+anywhere: continuation and token-by-token decode go through exactly the same chunk logic as one pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixerzoo.mixers.qkv import QKVProjection
+from mixerzoo.protocol import Mixer, MixerState
+from mixerzoo.schedules import build_schedule
+
+from . import ops, reference
+
+__all__ = ["OVQState", "OVQAttention"]
+
+
+@dataclasses.dataclass
+class OVQState(MixerState):
+    """State of :class:`OVQAttention` after ``next_pos`` tokens.
+
+    Attributes:
+        dk, dv: key and value dictionaries ``(B, H_kv, n, D)``; ``n`` follows the schedule, at most ``max_size``.
+        counts: ``(B, H_kv, n)`` float32, how many keys each centroid has absorbed.
+        buf_k, buf_v: raw keys (unit norm) and values of the unfinished chunk, ``(B, H_kv, next_pos % L, D)``.
+        next_pos: tokens seen so far.
+        shift: previous-token projections for the token-shift option, else None.
+    """
+
+    dk: torch.Tensor
+    dv: torch.Tensor
+    counts: torch.Tensor
+    buf_k: torch.Tensor
+    buf_v: torch.Tensor
+    next_pos: int
+    shift: tuple | None = None
+
+    @property
+    def dict_size(self) -> int:
+        """Current dictionary rows ``n``."""
+        return self.dk.shape[2]
+
+
+class OVQAttention(Mixer):
+    """OVQ-attention: chunked softmax attention over an online-learned key/value dictionary (sec. 3).
+
+    Queries and keys are L2-normalised (NoPE) and the logits scaled by a learned per-head precision:
+    ``logits = beta_h * sqrt(D) * q.k`` (``beta`` init ``beta_init = 1``, as the KVM authors' reimplementation).
+
+    Args:
+        d_model: model width.
+        n_heads: query heads ``H``. n_kv_heads: key/value heads (GQA; one dictionary per kv head).
+        head_dim: ``D``, default ``d_model // n_heads`` (paper: 128).
+        chunk_len: ``L`` tokens per chunk (paper: 128).
+        max_size: ``N``, the most dictionary rows (paper trains with 2048). Change it at evaluation time with
+            :meth:`set_max_size` (or by assigning ``layer.max_size``); the paper tests larger N than it trained.
+        schedule: dictionary growth, a core schedule spec; ``max_size`` is filled in. ``saturating`` (default,
+            eq. 17: ``N_t = floor(N t / (N + t))``) or the ablation ``{name: linear, rate: r}`` (``N_t =
+            min(floor(r t), N)``; the paper spreads N evenly over the training length, ``r = N / seq_len``).
+        new_centroids: ``spread`` (default: the keys least similar to their nearest centroid) or ``random``
+            (ablation: random keys of the chunk, a pure function of ``seed`` and the chunk index).
+        centroid_lr: ``None`` (default): centroids move with rate ``1 / count``, the exact running mean (eq. 19);
+            a float (ablation, paper 0.25): constant rate, ``mu += lr * sum(x - mu)``.
+        renormalize: put key centroids back on the unit sphere after each update (the paper's optional step,
+            "no noticeable effect"; values are left alone).
+        beta_init: initial per-head precision ``beta``.
+        positional: only ``nope`` (the dictionary merges keys from all positions).
+        token_shift, value_residual, bias: backbone options of :class:`mixerzoo.mixers.qkv.QKVProjection`.
+        seed: seed of the random-new-centroid ablation.
+        use_reference: compute with the readable reference ops (slow; for tests).
+
+    State: :class:`OVQState`; grows with the schedule and plateaus at ``max_size`` rows (+ < L buffered tokens).
+
+    Raises:
+        ValueError: a bad option (the message names it and the fix).
+    """
+
+    positional_encodings = ("nope",)
+    uses_schedule = True
+    uses_shared = True
+
+    def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, head_dim: int | None = None,
+                 chunk_len: int = 128, max_size: int = 2048, schedule: Any = "saturating",
+                 new_centroids: str = "spread", centroid_lr: float | None = None, renormalize: bool = False,
+                 beta_init: float = 1.0, positional: Any = "nope", token_shift: bool = False,
+                 value_residual: bool = False, bias: bool = False, seed: int = 0, use_reference: bool = False,
+                 layer_idx: int = 0) -> None:
+        super().__init__()
+        if not isinstance(chunk_len, int) or chunk_len < 1:
+            raise ValueError(f"ovq chunk_len must be a positive integer (paper: 128), got {chunk_len!r}")
+        if new_centroids not in ("spread", "random"):
+            raise ValueError(f"ovq new_centroids must be 'spread' (paper) or 'random' (ablation), got {new_centroids!r}")
+        if centroid_lr is not None and not centroid_lr > 0:
+            raise ValueError(f"ovq centroid_lr must be null (1/count, paper) or a positive float (ablation: 0.25), "
+                             f"got {centroid_lr!r}")
+        pos_name = positional if isinstance(positional, str) else getattr(positional, "get", lambda *_: None)("name")
+        if pos_name != "nope":
+            raise ValueError(f"ovq positional must be 'nope' (the dictionary merges keys from every position), "
+                             f"got {positional!r}; put RoPE in the interleaved sliding-window layers instead")
+        self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim, "nope", None, token_shift,
+                                 value_residual, bias)
+        self.o_proj = nn.Linear(n_heads * self.qkv.head_dim, d_model, bias=bias)
+        self.beta = nn.Parameter(torch.full((n_heads,), float(beta_init)))
+        self.chunk_len, self.new_centroids, self.centroid_lr = chunk_len, new_centroids, centroid_lr
+        self.renormalize, self.seed, self.use_reference, self.layer_idx = renormalize, seed, use_reference, layer_idx
+        self._schedule_spec = schedule
+        self.set_max_size(max_size)
+
+    # -- dictionary size ------------------------------------------------------------------------------------
+    def set_max_size(self, max_size: int) -> "OVQAttention":
+        """Set ``N``, the most dictionary rows, and rebuild the growth schedule with it (returns ``self``).
+
+        Use at evaluation time to give a trained model a larger dictionary (paper, sec. 4.1: N = 2k in
+        training, up to 20k at test). A running state keeps its rows; it grows towards the new schedule and
+        never shrinks.
+
+        Raises:
+            ValueError: ``max_size`` not a positive integer; a linear schedule without ``rate``.
+        """
+        if not isinstance(max_size, int) or isinstance(max_size, bool) or max_size < 1:
+            raise ValueError(f"ovq max_size (N, the most dictionary rows) must be a positive integer, got {max_size!r}")
+        spec = self._schedule_spec
+        if isinstance(spec, str) or hasattr(spec, "items"):
+            spec = {"name": spec} if isinstance(spec, str) else dict(spec)
+            if spec.get("max_size", max_size) != max_size and not hasattr(self, "_max_size"):
+                raise ValueError(f"ovq schedule.max_size={spec['max_size']} differs from max_size={max_size}; "
+                                 f"set only max_size")
+            spec["max_size"] = max_size
+            if spec.get("name") == "linear" and "rate" not in spec:
+                raise ValueError("ovq schedule 'linear' needs a rate (new centroids per token), e.g. "
+                                 "{name: linear, rate: 0.5}; the paper's ablation uses rate = max_size / seq_len")
+            schedule = build_schedule(spec)
+        else:  # an already built schedule object
+            schedule = copy.copy(spec)
+            schedule.max_size = max_size
+        self.schedule, self._max_size = schedule, max_size
+        return self
+
+    @property
+    def max_size(self) -> int:
+        """``N``, the most dictionary rows; assign to change it (same as :meth:`set_max_size`)."""
+        return self._max_size
+
+    @max_size.setter
+    def max_size(self, value: int) -> None:
+        self.set_max_size(value)
+
+    # -- projections ----------------------------------------------------------------------------------------
+    def project(self, x: torch.Tensor, positions: torch.Tensor, shift: tuple | None = None,
+                shared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+        """``q (B, H, T, D)`` unit norm times ``beta * sqrt(D)``, ``k (B, H_kv, T, D)`` unit norm, ``v``, shift."""
+        q, k, v, shift = self.qkv(x, positions, shift, shared)
+        scale = (self.beta * math.sqrt(self.qkv.head_dim)).to(q.dtype)
+        q = F.normalize(q, dim=-1) * scale[None, :, None, None]
+        return q, F.normalize(k, dim=-1), v, shift
+
+    def empty_state(self, batch: int, device=None, dtype=torch.float32) -> OVQState:
+        """The state at the start of a sequence (empty dictionary, empty chunk)."""
+        Hkv, D = self.qkv.n_kv_heads, self.qkv.head_dim
+        z = torch.zeros(batch, Hkv, 0, D, device=device, dtype=dtype)
+        return OVQState(dk=z, dv=z, counts=torch.zeros(batch, Hkv, 0, device=device), buf_k=z, buf_v=z,
+                        next_pos=0)
+
+    def forward(self, x: torch.Tensor, state: OVQState | None = None, shared: dict | None = None
+                ) -> tuple[torch.Tensor, OVQState]:
+        """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given."""
+        B, T, _ = x.shape
+        L = self.chunk_len
+        st = state if state is not None else self.empty_state(B, x.device)
+        p0 = st.next_pos
+        if st.buf_k.shape[2] != p0 % L:
+            raise ValueError(f"ovq state holds {st.buf_k.shape[2]} buffered tokens at position {p0}, expected "
+                             f"{p0 % L}: was chunk_len changed mid-sequence?")
+        positions = torch.arange(p0, p0 + T, device=x.device)
+        q, k, v, shift = self.project(x, positions, st.shift, shared)
+        attend = reference.chunk_attention_reference if self.use_reference else ops.chunk_attention
+        update = reference.update_dictionary_reference if self.use_reference else ops.update_dictionary
+        dk, dv, counts = st.dk.to(k.dtype), st.dv.to(v.dtype), st.counts
+        buf_k, buf_v = st.buf_k.to(k.dtype), st.buf_v.to(v.dtype)
+        outs, t = [], 0
+        while t < T:                                      # one step per chunk (or piece of one)
+            take = min(L - buf_k.shape[2], T - t)
+            kc = torch.cat([buf_k, k[:, :, t:t + take]], dim=2)
+            vc = torch.cat([buf_v, v[:, :, t:t + take]], dim=2)
+            outs.append(attend(q[:, :, t:t + take], dk, dv, counts.log(), kc, vc))
+            t += take
+            if kc.shape[2] == L:                          # the chunk is complete: merge it (eq. 17-19)
+                c = (p0 + t) // L - 1
+                n_new = ops.new_centroid_count(self.schedule, c, L, dk.shape[2])
+                scores = (ops.random_scores(c, kc.shape[1], L, self.seed, kc.device)
+                          if self.new_centroids == "random" else None)
+                dk, dv, counts = update(dk, dv, counts, kc, vc, n_new, scores, self.centroid_lr, self.renormalize)
+                buf_k, buf_v = kc[:, :, :0], vc[:, :, :0]
+            else:
+                buf_k, buf_v = kc, vc
+        o = torch.cat(outs, dim=2)
+        y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        return y, OVQState(dk=dk, dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, next_pos=p0 + T, shift=shift)
+
+    def extra_repr(self) -> str:
+        opts = f"chunk_len={self.chunk_len}, max_size={self.max_size}, schedule={self.schedule!r}"
+        if self.new_centroids != "spread":
+            opts += f", new_centroids={self.new_centroids}"
+        if self.centroid_lr is not None:
+            opts += f", centroid_lr={self.centroid_lr}"
+        return opts + (", renormalize=True" if self.renormalize else "")

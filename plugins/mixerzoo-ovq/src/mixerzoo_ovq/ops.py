@@ -1,0 +1,145 @@
+"""OVQ-attention math, fast path: chunk attention over ``[dictionary ; chunk]`` and the dictionary update.
+
+Both functions work on whole batches and heads at once with matrix products, ``topk``, ``gather`` and
+``scatter_add`` (no Python loop over tokens, heads or centroids). The plain readable versions they are
+tested against live in :mod:`mixerzoo_ovq.reference`.
+
+Notation (paper, arXiv 2602.03922): ``B`` batch, ``H`` query heads, ``H_kv`` key/value heads (the
+dictionary is per key/value head), ``D`` head_dim, ``n`` current dictionary size, ``L`` chunk_len.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["chunk_attention", "update_dictionary", "new_centroid_count", "random_scores"]
+
+
+def new_centroid_count(schedule, chunk_idx: int, chunk_len: int, size: int) -> int:
+    """How many centroids chunk ``chunk_idx`` (0-based) adds: paper eq. 18, ``n_new = N_{Lc} - N_{L(c-1)}``.
+
+    Computed against the dictionary's actual ``size`` rather than the previous schedule value, so a schedule
+    changed mid-sequence (a new ``max_size`` at evaluation time) never makes it shrink:
+    ``n_new = clamp(schedule(L * (chunk_idx + 1)) - size, 0, L)``. An empty dictionary always takes at least
+    one centroid, so the first chunk's keys are never dropped.
+
+    Args:
+        schedule: a state-budget schedule, ``schedule(t) -> rows`` after ``t`` tokens.
+        chunk_idx: index of the chunk that just finished.
+        chunk_len: ``L`` tokens per chunk.
+        size: dictionary rows before this chunk's update.
+    """
+    target = int(schedule(chunk_len * (chunk_idx + 1)))
+    n_new = min(max(target - size, 0), chunk_len)
+    return max(n_new, 1) if size == 0 else n_new
+
+
+def random_scores(chunk_idx: int, n_kv_heads: int, chunk_len: int, seed: int, device=None) -> torch.Tensor:
+    """Selection scores for the random-new-centroid ablation, ``(H_kv, L)`` uniform in [0, 1).
+
+    A pure function of ``(seed, chunk_idx)``, so one pass, continuation and decode pick the same keys, and a
+    sequence's choice does not depend on its batch slot.
+    """
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(chunk_idx))
+    return torch.rand(n_kv_heads, chunk_len, generator=g).to(device)
+
+
+def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_counts: torch.Tensor,
+                    kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    """Eq. 15: ``softmax(q [D_k ; K_c]^T + [log c ; 0] + M) [D_v ; V_c]`` with SDPA (scale 1).
+
+    The dictionary rows are visible to every query; the chunk's own raw (never quantized) keys are causal.
+    The chunk may have started earlier (decode, continuation): the ``Lq`` queries are the last ``Lq`` of the
+    ``Lk`` chunk positions, so query ``i`` sees chunk keys ``j <= Lk - Lq + i``.
+
+    Args:
+        q: ``(B, H, Lq, D)`` queries, already unit-norm and multiplied by the precision ``beta * sqrt(D)``.
+        dk, dv: ``(B, H_kv, n, D)`` key and value dictionaries (``n`` may be 0).
+        log_counts: ``(B, H_kv, n)`` log of the counts (the log-prior of eq. 14).
+        kc, vc: ``(B, H_kv, Lk, D)`` the chunk's keys and values so far, ``Lk >= Lq``.
+
+    Returns:
+        ``(B, H, Lq, D)``.
+    """
+    B, H, Lq, _ = q.shape
+    Hkv, n, Lk = kc.shape[1], dk.shape[2], kc.shape[2]
+    keys, values = torch.cat([dk, kc], dim=2), torch.cat([dv, vc], dim=2)
+    i = torch.arange(Lk - Lq, Lk, device=q.device)[:, None]
+    j = torch.arange(Lk, device=q.device)[None, :]
+    causal = torch.zeros(Lq, Lk, dtype=q.dtype, device=q.device).masked_fill(j > i, float("-inf"))
+    bias = torch.cat([log_counts.to(q.dtype)[:, :, None, :].expand(B, Hkv, Lq, n),
+                      causal.expand(B, Hkv, Lq, Lk)], dim=-1)
+    if H != Hkv:
+        g = H // Hkv
+        keys, values, bias = (t.repeat_interleave(g, dim=1) for t in (keys, values, bias))
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)
+
+
+def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
+                      vc: torch.Tensor, n_new: int, scores: torch.Tensor | None = None,
+                      centroid_lr: float | None = None, renormalize: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge one full chunk into the dictionary (paper eq. 17-19, appendix 8.3 ``update_dict``).
+
+    1. Every chunk key's best similarity to the existing key centroids (dot products ``K_c D_k^T``).
+    2. The ``n_new`` keys with the smallest best similarity become new centroids (key, value, count 1),
+       appended in chunk order. With ``scores`` given (random ablation) the ``n_new`` smallest scores win.
+    3. Every other key is assigned to its nearest existing centroid; key and value centroids move together:
+       ``c' = c + m``, ``mu' = mu + eta * sum_i (x_i - mu)`` with ``eta = 1 / c'`` (exact running mean of all
+       points ever assigned; eq. 19) or a constant ``centroid_lr`` (the paper's ablation uses 0.25).
+
+    First chunk (``n == 0``): there is no centroid to compare with, so step 1 scores each key by its
+    similarity to the nearest *earlier* key of the chunk (the first key scores ``-inf`` and always becomes a
+    centroid); in step 3 the other keys merge into their nearest new centroid.
+
+    Args:
+        dk, dv: ``(B, H_kv, n, D)``; counts: ``(B, H_kv, n)`` float.
+        kc, vc: ``(B, H_kv, L, D)`` the full chunk's keys (unit norm) and values.
+        n_new: centroids to add, ``0 <= n_new <= L`` (``>= 1`` when ``n == 0``).
+        scores: optional ``(H_kv, L)`` or ``(B, H_kv, L)`` selection scores replacing the similarity.
+        centroid_lr: ``None`` for ``1/count``; a float for the constant-rate ablation.
+        renormalize: project the key centroids back to unit norm afterwards (the paper's optional step).
+
+    Returns:
+        ``dk, dv`` of shape ``(B, H_kv, n + n_new, D)`` and ``counts`` ``(B, H_kv, n + n_new)``.
+
+    Raises:
+        ValueError: ``n_new`` outside ``[0, L]`` or 0 with an empty dictionary.
+    """
+    B, Hkv, n, D = dk.shape
+    L = kc.shape[2]
+    if not 0 <= n_new <= L or (n == 0 and n_new == 0):
+        raise ValueError(f"n_new={n_new} must be in [0, chunk_len={L}] and >= 1 for an empty dictionary")
+    with torch.no_grad():                         # the choices (steps 1-2 and the assignment) are discrete
+        if n == 0:
+            sim_prev = kc @ kc.transpose(-1, -2)                                 # (B, Hkv, L, L)
+            earlier = torch.ones(L, L, dtype=torch.bool, device=kc.device).tril(-1)
+            score = sim_prev.masked_fill(~earlier, float("-inf")).amax(dim=-1)  # (B, Hkv, L)
+        else:
+            score, best = (kc @ dk.transpose(-1, -2)).max(dim=-1)                # (B, Hkv, L)
+        if scores is not None:
+            score = scores.to(score.dtype).expand(B, Hkv, L)
+        new_pos = score.topk(n_new, dim=-1, largest=False).indices.sort(dim=-1).values  # (B, Hkv, n_new)
+        is_new = torch.zeros(B, Hkv, L, dtype=torch.bool, device=kc.device).scatter(-1, new_pos, True)
+        rank = is_new.long().cumsum(-1) - 1
+        pos_d = new_pos[..., None].expand(B, Hkv, n_new, D)
+        if n == 0:                                                               # nearest new centroid
+            best = (kc @ kc.gather(2, pos_d).transpose(-1, -2)).argmax(dim=-1)
+        assign = torch.where(is_new, n + rank, best)                             # (B, Hkv, L)
+    new_k, new_v = kc.gather(2, pos_d), vc.gather(2, pos_d)
+    dk_ext, dv_ext = torch.cat([dk, new_k], dim=2), torch.cat([dv, new_v], dim=2)
+    counts_ext = torch.cat([counts, counts.new_ones(B, Hkv, n_new)], dim=-1)
+    merge = (~is_new).to(counts.dtype)                                           # new keys are not merged
+    counts_new = counts_ext.scatter_add(-1, assign, merge)
+    eta = merge / counts_new.gather(-1, assign) if centroid_lr is None else merge * centroid_lr   # (B, Hkv, L)
+    # mu + sum_i eta_i (x_i - mu) = mu * (1 - sum_i eta_i) + sum_i eta_i x_i: written this way autograd keeps
+    # only per-centroid scalars, not a copy of the dictionary (for 1/count, 1 - sum eta = c_old / c_new)
+    keep = (1 - torch.zeros_like(counts_new).scatter_add(-1, assign, eta)).to(kc.dtype)[..., None]
+    eta = eta.to(kc.dtype)[..., None]
+    idx = assign[..., None].expand(B, Hkv, L, D)
+    dk_new = dk_ext * keep + torch.zeros_like(dk_ext).scatter_add(2, idx, eta * kc)
+    dv_new = dv_ext * keep + torch.zeros_like(dv_ext).scatter_add(2, idx, eta * vc)
+    if renormalize:
+        dk_new = F.normalize(dk_new, dim=-1)
+    return dk_new, dv_new, counts_new

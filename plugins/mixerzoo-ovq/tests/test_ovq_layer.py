@@ -1,0 +1,151 @@
+"""The OVQ mixer: protocol conformance, fast == reference == decode, schedule, N at evaluation, config errors."""
+
+import pytest
+import torch
+
+from mixerzoo import registry
+from mixerzoo.model import LanguageModel
+from mixerzoo.schedules import SaturatingSchedule
+from mixerzoo.testing import run_conformance
+from mixerzoo_ovq import OVQAttention, ovq_attention_reference
+
+D_MODEL = 32
+CONFIGS = {
+    "default": dict(n_heads=2, chunk_len=8, max_size=12),
+    "gqa": dict(n_heads=4, n_kv_heads=2, head_dim=8, chunk_len=5, max_size=9),
+    "random_new": dict(n_heads=2, chunk_len=8, max_size=12, new_centroids="random", seed=3),
+    "linear_growth": dict(n_heads=2, chunk_len=8, max_size=10, schedule={"name": "linear", "rate": 0.25}),
+    "constant_lr": dict(n_heads=2, chunk_len=8, max_size=12, centroid_lr=0.25),
+    "renormalize": dict(n_heads=2, chunk_len=6, max_size=12, renormalize=True),
+    "backbone_options": dict(n_heads=2, chunk_len=7, max_size=12, token_shift=True, bias=True),
+}
+
+
+def make(name, **extra):
+    torch.manual_seed(0)
+    return OVQAttention(D_MODEL, **{**CONFIGS[name], **extra})
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_conformance(name):
+    # splits not aligned with chunk_len; 48 tokens cover several dictionary updates
+    report = run_conformance(lambda: make(name), d_model=D_MODEL, seq_len=48, splits=(1, 7, 13, 33))
+    assert report.state_bytes[0] < report.state_bytes[1]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fast_equals_reference_ops(name):
+    fast = make(name)
+    ref = make(name, use_reference=True)
+    ref.load_state_dict(fast.state_dict())
+    x = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(1))
+    y_fast, s_fast = fast(x)
+    y_ref, s_ref = ref(x)
+    torch.testing.assert_close(y_fast, y_ref, atol=1e-5, rtol=1e-5)
+    for f in ("dk", "dv", "counts", "buf_k", "buf_v"):
+        torch.testing.assert_close(getattr(s_fast, f), getattr(s_ref, f), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["default", "gqa", "random_new", "linear_growth", "constant_lr", "renormalize"])
+def test_layer_equals_whole_sequence_reference(name):
+    """The layer's chunk/state machinery against the plain appendix-8.3 loop over chunks."""
+    m = make(name)
+    x = torch.randn(2, 45, D_MODEL, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        y, state = m(x)
+        q, k, v, _ = m.project(x, torch.arange(45))
+        o, (dk, dv, counts) = ovq_attention_reference(q, k, v, m.chunk_len, m.schedule, m.new_centroids,
+                                                      m.centroid_lr, m.renormalize, m.seed)
+        y_ref = m.o_proj(o.transpose(1, 2).reshape(2, 45, -1))
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.dk, dk, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.counts, counts)
+
+
+def test_gradients_fast_equal_reference():
+    fast, ref = make("default"), make("default", use_reference=True)
+    ref.load_state_dict(fast.state_dict())
+    x = torch.randn(1, 30, D_MODEL, generator=torch.Generator().manual_seed(4))
+    w = torch.randn(1, 30, D_MODEL, generator=torch.Generator().manual_seed(5))
+    for m in (fast, ref):
+        (m(x)[0] * w).sum().backward()
+    for (name, p), (_, p_ref) in zip(fast.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_dictionary_grows_by_schedule_and_plateaus():
+    m = OVQAttention(D_MODEL, n_heads=2, chunk_len=4, max_size=6)
+    sched = SaturatingSchedule(6)
+    sizes = []
+    with torch.no_grad():
+        for T in (3, 4, 8, 40, 203):
+            _, s = m(torch.randn(1, T, D_MODEL))
+            assert s.dict_size == sched(T // 4 * 4), T       # N_t at the last finished chunk
+            assert s.buf_k.shape[2] == T % 4
+            assert s.counts.sum(-1).eq(T // 4 * 4).all()      # every finished key is counted once
+            sizes.append(s.dict_size)
+    assert sizes == [0, 2, 3, 5, 5]
+    _, s = m(torch.randn(1, 4000, D_MODEL))
+    assert s.dict_size == 5 and s.nbytes() < 2 * (6 + 4) * 2 * 16 * 4 + 6 * 2 * 4 + 1
+
+
+def test_first_chunk_and_partial_chunk():
+    m = make("default")
+    x = torch.randn(1, 8, D_MODEL)
+    with torch.no_grad():
+        _, s7 = m(x[:, :7])
+        assert s7.dict_size == 0 and s7.buf_k.shape[2] == 7            # nothing merged before the chunk ends
+        _, s8 = m(x[:, 7:], s7)
+        # first chunk: N_8 = floor(12*8/20) = 4 centroids, all 8 keys counted
+        assert s8.dict_size == 4 and s8.buf_k.shape[2] == 0
+        assert s8.counts.sum(-1).eq(8).all() and (s8.counts >= 1).all()
+
+
+def test_max_size_change_at_evaluation():
+    small = make("default")                                    # trained with N = 12
+    x = torch.randn(1, 200, D_MODEL, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        y12, s12 = small(x)
+        small.set_max_size(64)
+        assert small.max_size == 64 and small.schedule.max_size == 64
+        y64, s64 = small(x)
+        big = OVQAttention(D_MODEL, **{**CONFIGS["default"], "max_size": 64})
+        big.load_state_dict(small.state_dict())
+        y_big, _ = big(x)
+    torch.testing.assert_close(y64, y_big)                     # same as building the layer with N = 64
+    assert s12.dict_size == 11 and s64.dict_size == SaturatingSchedule(64)(200 // 8 * 8) == 48
+    assert not torch.allclose(y12[:, 8:], y64[:, 8:])          # outputs after the first chunk change
+    torch.testing.assert_close(y12[:, :8], y64[:, :8])         # the first chunk has no dictionary yet
+    small.max_size = 4                                         # lowering N never shrinks a running state
+    with torch.no_grad():
+        _, s = small(x[:, :8], s64)
+    assert s.dict_size == 48
+
+
+def test_registered_and_usable_in_an_lm():
+    assert registry.get("ovq") is OVQAttention
+    torch.manual_seed(0)
+    lm = LanguageModel(dict(vocab_size=50, d_model=32, n_layers=2, n_heads=2, layer_types=["swa", "ovq"],
+                            mixers={"swa": {"window": 8}, "ovq": {"chunk_len": 8, "max_size": 16}}))
+    ids = torch.randint(0, 50, (2, 21))
+    with torch.no_grad():
+        logits, _ = lm(ids)
+        states, steps = None, []
+        for i in range(21):
+            out, states = lm(ids[:, i:i + 1], states)
+            steps.append(out)
+    torch.testing.assert_close(torch.cat(steps, 1), logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(positional="rope"), "nope"),
+    (dict(max_size=0), "max_size"),
+    (dict(chunk_len=0), "chunk_len"),
+    (dict(new_centroids="kmeans++"), "new_centroids"),
+    (dict(centroid_lr=-1.0), "centroid_lr"),
+    (dict(schedule="linear"), "rate"),
+    (dict(schedule={"name": "saturating", "max_size": 5}, max_size=6), "max_size"),
+])
+def test_bad_config_is_named(options, match):
+    with pytest.raises(ValueError, match=match):
+        OVQAttention(D_MODEL, **{"n_heads": 2, **options})

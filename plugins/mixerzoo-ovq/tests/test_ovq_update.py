@@ -1,0 +1,149 @@
+"""OVQ dictionary update and chunk attention: hand-computed cases and fast == reference."""
+
+import math
+
+import pytest
+import torch
+
+from mixerzoo.schedules import LinearSchedule, SaturatingSchedule
+from mixerzoo_ovq import (chunk_attention, chunk_attention_reference, new_centroid_count, update_dictionary,
+                          update_dictionary_reference)
+
+BOTH = [update_dictionary, update_dictionary_reference]
+
+
+def t(x):
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def tiny_chunk():
+    """Dictionary of 2 centroids (counts 2 and 3) and a chunk of 4 keys whose choices are worked out by hand.
+
+    Best similarity to the old centroids c0=[1,0], c1=[0,1]:
+      k0=[.8,.6]   -> c0 (.8)        k1=[-1,0] -> c1 (0, the worst: becomes the new centroid)
+      k2=[.6,.8]   -> c1 (.8)        k3=[.28,-.96] -> c0 (.28)
+    """
+    dk = t([[1, 0], [0, 1]])[None, None]
+    dv = t([[10, 0], [0, 10]])[None, None]
+    counts = t([2, 3])[None, None]
+    kc = t([[0.8, 0.6], [-1, 0], [0.6, 0.8], [0.28, -0.96]])[None, None]
+    vc = t([[1, 2], [3, 4], [5, 6], [7, 8]])[None, None]
+    return dk, dv, counts, kc, vc
+
+
+@pytest.mark.parametrize("fn", BOTH)
+def test_update_running_mean_by_hand(fn):
+    dk, dv, counts, kc, vc = tiny_chunk()
+    new_k, new_v, new_c = fn(dk, dv, counts, kc, vc, n_new=1)
+    # c0 held 2 points with mean [1,0] (sum [2,0]) and absorbs k0, k3: ([2,0] + [1.08,-.36]) / 4
+    # c1 held 3 points with mean [0,1] (sum [0,3]) and absorbs k2:      ([0,3] + [.6,.8]) / 4
+    # the new centroid is k1 itself, count 1, appended last
+    torch.testing.assert_close(new_k[0, 0], t([[0.77, -0.09], [0.15, 0.95], [-1, 0]]))
+    torch.testing.assert_close(new_v[0, 0], t([[(20 + 1 + 7) / 4, (2 + 8) / 4], [5 / 4, (30 + 6) / 4], [3, 4]]))
+    torch.testing.assert_close(new_c[0, 0], t([4, 4, 1]))
+
+
+@pytest.mark.parametrize("fn", BOTH)
+def test_update_constant_learning_rate_by_hand(fn):
+    dk, dv, counts, kc, vc = tiny_chunk()
+    new_k, new_v, new_c = fn(dk, dv, counts, kc, vc, n_new=1, centroid_lr=0.5)
+    # mu += 0.5 * sum(x - mu_old): c0: [1,0] + .5*([-.2,.6] + [-.72,-.96]); c1: [0,1] + .5*[.6,-.2]
+    torch.testing.assert_close(new_k[0, 0], t([[0.54, -0.18], [0.3, 0.9], [-1, 0]]))
+    torch.testing.assert_close(new_v[0, 0], t([[10 - 6, 5], [2.5, 8], [3, 4]]))
+    torch.testing.assert_close(new_c[0, 0], t([4, 4, 1]))
+
+
+@pytest.mark.parametrize("fn", BOTH)
+def test_update_random_choice_uses_scores(fn):
+    dk, dv, counts, kc, vc = tiny_chunk()
+    scores = t([[0.9, 0.5, 0.1, 0.7]])               # smallest scores win: k2, then k1
+    new_k, _, new_c = fn(dk, dv, counts, kc, vc, n_new=2, scores=scores)
+    torch.testing.assert_close(new_k[0, 0, 2:], t([[-1, 0], [0.6, 0.8]]))   # chunk order
+    # k0 and k3 still merge into c0 by similarity; c1 gets nothing
+    torch.testing.assert_close(new_k[0, 0, :2], t([[0.77, -0.09], [0, 1]]))
+    torch.testing.assert_close(new_c[0, 0], t([4, 3, 1, 1]))
+
+
+@pytest.mark.parametrize("fn", BOTH)
+def test_first_chunk_with_empty_dictionary(fn):
+    # scores = best similarity to an EARLIER key: k0 -inf, k1 .96, k2 .28, k3 .8 -> k0, k2 are new;
+    # k1 joins k0 (.96 > .28) and k3 joins k2 (.8 > .6)
+    kc = t([[1, 0], [0.96, 0.28], [0, 1], [0.6, 0.8]])[None, None]
+    vc = t([[1, 1], [3, 3], [5, 5], [7, 7]])[None, None]
+    empty = torch.zeros(1, 1, 0, 2)
+    new_k, new_v, new_c = fn(empty, empty, torch.zeros(1, 1, 0), kc, vc, n_new=2)
+    torch.testing.assert_close(new_k[0, 0], t([[0.98, 0.14], [0.3, 0.9]]))
+    torch.testing.assert_close(new_v[0, 0], t([[2, 2], [6, 6]]))
+    torch.testing.assert_close(new_c[0, 0], t([2, 2]))
+
+
+def test_renormalize_keeps_key_centroids_unit_norm():
+    dk, dv, counts, kc, vc = tiny_chunk()
+    for fn in BOTH:
+        new_k, new_v, _ = fn(dk, dv, counts, kc, vc, n_new=1, renormalize=True)
+        torch.testing.assert_close(new_k.norm(dim=-1), torch.ones(1, 1, 3))
+        torch.testing.assert_close(new_v[0, 0, 1], t([1.25, 9]))    # values are not renormalised
+
+
+def test_bad_new_centroid_count_is_refused():
+    dk, dv, counts, kc, vc = tiny_chunk()
+    with pytest.raises(ValueError, match="n_new"):
+        update_dictionary(dk, dv, counts, kc, vc, n_new=5)
+    with pytest.raises(ValueError, match="empty dictionary"):
+        update_dictionary(dk[:, :, :0], dv[:, :, :0], counts[:, :, :0], kc, vc, n_new=0)
+
+
+def test_new_centroid_count_follows_eq_17_18():
+    sched = SaturatingSchedule(2048)
+    # N_t = floor(2048 t / (2048 + t)): N_128 = 120, N_256 = 227, so chunk 1 adds 107
+    assert [new_centroid_count(sched, c, 128, s) for c, s in [(0, 0), (1, 120)]] == [120, 107]
+    assert new_centroid_count(SaturatingSchedule(8), 100, 128, 8) == 0           # plateau reached
+    assert new_centroid_count(LinearSchedule(rate=4.0), 0, 16, 0) == 16           # capped at chunk_len
+    assert new_centroid_count(LinearSchedule(rate=0.01), 0, 16, 0) == 1           # empty dict takes >= 1
+    assert new_centroid_count(SaturatingSchedule(8), 3, 16, 20) == 0             # never shrinks
+
+
+@pytest.mark.parametrize("n,lr,renorm,random", [(0, None, False, False), (5, None, False, False),
+                                                (5, 0.25, False, False), (5, None, True, False),
+                                                (5, None, False, True), (0, 0.25, False, True)])
+def test_update_fast_equals_reference(n, lr, renorm, random):
+    g = torch.Generator().manual_seed(n + 7)
+    B, H, L, D = 2, 3, 8, 6
+    dk = torch.nn.functional.normalize(torch.randn(B, H, n, D, generator=g), dim=-1)
+    dv = torch.randn(B, H, n, D, generator=g)
+    counts = torch.randint(1, 5, (B, H, n), generator=g).float()
+    kc = torch.nn.functional.normalize(torch.randn(B, H, L, D, generator=g), dim=-1)
+    vc = torch.randn(B, H, L, D, generator=g)
+    scores = torch.rand(H, L, generator=g) if random else None
+    for n_new in (1, 3, L if n == 0 else 0):
+        fast = update_dictionary(dk, dv, counts, kc, vc, n_new, scores, lr, renorm)
+        ref = update_dictionary_reference(dk, dv, counts, kc, vc, n_new, scores, lr, renorm)
+        for a, b in zip(fast, ref):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("n,Lq,Lk,H,Hkv", [(0, 5, 5, 2, 2), (4, 5, 5, 2, 2), (4, 1, 6, 4, 2), (3, 3, 7, 4, 1)])
+def test_chunk_attention_fast_equals_reference(n, Lq, Lk, H, Hkv):
+    g = torch.Generator().manual_seed(n + Lq + Lk)
+    B, D = 2, 4
+    q = torch.randn(B, H, Lq, D, generator=g)
+    dk, dv = torch.randn(B, Hkv, n, D, generator=g), torch.randn(B, Hkv, n, D, generator=g)
+    counts = torch.randint(1, 9, (B, Hkv, n), generator=g).float()
+    kc, vc = torch.randn(B, Hkv, Lk, D, generator=g), torch.randn(B, Hkv, Lk, D, generator=g)
+    fast = chunk_attention(q, dk, dv, counts.log(), kc, vc)
+    ref = chunk_attention_reference(q, dk, dv, counts.log(), kc, vc)
+    torch.testing.assert_close(fast, ref)
+
+
+def test_chunk_attention_by_hand():
+    # query 0 = [1, 0]; dictionary row [1, 0] with count 3; its own chunk key [0, 0]; chunk key 1 = [5, 0]
+    # is in its future (logit 5 would dominate if it leaked). Query 1 = [0, 0] sees all three rows equally
+    # up to the prior: weights 3 : 1 : 1.
+    q = t([[1, 0], [0, 0]])[None, None]
+    dk, dv, counts = t([[1, 0]])[None, None], t([[2, 0]])[None, None], t([3])[None, None]
+    kc, vc = t([[0, 0], [5, 0]])[None, None], t([[0, 4], [9, 9]])[None, None]
+    for fn in (chunk_attention, chunk_attention_reference):
+        o = fn(q, dk, dv, counts.log(), kc, vc)
+        w = 3 * math.e / (3 * math.e + 1)            # exp(1 + log 3) vs exp(0 + log 1)
+        torch.testing.assert_close(o[0, 0, 0], t([2 * w, 4 * (1 - w)]))
+        torch.testing.assert_close(o[0, 0, 1], t([(3 * 2 + 9) / 5, (4 + 9) / 5]))

@@ -1,0 +1,206 @@
+"""The Trellis mixer: projections, short convolution, the two-pass memory (``ops``), output norm, gate, projection.
+
+Karami, Behrouz, Kacham, Mirrokni, "Trellis: Learning to Compress Key-Value Memory in Attention Models"
+(COLM 2025), section 3 and figure 1. The paper's copy lost its equations and there is no official code; the
+reconstruction implemented here is ``shared/specs/trellis.md`` (see ``docs/mechanisms/trellis.md``). Every
+choice the reconstruction had to make is an option below with the default it gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixerzoo.mixers.qkv import QKVProjection
+from mixerzoo.protocol import Mixer, MixerState
+
+from .ops import FS, PHIS, TrellisMemory, check_choice, trellis_chunked, trellis_step, zero_memory
+from .reference import trellis_reference
+
+__all__ = ["Trellis", "TrellisState", "ShortConv"]
+
+
+@dataclasses.dataclass
+class TrellisState(MixerState):
+    """State of a Trellis layer: constant size, whatever the context length.
+
+    Attributes:
+        mk, mv: key and value memories after the last token, ``(B, H, m, d_k)`` and ``(B, H, m, d_v)``.
+        mk_grad, mv_grad: the memories at the start of the current chunk (where the chunk's inner gradients
+            are taken); equal to ``mk``/``mv`` when ``pos`` is a multiple of ``chunk_len``.
+        conv: the last ``conv_size - 1`` pre-convolution q/k projections, ``(B, conv_size - 1, 2 H d_k)``, or
+            None without the short convolution.
+        pos: tokens seen so far (absolute position of the next token).
+    """
+
+    mk: torch.Tensor
+    mk_grad: torch.Tensor
+    mv: torch.Tensor
+    mv_grad: torch.Tensor
+    conv: torch.Tensor | None
+    pos: int
+
+    @property
+    def memory(self) -> TrellisMemory:
+        return TrellisMemory(self.mk, self.mk_grad, self.mv, self.mv_grad)
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise convolution over time, ``(B, T, channels) -> (B, T, channels)``, with a cache.
+
+    ``y_t = sum_{i<K} w_i * x_{t-K+1+i}`` per channel, with zeros before the sequence start; ``cache`` holds
+    the last ``K - 1`` inputs of the previous segment so that segments continue exactly.
+    """
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, Cn = x.shape
+        prev = x.new_zeros(B, self.kernel_size - 1, Cn) if cache is None else cache.to(x.dtype)
+        full = torch.cat([prev, x], dim=1)
+        y = F.conv1d(full.transpose(1, 2), self.conv.weight, groups=Cn).transpose(1, 2)
+        return y, full[:, full.shape[1] - (self.kernel_size - 1):]
+
+
+class Trellis(Mixer):
+    """Trellis: per head, a key memory and a value memory of ``num_slots`` slots, written by one step of online
+    gradient descent with a forget gate per token, read in two passes (Karami et al. 2025, eqs. 8, 13, 14).
+
+    ``x (B, T, d_model)``: ``q, k, v`` per head (``QKVProjection``, no positional encoding; short causal
+    convolution on q and k), slot target ``a = W_a x`` (``m`` per head, linear), forget gate
+    ``beta = sigmoid(W_b x + b_b)`` (one per head and token), inner learning rate ``gamma = softplus(raw)`` (one
+    learned scalar per head). Pass 1 writes ``k`` into the key memory and reads ``r = f(MK q)``; pass 2 writes
+    ``v`` into the value memory and reads ``f(MV^T r)``. Heads are concatenated, RMS-normalised, multiplied
+    by ``GELU(W_g x)`` and projected by ``o_proj``.
+
+    Args:
+        d_model: model width.
+        n_heads: heads ``H``; head_dim: ``d_k = d_v`` (default ``d_model // n_heads``).
+        num_slots: memory slots ``m`` per head (paper: 64).
+        chunk_len: ``C`` of the chunked stale-gradient form (default 16); ``1`` is the exact recurrence.
+            Decoding reproduces the chunked form with the same ``C``.
+        phi: inner nonlinearity of the reconstruction loss, ``silu`` (default) or ``identity`` (then each pass
+            is a gated delta rule).
+        f: normalised SiLU of the reads, ``layernorm_silu`` (default) or ``l2_silu``.
+        forget_gate: learn ``beta_t``; False fixes ``beta = 1`` (the "no forget gate" ablation).
+        forget_init: initial forget gate ``sigmoid(b_b)`` (default 0.99); restored by :meth:`post_lm_init`.
+        gamma_init: initial inner learning rate (default 1e-2).
+        detach_inner_grad: take the inner gradient at a detached copy of the memory (first-order only through
+            ``u`` and ``w``); default False (differentiate through it).
+        short_conv, conv_size: causal depthwise convolution on q and k (default on, width 4).
+        qk_norm: per-head ``rms``/``layernorm`` on q and k before the convolution (default none).
+        norm_eps: eps of the output RMSNorm.
+        bias: biases on the q/k/v/a/gate/output projections.
+        use_reference: run the memory through ``reference.trellis_reference`` (token loop; for tests).
+
+    State: :class:`TrellisState` (two memories, their chunk-start copies, the convolution cache).
+
+    Raises:
+        ValueError: an unknown ``phi``/``f``, or a size that is not positive (the message names the option).
+    """
+
+    positional_encodings = ()
+
+    def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, num_slots: int = 64,
+                 chunk_len: int = 16, phi: str = "silu", f: str = "layernorm_silu", forget_gate: bool = True,
+                 forget_init: float = 0.99, gamma_init: float = 1e-2, detach_inner_grad: bool = False,
+                 short_conv: bool = True, conv_size: int = 4, qk_norm: str | None = None, norm_eps: float = 1e-5,
+                 bias: bool = False, use_reference: bool = False, layer_idx: int = 0) -> None:
+        super().__init__()
+        check_choice("phi", phi, PHIS)
+        check_choice("f", f, FS)
+        for name, value, low in (("num_slots", num_slots, 1), ("chunk_len", chunk_len, 1), ("n_heads", n_heads, 1),
+                                 ("conv_size", conv_size, 2 if short_conv else 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"trellis option {name} must be an integer >= {low}, got {value!r}")
+        if not 0.0 < forget_init < 1.0:
+            raise ValueError(f"trellis option forget_init must be in (0, 1) (the initial sigmoid gate), "
+                             f"got {forget_init}")
+        if not gamma_init > 0:
+            raise ValueError(f"trellis option gamma_init must be > 0 (the initial inner learning rate), "
+                             f"got {gamma_init}")
+        self.qkv = QKVProjection(d_model, n_heads, None, head_dim, positional="nope", qk_norm=qk_norm, bias=bias)
+        H, D = n_heads, self.qkv.head_dim
+        self.n_heads, self.head_dim, self.num_slots, self.chunk_len = H, D, num_slots, chunk_len
+        self.phi, self.f, self.forget_gate, self.forget_init = phi, f, forget_gate, forget_init
+        self.detach_inner_grad, self.use_reference, self.layer_idx = detach_inner_grad, use_reference, layer_idx
+        self.a_proj = nn.Linear(d_model, H * num_slots, bias=bias)
+        if forget_gate:
+            self.b_proj = nn.Linear(d_model, H, bias=True)
+        self.gamma_raw = nn.Parameter(torch.full((H,), math.log(math.expm1(gamma_init))))
+        self.conv = ShortConv(2 * H * D, conv_size) if short_conv else None
+        self.o_norm = nn.RMSNorm(H * D, eps=norm_eps)
+        self.g_proj = nn.Linear(d_model, H * D, bias=bias)
+        self.o_proj = nn.Linear(H * D, d_model, bias=bias)
+        self.post_lm_init()
+
+    def post_lm_init(self) -> None:
+        """Set the forget-gate bias to ``logit(forget_init)`` (the LM zeroes Linear biases first, then calls this)."""
+        if self.forget_gate:
+            with torch.no_grad():
+                self.b_proj.bias.fill_(math.log(self.forget_init / (1.0 - self.forget_init)))
+
+    @property
+    def gamma(self) -> torch.Tensor:
+        """Inner learning rate per head, ``softplus(gamma_raw)``, shape ``(H,)``."""
+        return F.softplus(self.gamma_raw)
+
+    def forward(self, x: torch.Tensor, state: TrellisState | None = None) -> tuple[torch.Tensor, TrellisState]:
+        """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given.
+
+        ``T == 1`` runs the decode step; longer inputs run the chunked form (chunks aligned to absolute
+        positions, so any split point continues exactly).
+        """
+        B, T, _ = x.shape
+        H, D, m = self.n_heads, self.head_dim, self.num_slots
+        pos = 0 if state is None else state.pos
+        positions = torch.arange(pos, pos + T, device=x.device)
+        q, k, v, _ = self.qkv(x, positions)  # (B, H, T, D)
+        conv_cache = None
+        if self.conv is not None:
+            qk = torch.cat([q, k], dim=1).transpose(1, 2).reshape(B, T, 2 * H * D)
+            qk, conv_cache = self.conv(qk, None if state is None else state.conv)
+            q, k = qk.view(B, T, 2 * H, D).transpose(1, 2).split(H, dim=1)
+        a = self.a_proj(x).view(B, T, H, m).transpose(1, 2)
+        dtype, work = x.dtype, torch.promote_types(x.dtype, torch.float32)  # the memory runs in fp32 at least
+        if self.forget_gate:
+            log_beta = F.logsigmoid(self.b_proj(x).to(work)).transpose(1, 2)  # (B, H, T)
+        else:
+            log_beta = x.new_zeros(B, H, T, dtype=work)
+        q, k, v, a = (t.to(work) for t in (q, k, v, a))
+        gamma = self.gamma.to(work)
+        memory = None if state is None else state.memory
+        with torch.autocast(x.device.type, enabled=False):  # keep the memory in fp32 under bf16-mixed
+            o, memory = self._memory(q, k, v, a, log_beta, gamma, memory, pos)
+        o = self.o_norm(o.transpose(1, 2).reshape(B, T, H * D).to(dtype))
+        y = self.o_proj(o * F.gelu(self.g_proj(x)))
+        return y, TrellisState(*memory, conv=conv_cache, pos=pos + T)
+
+    def _memory(self, q, k, v, a, log_beta, gamma, memory, pos):
+        """The two-pass memory on ``(B, H, T, .)`` tensors: decode step, chunked form or reference."""
+        B, H, T, D = q.shape
+        opts = dict(phi=self.phi, f=self.f, pos=pos, detach_inner_grad=self.detach_inner_grad)
+        if self.use_reference:
+            o, memory = trellis_reference(q, k, v, a, log_beta.exp(), gamma, chunk_len=self.chunk_len,
+                                          memory=memory, **opts)
+        elif T == 1:  # decode: one step of the same chunked recurrence
+            if memory is None:
+                memory = zero_memory(B, H, self.num_slots, D, D, q.dtype, q.device)
+            o, memory = trellis_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], a[:, :, 0], log_beta[:, :, 0], gamma,
+                                     self.chunk_len, memory=memory, **opts)
+            o = o[:, :, None]
+        else:
+            o, memory = trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=memory, **opts)
+        return o, memory
+
+    def extra_repr(self) -> str:
+        return (f"n_heads={self.n_heads}, head_dim={self.head_dim}, num_slots={self.num_slots}, "
+                f"chunk_len={self.chunk_len}, phi={self.phi}, f={self.f}, forget_gate={self.forget_gate}, "
+                f"detach_inner_grad={self.detach_inner_grad}")

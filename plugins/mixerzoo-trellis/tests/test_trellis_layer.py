@@ -1,0 +1,128 @@
+"""The Trellis mixer: protocol conformance, decode == chunked, reference == chunked at C = 1, gradient
+options, the forget-gate init surviving the LM's init, registry and config errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mixerzoo import registry
+from mixerzoo.model import LanguageModel, LMConfig
+from mixerzoo.model.config import ConfigError
+from mixerzoo.testing import run_conformance
+from mixerzoo_trellis import Trellis, TrellisState
+
+D_MODEL = 32
+# gamma_init well above the default 1e-2 so the memory dominates the reads and every check is sensitive.
+SMALL = dict(n_heads=2, num_slots=8, gamma_init=0.3)
+
+
+def layer(**kw) -> Trellis:
+    return Trellis(D_MODEL, **{**SMALL, **kw})
+
+
+def x_input(T: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(2, T, D_MODEL, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("options", [
+    dict(),  # chunk_len 16 > every split: splits fall inside chunks
+    dict(chunk_len=5, phi="identity", f="l2_silu"),
+    dict(chunk_len=1),
+    dict(chunk_len=7, forget_gate=False, short_conv=False, detach_inner_grad=True),
+])
+def test_conformance(options):
+    report = run_conformance(lambda: layer(**options), d_model=D_MODEL, seq_len=40, splits=(1, 6, 17, 33))
+    assert report.state_bytes[0] == report.state_bytes[1]  # constant state, whatever the context
+
+
+def test_decode_reproduces_chunked_form_not_exact_recurrence():
+    torch.manual_seed(0)
+    mixer = layer(chunk_len=6).eval()
+    x = x_input(27)
+    with torch.no_grad():
+        y, _ = mixer(x)
+        state, outs = None, []
+        for t in range(27):
+            yt, state = mixer(x[:, t:t + 1], state)
+            outs.append(yt)
+        torch.testing.assert_close(torch.cat(outs, 1), y, rtol=1e-4, atol=1e-5)
+        mixer.chunk_len = 1  # same weights, exact recurrence: a different function
+        y_exact, _ = mixer(x)
+    assert (y_exact - y).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("options", [dict(), dict(phi="identity", forget_gate=False)])
+def test_chunked_layer_equals_reference_layer_at_chunk_len_1(options):
+    torch.manual_seed(1)
+    fast = layer(chunk_len=1, **options).double()
+    slow = layer(chunk_len=1, use_reference=True, **options).double()
+    slow.load_state_dict(fast.state_dict())
+    x = x_input(14, seed=1).double()
+    y_fast, s_fast = fast(x)
+    y_slow, s_slow = slow(x)
+    torch.testing.assert_close(y_fast, y_slow, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(s_fast.mv, s_slow.mv, rtol=1e-9, atol=1e-9)
+    (y_fast.square().sum() + y_slow.square().sum()).backward()
+    for (name, p_fast), p_slow in zip(fast.named_parameters(), slow.parameters()):
+        torch.testing.assert_close(p_fast.grad, p_slow.grad, rtol=1e-7, atol=1e-9, msg=f"gradient of {name}")
+
+
+def test_detach_inner_grad_changes_gradients_but_not_outputs():
+    torch.manual_seed(2)
+    full, detached = layer(chunk_len=4), layer(chunk_len=4, detach_inner_grad=True)
+    detached.load_state_dict(full.state_dict())
+    x = x_input(20, seed=2)
+    y_full, _ = full(x)
+    y_det, _ = detached(x)
+    torch.testing.assert_close(y_full, y_det, rtol=0, atol=0)
+    w = x_input(20, seed=3)
+    (y_full * w).sum().backward()
+    (y_det * w).sum().backward()
+    g_full, g_det = full.qkv.k_proj.weight.grad, detached.qkv.k_proj.weight.grad
+    assert (g_full - g_det).abs().max() > 1e-3 * g_full.abs().max()
+    torch.testing.assert_close(full.o_proj.weight.grad, detached.o_proj.weight.grad)  # after the memory: same
+
+
+def lm_config(**mixer_options) -> LMConfig:
+    return LMConfig(vocab_size=50, d_model=D_MODEL, n_layers=2, n_heads=2, layer_types=["trellis"],
+                    mixers={"trellis": {"num_slots": 8, "chunk_len": 4, **mixer_options}})
+
+
+def test_post_lm_init_keeps_forget_gate_bias():
+    model = LanguageModel(lm_config(forget_init=0.99))
+    for block in model.blocks:
+        bias = block.mixer.b_proj.bias
+        torch.testing.assert_close(bias, torch.full_like(bias, math.log(0.99 / 0.01)))
+        assert block.mixer.b_proj.weight.std() < 0.05  # the LM did init the weights (N(0, 0.02))
+        beta = torch.sigmoid(block.mixer.b_proj(torch.zeros(1, D_MODEL)))
+        torch.testing.assert_close(beta, torch.full_like(beta, 0.99))
+
+
+def test_lm_decode_equals_parallel():
+    torch.manual_seed(3)
+    model = LanguageModel(lm_config(gamma_init=0.3)).eval()
+    ids = torch.randint(0, 50, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, _ = model(ids)
+        states, outs = None, []
+        for t in range(11):
+            lt, states = model(ids[:, t:t + 1], states)
+            outs.append(lt)
+    torch.testing.assert_close(torch.cat(outs, 1), logits, rtol=1e-4, atol=1e-4)
+    assert isinstance(states[0][0], TrellisState)
+
+
+def test_registered_under_trellis():
+    assert registry.get("trellis", "mixer") is Trellis
+
+
+@pytest.mark.parametrize("options,field", [
+    (dict(phi="relu"), "phi"), (dict(f="softmax"), "f"), (dict(num_slots=0), "num_slots"),
+    (dict(chunk_len=0), "chunk_len"), (dict(forget_init=1.0), "forget_init"), (dict(positional="rope"), "positional"),
+])
+def test_bad_config_names_the_field(options, field):
+    with pytest.raises(ConfigError, match=field):
+        LanguageModel(lm_config(**options))

@@ -1,0 +1,140 @@
+"""MQAR (Zoology) generator and RecallDataModule: layout checked against an independent parse of each row."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+
+from mixerzoo.data import LMDataModule, RecallDataModule, make_mqar
+from mixerzoo.model.config import ConfigError
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _check_rows(x: torch.Tensor, y: torch.Tensor, vocab: int, k: int, q: int) -> None:
+    """Parse every row from scratch and check the documented layout."""
+    n, t = x.shape
+    half = vocab // 2
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        keys, values = row_x[0 : 2 * k : 2], row_x[1 : 2 * k : 2]
+        assert len(set(keys)) == k, "keys must be distinct within an example"
+        assert len(set(values)) == k
+        assert all(1 <= key < half for key in keys), "keys come from [1, V//2)"
+        assert all(half <= v < vocab for v in values), "values come from [V//2, V)"
+        table = dict(zip(keys, values))
+        assert all(label == -100 for label in row_y[: 2 * k]), "no loss inside the kv section"
+        answered = [p for p in range(t) if row_y[p] != -100]
+        assert len(answered) == q
+        queried = [row_x[p] for p in answered]
+        assert len(set(queried)) == q, "queried keys are distinct"
+        for p in answered:
+            assert row_x[p] in table, "a query position holds a key of the kv section"
+            assert row_y[p] == table[row_x[p]], "label = the value paired with that key"
+            assert row_x[p + 1] == row_y[p], "the value follows its queried key"
+        used = set(answered) | {p + 1 for p in answered}
+        assert all(row_x[p] == 0 for p in range(2 * k, t) if p not in used), "filler 0 elsewhere"
+
+
+@pytest.mark.parametrize("vocab,t,k,q", [(64, 64, 8, None), (256, 128, 16, 5), (8192, 256, 32, None), (8, 12, 3, 3)])
+def test_mqar_labels_are_the_values_of_the_queried_keys(vocab, t, k, q):
+    x, y = make_mqar(300, vocab, t, k, q, _gen(1))
+    assert x.shape == y.shape == (300, t) and x.dtype == y.dtype == torch.long
+    _check_rows(x, y, vocab, k, k if q is None else q)
+
+
+def test_key_and_value_ranges_are_disjoint_and_covered():
+    vocab = 8192  # large enough for the Floyd sampler
+    x, y = make_mqar(400, vocab, 128, 32, None, _gen(2))
+    keys, values = x[:, 0:64:2], x[:, 1:64:2]
+    assert keys.min() >= 1 and keys.max() < vocab // 2
+    assert values.min() >= vocab // 2 and values.max() < vocab
+    assert set(keys.flatten().tolist()).isdisjoint(values.flatten().tolist())
+    # the whole key half is used, not a corner of it (12800 draws from 4095 ids)
+    assert keys.min() < 20 and keys.max() > vocab // 2 - 20
+    assert set(y[y != -100].tolist()) <= set(values.flatten().tolist())
+
+
+def test_query_placements_are_uniform():
+    # T=12, K=2, Q=2: the query region has R=8 positions; two non-overlapping (key, value) pairs can sit
+    # at C(R - Q, Q) = C(6, 2) = 15 placements, each with probability 1/15.
+    n = 15000
+    x, y = make_mqar(n, 16, 12, 2, 2, _gen(3))
+    placements = Counter(tuple((row != -100).nonzero().flatten().tolist()) for row in y)
+    expected = {(a, b) for a, b in itertools.combinations(range(4, 11), 2) if b >= a + 2}
+    assert len(expected) == 15
+    assert set(placements) == expected
+    assert all(abs(c - n / 15) < 5 * (n / 15) ** 0.5 for c in placements.values()), placements
+
+
+def test_mqar_is_deterministic_per_seed():
+    a = make_mqar(50, 64, 64, 8, None, _gen(7))
+    b = make_mqar(50, 64, 64, 8, None, _gen(7))
+    c = make_mqar(50, 64, 64, 8, None, _gen(8))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+
+
+def test_recall_datamodule_batches_and_attributes():
+    dm = RecallDataModule(vocab_size=64, seq_len=32, num_kv_pairs=4, train_examples=200, val_examples=40,
+                          batch_size=16, seed=3)
+    assert isinstance(dm, LMDataModule)
+    assert dm.vocab_size == 64 and dm.seq_len == 32 and dm.eos_id is None and dm.tokenizer is None
+    assert dm.batch_size == 16
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"input_ids", "labels"}
+    assert batch["input_ids"].shape == batch["labels"].shape == (16, 32)
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
+    train, val = dm.dataset("train"), dm.dataset("val")
+    assert len(train) == 200 and len(val) == 40
+    _check_rows(train.input_ids, train.labels, 64, 4, 4)
+    _check_rows(val.input_ids, val.labels, 64, 4, 4)
+    # train and val come from different seeds
+    rows = {tuple(r) for r in train.input_ids.tolist()}
+    assert not any(tuple(r) in rows for r in val.input_ids.tolist())
+    # the val loader keeps order; the train loader shuffles reproducibly
+    first_val = next(iter(dm.val_dataloader()))["input_ids"]
+    assert torch.equal(first_val, val.input_ids[:16])
+    order1 = torch.cat([b["input_ids"] for b in dm.train_dataloader()])
+    order2 = torch.cat([b["input_ids"] for b in dm.train_dataloader()])
+    assert torch.equal(order1, order2) and not torch.equal(order1, train.input_ids)
+    assert sorted(map(tuple, order1.tolist())) == sorted(map(tuple, train.input_ids.tolist()))
+    # predict/test reuse val
+    assert torch.equal(next(iter(dm.test_dataloader()))["labels"], val.labels[:16])
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"seq_len": 64, "num_kv_pairs": 17}, r"data\.num_kv_pairs=17 .*at most 16"),
+        ({"seq_len": 64, "num_kv_pairs": 29, "num_queries": 4}, r"data\.num_kv_pairs=29 .*at most 28"),
+        ({"vocab_size": 16, "seq_len": 128, "num_kv_pairs": 8}, r"data\.num_kv_pairs=8 .*at most 7.*ids 1\.\.7"),
+        ({"num_kv_pairs": 4, "num_queries": 5}, r"data\.num_queries=5 exceeds"),
+        ({"seq_len": 1}, r"data\.seq_len"),
+        ({"vocab_size": 3}, r"data\.vocab_size"),
+        ({"num_kv_pairs": 0}, r"data\.num_kv_pairs"),
+        ({"train_examples": 0}, r"data\.train_examples"),
+        ({"batch_size": 0}, r"data\.batch_size"),
+    ],
+)
+def test_recall_bad_config_raises_clear_error(kwargs, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        RecallDataModule(**kwargs)
+    assert isinstance(info.value, ValueError)
+
+
+def test_recall_datamodule_from_yaml_config():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(LMDataModule, "data")
+    cfg = parser.parse_object({"data": {"class_path": "mixerzoo.data.RecallDataModule",
+                                        "init_args": {"vocab_size": 128, "seq_len": 64, "num_kv_pairs": 8,
+                                                      "train_examples": 10, "val_examples": 5}}})
+    dm = parser.instantiate(cfg).data
+    assert isinstance(dm, RecallDataModule) and dm.num_kv_pairs == 8 and dm.num_queries == 8

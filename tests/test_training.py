@@ -1,0 +1,166 @@
+"""Lightning training end to end on tiny models: learning happens, checkpoints resume, bad input is refused."""
+
+import glob
+import os
+
+import lightning as L
+import pytest
+import torch
+
+from mixerzoo.cli import main
+from mixerzoo.data import RecallDataModule
+from mixerzoo.model.config import ConfigError
+from mixerzoo.training import LMModule
+from mixerzoo.training.checkpoints import AtomicCheckpointIO, load_checkpoint
+from mixerzoo.training.optim import lr_lambda, param_groups
+
+TINY = dict(d_model=32, n_layers=2, n_heads=2, layer_types=["swa", "attention"],
+            mixers={"swa": {"window": 8}, "attention": {}}, warmup_steps=2)
+
+
+def tiny_data(**kw):
+    args = dict(vocab_size=64, seq_len=32, num_kv_pairs=4, train_examples=256, val_examples=64, batch_size=16)
+    args.update(kw)
+    return RecallDataModule(**args)
+
+
+def trainer(tmp_path, **kw):
+    args = dict(max_steps=6, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                default_root_dir=str(tmp_path), plugins=[AtomicCheckpointIO()], limit_val_batches=2,
+                val_check_interval=3, num_sanity_val_steps=0)
+    args.update(kw)
+    return L.Trainer(**args)
+
+
+def test_lr_schedule_hand_values():
+    assert lr_lambda(0, 10, 100, "cosine", 0.0) == pytest.approx(0.1)
+    assert lr_lambda(9, 10, 100, "cosine", 0.0) == pytest.approx(1.0)
+    assert lr_lambda(55, 10, 100, "cosine", 0.0) == pytest.approx(0.5)  # halfway through the cosine
+    assert lr_lambda(100, 10, 100, "linear", 0.0) == pytest.approx(0.0)
+    assert lr_lambda(32, 10, 54, "linear", 0.0) == pytest.approx(0.5)
+    assert lr_lambda(100, 10, 100, "cosine", 0.1) == pytest.approx(0.1)
+
+
+def test_no_weight_decay_on_norms_biases_embeddings():
+    m = LMModule(vocab_size=64, **TINY)
+    decay, no_decay = param_groups(m.model, 0.1)
+    decay_ids = {id(p) for p in decay["params"]}
+    assert id(m.model.embed.weight) not in decay_ids
+    assert id(m.model.blocks[0].norm1.weight) not in decay_ids
+    assert id(m.model.blocks[0].mixer.qkv.q_proj.weight) in decay_ids
+    assert all(p.ndim >= 2 for p in decay["params"])
+
+
+def test_fit_learns_and_resumes(tmp_path):
+    L.seed_everything(0)
+    dm = tiny_data()
+    module = LMModule(lr=3e-3, **TINY)  # vocab_size comes from the datamodule
+    t = trainer(tmp_path, callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)])
+    t.fit(module, dm)
+    assert module.hparams.vocab_size == 64
+    first = t.callback_metrics["val/loss"].item()
+    ckpt = tmp_path / "ck" / "last.ckpt"
+    assert ckpt.exists()
+    assert not glob.glob(str(tmp_path / "ck" / ".tmp-*"))
+    state = load_checkpoint(str(ckpt))
+    assert state["global_step"] == 6 and state["hyper_parameters"]["vocab_size"] == 64
+    # resume: the step counter continues and training goes on from the saved weights
+    module2 = LMModule(lr=3e-3, **TINY)
+    t2 = trainer(tmp_path, max_steps=12)
+    t2.fit(module2, tiny_data(), ckpt_path=str(ckpt))
+    assert t2.global_step == 12
+    assert t2.callback_metrics["val/loss"].item() < first + 0.5
+    # loading for inference
+    loaded = LMModule.load_from_checkpoint(str(ckpt), weights_only=True)
+    torch.testing.assert_close(loaded.model.embed.weight, state["state_dict"]["model.embed.weight"])
+
+
+def test_incompatible_checkpoint_is_refused(tmp_path):
+    dm = tiny_data()
+    t = trainer(tmp_path, max_steps=2, callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)])
+    t.fit(LMModule(**TINY), dm)
+    other = LMModule(**{**TINY, "d_model": 48})
+    with pytest.raises(ConfigError, match="does not fit this model configuration"):
+        trainer(tmp_path, max_steps=4).fit(other, tiny_data(), ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
+
+
+def test_vocab_larger_than_model_vocab_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="the tokenizer has 64 tokens but model.vocab_size=32"):
+        trainer(tmp_path).fit(LMModule(vocab_size=None, **TINY) if False else _unbuilt(32), tiny_data())
+
+
+def _unbuilt(vocab):
+    m = LMModule(**TINY)
+    m.hparams.vocab_size = vocab  # as if set on the command line, model not yet built
+    return m
+
+
+def test_non_finite_loss_is_skipped_then_stops(tmp_path):
+    module = LMModule(max_bad_steps=3, **TINY)
+    module.configure_model = lambda: None
+    module.model = LMModule(vocab_size=64, **TINY).model
+    with torch.no_grad():
+        module.model.head.weight.fill_(float("nan"))
+    from mixerzoo.training.module import NonFiniteLossError
+    module.acc = module.train_acc = None
+    with pytest.raises(NonFiniteLossError, match="3 consecutive steps"):
+        trainer(tmp_path, max_steps=5, limit_val_batches=0).fit(module, tiny_data())
+
+
+def _cli(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    return e.value.code, capsys.readouterr().err
+
+
+RECIPE = """
+model:
+  d_model: 32
+  n_layers: 2
+  n_heads: 2
+  layer_types: [swa, attention]
+  mixers: {swa: {window: 8}, attention: {}}
+  warmup_steps: 1
+data:
+  class_path: mixerzoo.data.RecallDataModule
+  init_args: {vocab_size: 64, seq_len: 32, num_kv_pairs: 4, train_examples: 64, val_examples: 32, batch_size: 16}
+trainer: {max_steps: 2, enable_progress_bar: false, limit_val_batches: 1}
+"""
+
+
+def test_cli_fit_and_overrides(in_tmp, capsys):
+    (in_tmp / "r.yaml").write_text(RECIPE)
+    assert main(["fit", "--config", "r.yaml", "--model.layer_types", "[attention,swa]"]) == 0
+    cfg = (next(in_tmp.glob("runs/mixerzoo/version_*/config.yaml"))).read_text()
+    assert "- attention\n  - swa" in cfg
+    assert glob.glob(str(in_tmp / "runs/mixerzoo/version_*/checkpoints/last.ckpt"))
+
+
+def test_cli_errors_are_one_clear_line(in_tmp, capsys):
+    (in_tmp / "r.yaml").write_text(RECIPE)
+    code, err = _cli(["fit", "--config", "r.yaml", "--model.layer_types", "[attention,kvmm]",
+                      "--model.mixers", "{attention: {}, kvmm: {}}"], capsys)
+    assert code == 2 and "unknown mixer 'kvmm'" in err and "Installed mixers" in err and "Traceback" not in err
+    code, err = _cli(["fit", "--config", "r.yaml", "--model.layer_types", "[attention,local]"], capsys)
+    assert code == 2 and "'local' has no options under model.mixers" in err
+    (in_tmp / "bad.ckpt").write_bytes(b"\x00not a checkpoint")
+    code, err = _cli(["fit", "--config", "r.yaml", "--ckpt_path", "bad.ckpt"], capsys)
+    assert code == 2 and "cannot be read as a checkpoint" in err
+    assert not (in_tmp / "runs").exists() or not glob.glob(str(in_tmp / "runs/**/*.ckpt"), recursive=True)
+
+
+def test_cli_fit_on_real_text_with_trained_bpe(in_tmp, shared_data):
+    """The main job on real input: a hybrid on tiny-shakespeare with a BPE trained on the training split."""
+    recipe = f"""
+model: {{d_model: 32, n_layers: 2, n_heads: 2, layer_types: [swa, attention], mixers: {{swa: {{window: 8}}, attention: {{}}}}, warmup_steps: 1}}
+data:
+  class_path: mixerzoo.data.TextDataModule
+  init_args: {{paths: {shared_data}/tinyshakespeare/input.txt, sample_by: paragraph, bpe_vocab_size: 300,
+              seq_len: 32, batch_size: 8, max_tokens: 4000}}
+trainer: {{max_steps: 3, enable_progress_bar: false, limit_val_batches: 2, val_check_interval: 3, log_every_n_steps: 1}}
+"""
+    (in_tmp / "t.yaml").write_text(recipe)
+    assert main(["fit", "--config", "t.yaml"]) == 0
+    metrics = next(in_tmp.glob("runs/mixerzoo/version_*/metrics.csv")).read_text()
+    assert "val/loss" in metrics and "train/loss" in metrics
+    assert list(in_tmp.glob(".mixerzoo_cache/tokenizers/bpe-*/tokenizer.json"))
