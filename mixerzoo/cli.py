@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 __all__ = ["main", "MixerzooCLI", "print_plugins"]
@@ -44,6 +45,9 @@ def _lightning_cli(args: list[str] | None):
     from .training import LMModule, ThroughputLogger
     from .training.checkpoints import AtomicCheckpointIO, check_ckpt_path
 
+    MODEL_DEFAULTS = {name: p.default for name, p in inspect.signature(LMModule.__init__).parameters.items()
+                      if p.default is not inspect.Parameter.empty}
+
     class MixerzooCLI(LightningCLI):
         """LightningCLI with mixerzoo's defaults: a last.ckpt checkpoint, throughput logging, CSV logs."""
 
@@ -66,9 +70,17 @@ def _lightning_cli(args: list[str] | None):
             # LightningCLI reads hyper-parameters from --ckpt_path before anything else: check the file first,
             # so a truncated or foreign file gets a clear message instead of an unpickling traceback.
             sub = self.config.get("subcommand")
-            if sub:
-                check_ckpt_path(self.config[sub].get("ckpt_path"))
+            if not sub:
+                return
+            check_ckpt_path(self.config[sub].get("ckpt_path"))
+            # Model fields the user set (differing from LMModule's defaults) win over the checkpoint's, so e.g.
+            # `validate --ckpt_path X --model.mixers '{attention: {mixer: tova, multi_state: 256}}'` switches
+            # layers without retraining; an incompatible change is refused when the weights are loaded.
+            given = self.config[sub].get("model")
+            explicit = {k: v for k, v in (given or {}).items() if k in MODEL_DEFAULTS and v != MODEL_DEFAULTS[k]}
             super()._parse_ckpt_path()
+            for k, v in explicit.items():
+                self.config[sub].model[k] = v
 
     trainer_defaults = {
         "default_root_dir": "runs",

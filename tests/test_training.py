@@ -164,3 +164,18 @@ trainer: {{max_steps: 3, enable_progress_bar: false, limit_val_batches: 2, val_c
     metrics = next(in_tmp.glob("runs/mixerzoo/version_*/metrics.csv")).read_text()
     assert "val/loss" in metrics and "train/loss" in metrics
     assert list(in_tmp.glob(".mixerzoo_cache/tokenizers/bpe-*/tokenizer.json"))
+
+
+def test_cli_model_fields_given_with_ckpt_path_win(in_tmp, capsys):
+    """Explicit --model.* values override the checkpoint's saved ones (e.g. switching mixers at evaluation)."""
+    (in_tmp / "r.yaml").write_text(RECIPE)
+    assert main(["fit", "--config", "r.yaml"]) == 0
+    ckpt = next(in_tmp.glob("runs/mixerzoo/version_*/checkpoints/last.ckpt"))
+    # same weights, other window: loads and validates
+    assert main(["validate", "--config", "r.yaml", "--ckpt_path", str(ckpt),
+                 "--model.mixers", "{swa: {window: 3}, attention: {}}"]) == 0
+    cfg = sorted(in_tmp.glob("runs/mixerzoo/version_*/config.yaml"))[-1].read_text()
+    assert "window: 3" in cfg
+    # a width change cannot load these weights: refused with a clear message, not silently replaced
+    code, err = _cli(["validate", "--config", "r.yaml", "--ckpt_path", str(ckpt), "--model.d_model", "48"], capsys)
+    assert code == 2 and "does not fit this model configuration" in err
