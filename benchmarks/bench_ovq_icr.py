@@ -59,7 +59,8 @@ def main() -> None:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
         module = LMModule.load_from_checkpoint(path, map_location="cpu")
         model = module.model.eval()
-        dm = ICRDataModule(**ckpt["datamodule_hyper_parameters"])
+        dm_hp = {k: v for k, v in ckpt["datamodule_hyper_parameters"].items() if not k.startswith("_")}
+        dm = ICRDataModule(**dm_hp)
         layers = ovq_layers(model)
         trained_n = layers[0].max_size if layers else None
         sizes = [trained_n] + [n for n in args.max_sizes if n != trained_n] if layers else [None]

@@ -37,6 +37,15 @@ def read_metrics(path: Path) -> tuple[list[tuple[int, float]], list[tuple[int, f
     return train, val
 
 
+def parse_variant(item: str) -> tuple[str, str, dict]:
+    """``gdn`` -> ("gdn", "gdn", {}); ``trellis-id=trellis,phi=identity`` -> ("trellis-id", "trellis", {phi: identity})."""
+    import yaml
+
+    label, _, spec = item.partition("=") if "=" in item.split(",")[0] else (item.split(",")[0], "", item)
+    mixer, *pairs = spec.split(",")
+    return label, mixer, {k: yaml.safe_load(v) for k, v in (p.split("=", 1) for p in pairs)}
+
+
 def count_params(recipe: Path, mixer: str, options: dict | None, vocab_size: int = 4096) -> int:
     """Non-embedding parameters of the recipe's backbone with ``mixer`` in every layer."""
     import yaml
@@ -54,7 +63,9 @@ def count_params(recipe: Path, mixer: str, options: dict | None, vocab_size: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default=str(ROOT / "recipes/trellis/trellis-cpu.yaml"))
-    ap.add_argument("--mixers", nargs="+", default=["trellis", "gdn", "gsa", "attention"])
+    ap.add_argument("--mixers", nargs="+", default=["trellis", "gdn", "gsa", "attention"],
+                    help="registered names, or variants LABEL=MIXER,option=value,... (e.g. trellis-g0.1=trellis,"
+                         "gamma_init=0.1)")
     ap.add_argument("--max-steps", type=int, default=None, help="override trainer.max_steps")
     ap.add_argument("--out", default=None, help="prefix for <out>.png (the table goes to stdout)")
     ap.add_argument("--skip-existing", action="store_true", help="reuse finished runs under runs/")
@@ -65,18 +76,23 @@ def main() -> None:
 
     installed = set(registry.names("mixer"))
     results = []
-    for mixer in args.mixers:
+    for item in args.mixers:
+        label, mixer, overrides = parse_variant(item)
         if mixer not in installed:
             print(f"# {mixer}: not installed, skipped")
             continue
-        name = f"trellis-cpu-{mixer}"
+        name = f"trellis-cpu-{label}"
         run_dir = ROOT / "runs" / name / "v0"
         options = None if mixer == "trellis" else {}
         cmd = [sys.executable, "-m", "mixerzoo.cli", "fit", "--config", str(recipe),
                "--model.layer_types", f"[{mixer}]", "--trainer.logger.init_args.name", name,
                "--trainer.logger.init_args.version", "v0", "--trainer.default_root_dir", str(ROOT / "runs" / name)]
         if options is not None:
+            options = dict(overrides)
             cmd += ["--model.mixers", json.dumps({mixer: options})]
+        else:
+            for key, value in overrides.items():
+                cmd += [f"--model.mixers.{mixer}.{key}", json.dumps(value)]
         if args.max_steps:
             cmd += ["--trainer.max_steps", str(args.max_steps)]
         wall = None
@@ -89,7 +105,11 @@ def main() -> None:
                 print(f"# {mixer}: mixerzoo fit failed (rc {rc}); see runs/{name}.log")
                 continue
         train, val = read_metrics(run_dir / "metrics.csv")
-        results.append({"mixer": mixer, "params": count_params(recipe, mixer, options), "wall_s": wall,
+        if mixer == "trellis" and overrides:
+            import yaml
+
+            options = {**yaml.safe_load(recipe.read_text())["model"]["mixers"]["trellis"], **overrides}
+        results.append({"mixer": label, "params": count_params(recipe, mixer, options), "wall_s": wall,
                         "train": train, "val": val})
 
     print(f"# CPU training on books: recipe {recipe.relative_to(ROOT) if recipe.is_relative_to(ROOT) else recipe}, "

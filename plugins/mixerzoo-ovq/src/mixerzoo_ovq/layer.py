@@ -1,4 +1,4 @@
-"""The OVQ-attention mixer (Online Vector-Quantized attention; Anonymous et al., arXiv 2602.03922, sec. 3).
+"""The OVQ-attention mixer ("Online Vector Quantized Attention", arXiv 2602.03922, section 3).
 
 One layer, per key/value head, keeps a key dictionary ``D_k (n, D)``, a value dictionary ``D_v (n, D)`` and
 counts ``c (n)``. The sequence is cut into chunks of ``chunk_len`` tokens at absolute positions
