@@ -20,7 +20,7 @@ from torch import nn
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
-from .modules import ShortConvolution
+from .modules import ShortConvolution, short_conv_qkv
 from .ops import chunk_gsa
 
 __all__ = ["GatedSlotAttention", "GSAState"]
@@ -149,11 +149,7 @@ class GatedSlotAttention(Mixer):
         B, T, _ = x.shape
         use_fla = _backend.resolve_backend(self.backend, x.device) == "fla"
         if self.use_short_conv:
-            cq, ck, cv = state.conv if state is not None and state.conv is not None else (None, None, None)
-            q, cq = self.q_conv1d(self.q_proj(x), cq, use_fla)
-            k, ck = self.k_conv1d(self.k_proj(x), ck, use_fla)
-            v, cv = self.v_conv1d(self.v_proj(x), cv, use_fla)
-            conv = (cq, ck, cv)
+            q, k, v, conv = short_conv_qkv(self, x, state.conv if state is not None else None, use_fla)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             conv = None

@@ -69,6 +69,19 @@ class ShortConvolution(nn.Conv1d):
         return y, window[..., -W:]
 
 
+def short_conv_qkv(layer: nn.Module, x: torch.Tensor, conv_state: tuple | None, use_fla: bool):
+    """Project ``x [B, T, d_model]`` with ``layer.{q,k,v}_proj`` and pass each through its short convolution
+    ``layer.{q,k,v}_conv1d`` (fla's layout, shared by GDN and GSA).
+
+    Returns ``q, k, v`` and the new convolution state ``(cq, ck, cv)``; ``conv_state`` is the previous one or None.
+    """
+    cq, ck, cv = conv_state if conv_state is not None else (None, None, None)
+    q, cq = layer.q_conv1d(layer.q_proj(x), cq, use_fla)
+    k, ck = layer.k_conv1d(layer.k_proj(x), ck, use_fla)
+    v, cv = layer.v_conv1d(layer.v_proj(x), cv, use_fla)
+    return q, k, v, (cq, ck, cv)
+
+
 class GatedRMSNorm(nn.Module):
     """``RMSNorm(x) * weight * act(gate)`` over the last dimension (fla's ``FusedRMSNormGated``, in PyTorch).
 
