@@ -92,7 +92,7 @@ def main() -> None:
             cmd += ["--model.mixers", json.dumps({mixer: options})]
         else:
             for key, value in overrides.items():
-                cmd += [f"--model.mixers.{mixer}.{key}", json.dumps(value)]
+                cmd += [f"--model.mixers.{mixer}.{key}", value if isinstance(value, str) else json.dumps(value)]
         if args.max_steps:
             cmd += ["--trainer.max_steps", str(args.max_steps)]
         wall = None

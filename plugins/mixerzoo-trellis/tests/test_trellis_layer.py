@@ -32,6 +32,7 @@ def x_input(T: int, seed: int = 0) -> torch.Tensor:
     dict(chunk_len=5, phi="identity", f="l2_silu"),
     dict(chunk_len=1),
     dict(chunk_len=7, forget_gate=False, short_conv=False, detach_inner_grad=True),
+    dict(chunk_len=4, write_norm="l2", qk_norm="rms"),
 ])
 def test_conformance(options):
     report = run_conformance(lambda: layer(**options), d_model=D_MODEL, seq_len=40, splits=(1, 6, 17, 33))
@@ -86,6 +87,22 @@ def test_detach_inner_grad_changes_gradients_but_not_outputs():
     torch.testing.assert_close(full.o_proj.weight.grad, detached.o_proj.weight.grad)  # after the memory: same
 
 
+def test_write_norm_keeps_the_inner_step_stable_at_any_input_scale():
+    """phi = identity (the linear case): with large |k|^2 the stale-gradient step gamma * C * |k|^2 >> 2 and the
+    memory grows geometrically; unit-norm writes keep gamma * C * |w|^2 = 0.01 * 8 < 2 at any input scale."""
+    torch.manual_seed(4)
+    plain = Trellis(D_MODEL, n_heads=2, num_slots=8, chunk_len=8, short_conv=False, phi="identity")
+    normed = Trellis(D_MODEL, n_heads=2, num_slots=8, chunk_len=8, short_conv=False, phi="identity",
+                     write_norm="l2")
+    normed.load_state_dict(plain.state_dict())
+    x = (x_input(1, seed=4) * 30).expand(2, 64, D_MODEL)  # the same large token repeated: aligned writes
+    with torch.no_grad():
+        _, s_plain = plain(x)
+        y, s_normed = normed(x)
+    assert not torch.isfinite(s_plain.mk).all() or s_plain.mk.abs().max() > 1e6
+    assert torch.isfinite(y).all() and s_normed.mk.abs().max() < 10
+
+
 def lm_config(**mixer_options) -> LMConfig:
     return LMConfig(vocab_size=50, d_model=D_MODEL, n_layers=2, n_heads=2, layer_types=["trellis"],
                     mixers={"trellis": {"num_slots": 8, "chunk_len": 4, **mixer_options}})
@@ -122,6 +139,7 @@ def test_registered_under_trellis():
 @pytest.mark.parametrize("options,field", [
     (dict(phi="relu"), "phi"), (dict(f="softmax"), "f"), (dict(num_slots=0), "num_slots"),
     (dict(chunk_len=0), "chunk_len"), (dict(forget_init=1.0), "forget_init"), (dict(positional="rope"), "positional"),
+    (dict(write_norm="rms"), "write_norm"),
 ])
 def test_bad_config_names_the_field(options, field):
     with pytest.raises(ConfigError, match=field):

@@ -96,6 +96,11 @@ class Trellis(Mixer):
             ``u`` and ``w``); default False (differentiate through it).
         short_conv, conv_size: causal depthwise convolution on q and k (default on, width 4).
         qk_norm: per-head ``rms``/``layernorm`` on q and k before the convolution (default none).
+        write_norm: ``"l2"`` divides the written vectors ``k`` and ``v`` by their L2 norm (after the
+            convolution), as DeltaNet/GDN do for keys; default None (the spec has no such normalisation). The
+            chunked inner step is stable while ``gamma * lambda_max(sum_{s in chunk} w_s w_s^T) < 2`` (roughly
+            ``gamma * C * |w|^2`` for aligned writes); unit-norm writes keep that bound independent of the scale
+            the projections learn.
         norm_eps: eps of the output RMSNorm.
         bias: biases on the q/k/v/a/gate/output projections.
         use_reference: run the memory through ``reference.trellis_reference`` (token loop; for tests).
@@ -111,11 +116,14 @@ class Trellis(Mixer):
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, num_slots: int = 64,
                  chunk_len: int = 16, phi: str = "silu", f: str = "layernorm_silu", forget_gate: bool = True,
                  forget_init: float = 0.99, gamma_init: float = 1e-2, detach_inner_grad: bool = False,
-                 short_conv: bool = True, conv_size: int = 4, qk_norm: str | None = None, norm_eps: float = 1e-5,
-                 bias: bool = False, use_reference: bool = False, layer_idx: int = 0) -> None:
+                 short_conv: bool = True, conv_size: int = 4, qk_norm: str | None = None,
+                 write_norm: str | None = None, norm_eps: float = 1e-5, bias: bool = False,
+                 use_reference: bool = False, layer_idx: int = 0) -> None:
         super().__init__()
         check_choice("phi", phi, PHIS)
         check_choice("f", f, FS)
+        if write_norm not in (None, "none", "l2"):
+            raise ValueError(f"trellis option write_norm={write_norm!r} is not known; use null/none or l2")
         for name, value, low in (("num_slots", num_slots, 1), ("chunk_len", chunk_len, 1), ("n_heads", n_heads, 1),
                                  ("conv_size", conv_size, 2 if short_conv else 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -131,6 +139,7 @@ class Trellis(Mixer):
         self.n_heads, self.head_dim, self.num_slots, self.chunk_len = H, D, num_slots, chunk_len
         self.phi, self.f, self.forget_gate, self.forget_init = phi, f, forget_gate, forget_init
         self.detach_inner_grad, self.use_reference, self.layer_idx = detach_inner_grad, use_reference, layer_idx
+        self.write_norm = write_norm == "l2"
         self.a_proj = nn.Linear(d_model, H * num_slots, bias=bias)
         if forget_gate:
             self.b_proj = nn.Linear(d_model, H, bias=True)
@@ -168,6 +177,8 @@ class Trellis(Mixer):
             qk = torch.cat([q, k], dim=1).transpose(1, 2).reshape(B, T, 2 * H * D)
             qk, conv_cache = self.conv(qk, None if state is None else state.conv)
             q, k = qk.view(B, T, 2 * H, D).transpose(1, 2).split(H, dim=1)
+        if self.write_norm:
+            k, v = F.normalize(k, dim=-1, eps=1e-6), F.normalize(v, dim=-1, eps=1e-6)
         a = self.a_proj(x).view(B, T, H, m).transpose(1, 2)
         dtype, work = x.dtype, torch.promote_types(x.dtype, torch.float32)  # the memory runs in fp32 at least
         if self.forget_gate:
@@ -203,4 +214,4 @@ class Trellis(Mixer):
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, head_dim={self.head_dim}, num_slots={self.num_slots}, "
                 f"chunk_len={self.chunk_len}, phi={self.phi}, f={self.f}, forget_gate={self.forget_gate}, "
-                f"detach_inner_grad={self.detach_inner_grad}")
+                f"detach_inner_grad={self.detach_inner_grad}, write_norm={'l2' if self.write_norm else None}")
