@@ -37,6 +37,36 @@ def print_plugins(stream=None) -> int:
     return broken
 
 
+def _find_last_checkpoint(config) -> str | None:
+    """Resolve ``--ckpt_path last`` to the newest ``last*.ckpt`` of earlier runs: under ``checkpoint.dirpath``
+    when set, else anywhere below the logger's ``save_dir`` and ``trainer.default_root_dir`` (by default
+    ``runs/mixerzoo/version_*/checkpoints/last.ckpt``). Lightning alone only looks in the new run's own
+    (empty) checkpoint folder. None (train from scratch, with a note on stderr) when there is none, so a job
+    script can always pass ``--ckpt_path last``."""
+    import glob
+    import os
+
+    trainer = config.get("trainer") or {}
+    dirpath = (config.get("checkpoint") or {}).get("dirpath")
+    if dirpath:
+        roots = [dirpath]
+        pattern = "last*.ckpt"
+    else:
+        roots = [trainer.get("default_root_dir") or "."]
+        logger = trainer.get("logger")
+        if isinstance(logger, dict) or hasattr(logger, "get"):
+            save_dir = (logger.get("init_args") or {}).get("save_dir")
+            if save_dir:
+                roots.append(save_dir)
+        pattern = os.path.join("**", "last*.ckpt")
+    found = {p for root in roots for p in glob.glob(os.path.join(root, pattern), recursive=True) if os.path.isfile(p)}
+    if not found:
+        print(f"mixerzoo: --ckpt_path last: no last*.ckpt under {sorted(set(roots))}; training from scratch",
+              file=sys.stderr)
+        return None
+    return max(found, key=os.path.getmtime)
+
+
 def _lightning_cli(args: list[str] | None):
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
     from lightning.pytorch.cli import LightningCLI
@@ -72,6 +102,8 @@ def _lightning_cli(args: list[str] | None):
             sub = self.config.get("subcommand")
             if not sub:
                 return
+            if self.config[sub].get("ckpt_path") == "last":
+                self.config[sub].ckpt_path = _find_last_checkpoint(self.config[sub])
             check_ckpt_path(self.config[sub].get("ckpt_path"))
             # Model fields the user set (differing from LMModule's defaults) win over the checkpoint's, so e.g.
             # `validate --ckpt_path X --model.mixers '{attention: {mixer: tova, multi_state: 256}}'` switches

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import random
 import tempfile
 
+import numpy as np
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ..model.config import ConfigError
 
-__all__ = ["check_ckpt_path", "load_checkpoint", "AtomicCheckpointIO"]
+__all__ = ["check_ckpt_path", "load_checkpoint", "AtomicCheckpointIO", "collect_rng_states", "set_rng_states"]
 
 SPECIAL = ("last", "best", "hpc", "registry")
 
@@ -33,6 +35,33 @@ def load_checkpoint(path: str) -> dict:
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise ConfigError(f"--ckpt_path {path!r} is not a Lightning checkpoint (no 'state_dict' inside)")
     return ckpt
+
+
+def collect_rng_states() -> dict:
+    """The random generators' states of this process, in types ``torch.load(weights_only=True)`` accepts:
+    ``{"torch": ByteTensor, "numpy": (name, int64 tensor (624,), pos, has_gauss, cached), "python": tuple,
+    "cuda": [ByteTensor per device]}`` (``cuda`` only where CUDA is initialised)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    states = {"torch": torch.get_rng_state(), "numpy": (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos),
+                                                         int(has_gauss), float(cached)),
+              "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    """Restore what :func:`collect_rng_states` returned (missing entries are left alone)."""
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
+    if "numpy" in states:
+        name, keys, pos, has_gauss, cached = states["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "python" in states:
+        version, internal, gauss = states["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if states.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def check_ckpt_path(ckpt_path: str | None) -> None:

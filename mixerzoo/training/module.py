@@ -15,6 +15,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from .. import registry
 from ..model import LanguageModel, LMConfig
 from ..model.config import ConfigError, accepted_parameters
+from .checkpoints import collect_rng_states, set_rng_states
 from .optim import build_optimizer, lr_lambda
 
 __all__ = ["LMModule", "NonFiniteLossError"]
@@ -85,6 +86,7 @@ class LMModule(L.LightningModule):
         self._validate_backbone()
         self.model: LanguageModel | None = None
         self._bad_steps = 0
+        self._rng_to_restore: dict | None = None
         if vocab_size is not None:
             self.configure_model()
         self.val_loss = MeanMetric()
@@ -207,8 +209,25 @@ class LMModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # -- checkpoints ----------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Add ``checkpoint["rng_states"]`` (:func:`~mixerzoo.training.checkpoints.collect_rng_states` of the
+        process that writes it, rank 0) and the count of consecutive non-finite steps, so a resumed run draws
+        the same random numbers and keeps counting bad steps as the interrupted one would have."""
+        checkpoint["rng_states"] = collect_rng_states()
+        checkpoint["mixerzoo_bad_steps"] = self._bad_steps
+
+    def on_train_start(self) -> None:
+        """Restore the random generators saved in the checkpoint being resumed, just before the first step
+        (after Lightning's setup, which may draw random numbers of its own)."""
+        if self._rng_to_restore is not None:
+            set_rng_states(self._rng_to_restore)
+            self._rng_to_restore = None
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Refuse a checkpoint whose weights do not fit this model, naming the mismatch, before loading."""
+        """Refuse a checkpoint whose weights do not fit this model, naming the mismatch, before loading; keep its
+        random generator states for :meth:`on_train_start`."""
+        self._rng_to_restore = checkpoint.get("rng_states")
+        self._bad_steps = int(checkpoint.get("mixerzoo_bad_steps", 0))
         if self.model is None:
             return
         ours = self.state_dict()

@@ -1,0 +1,151 @@
+"""Exact resume after SIGKILL: a `mixerzoo fit` run killed mid-training and resumed with `--ckpt_path last`
+logs the same per-step train losses (and draws the same random numbers) as a run that was never interrupted.
+
+What has to come back for that: weights, AdamW moments, the LR schedule's step, Lightning's loop counters, the
+data position inside the epoch (``LMDataModule.train_position`` -> ``ResumableSampler``) and the random
+generators (``LMModule.on_save_checkpoint``). Tolerance: 1e-6 absolute on the losses (the runs are
+deterministic on CPU with one thread, so in practice they are bit-identical); the random draws must be equal.
+"""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixerzoo.training.checkpoints import load_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+KILL_AT = 10  # steps done when the run is killed (a checkpoint is written every 5 steps)
+MAX_STEPS = 16
+STEPS_PER_EPOCH = 8  # 128 examples / batch 16 (Recall), so the kill lands in epoch 1 at batch 2
+
+# A test-only callback, imported by the `mixerzoo fit` subprocesses: logs one draw of torch's global generator
+# per step (to compare RNG streams), and, when MIXERZOO_TEST_KILL_AT=k is set, SIGKILLs its own process at the
+# start of step k+1, once the checkpoint of step k is on disk.
+PROBE = '''
+import glob, os, signal
+import lightning as L
+import torch
+
+
+class Probe(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        kill_at = os.environ.get("MIXERZOO_TEST_KILL_AT")
+        if kill_at is not None and trainer.global_step == int(kill_at):
+            if not glob.glob(f"runs/**/checkpoints/step{kill_at}.ckpt", recursive=True):
+                raise RuntimeError(f"no checkpoint of step {kill_at} before the kill")
+            os.kill(os.getpid(), signal.SIGKILL)
+        pl_module.log("probe/rng", torch.rand(()).item())
+'''
+
+COMMON = f"""
+seed_everything: 0
+model: {{d_model: 32, n_layers: 2, n_heads: 2, layer_types: [swa, attention],
+        mixers: {{swa: {{window: 8}}, attention: {{}}}}, lr: 3.0e-3, warmup_steps: 3}}
+trainer:
+  max_steps: {MAX_STEPS}
+  log_every_n_steps: 1
+  enable_progress_bar: false
+  enable_model_summary: false
+  limit_val_batches: 1
+  callbacks: [{{class_path: resume_probe.Probe}}]
+checkpoint: {{every_n_train_steps: 5, monitor: null, save_top_k: -1, filename: "step{{step}}"}}
+"""
+
+RECALL = """
+data:
+  class_path: mixerzoo.data.RecallDataModule
+  init_args: {vocab_size: 64, seq_len: 32, num_kv_pairs: 4, train_examples: 128, val_examples: 16, batch_size: 16}
+"""
+
+WORDS = "the of and to in is was that for on with as by at from his her they be this which or".split()
+
+
+def _text_setup(root: Path) -> str:
+    """A tiny local corpus (24 documents of pseudo-random words) and a BPE tokenizer.json trained on it."""
+    from mixerzoo.data.text import train_bpe
+
+    g = torch.Generator().manual_seed(0)
+    corpus = root / "corpus"
+    corpus.mkdir()
+    docs = []
+    for d in range(24):
+        idx = torch.randint(len(WORDS), (60,), generator=g).tolist()
+        docs.append(" ".join(WORDS[i] for i in idx) + ".\n")
+        (corpus / f"doc{d:02d}.txt").write_text(docs[-1])
+    tok = train_bpe(docs, 300)
+    tok.save(str(root / "tokenizer.json"))
+    return f"""
+data:
+  class_path: mixerzoo.data.TextDataModule
+  init_args: {{paths: {corpus}, tokenizer: {root / 'tokenizer.json'}, seq_len: 16, batch_size: 4,
+              val_fraction: 0.1}}
+"""
+
+
+def _fit(cwd: Path, probe_dir: Path, *extra: str, kill_at: int | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(probe_dir)]), "OMP_NUM_THREADS": "1"}
+    env.pop("MIXERZOO_TEST_KILL_AT", None)
+    if kill_at is not None:
+        env["MIXERZOO_TEST_KILL_AT"] = str(kill_at)
+    cwd.mkdir(exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "mixerzoo.cli", "fit", "--config", str(probe_dir / "r.yaml"),
+                             *extra], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(proc: subprocess.Popen) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=240)
+    return proc.returncode, out
+
+
+def _per_step(metrics_csv: Path, key: str) -> dict[int, float]:
+    with open(metrics_csv) as f:
+        return {int(r["step"]): float(r[key]) for r in csv.DictReader(f) if r.get(key)}
+
+
+@pytest.mark.parametrize("data", ["recall", "text"])
+def test_sigkilled_fit_resumes_step_for_step(tmp_path, data):
+    recipe = COMMON + (RECALL if data == "recall" else _text_setup(tmp_path))
+    (tmp_path / "r.yaml").write_text(recipe)
+    (tmp_path / "resume_probe.py").write_text(textwrap.dedent(PROBE))
+
+    # the reference run and the run that gets killed, side by side
+    ref = _fit(tmp_path / "ref", tmp_path)
+    crash = _fit(tmp_path / "crash", tmp_path, kill_at=KILL_AT)
+    code, out = _wait(crash)
+    assert code == -signal.SIGKILL, out[-3000:]
+    code, ref_out = _wait(ref)
+    assert code == 0, ref_out[-3000:]
+
+    ckpt_dir = next((tmp_path / "crash").glob("runs/mixerzoo/version_0/checkpoints"))
+    assert (ckpt_dir / f"step{KILL_AT}.ckpt").is_file() and not (ckpt_dir / f"step{KILL_AT + 5}.ckpt").exists()
+    ckpt = load_checkpoint(str(ckpt_dir / "last.ckpt"))
+    assert ckpt["global_step"] == KILL_AT
+    dm_state = next(v for k, v in ckpt.items() if k.endswith("DataModule"))
+    if data == "recall":  # 8 global batches per epoch: step 10 = epoch 1 after its 2nd batch
+        assert dm_state["train_position"]["epoch"] == KILL_AT // STEPS_PER_EPOCH
+        assert dm_state["train_position"]["batches"] == KILL_AT % STEPS_PER_EPOCH
+    assert "rng_states" in ckpt
+
+    # resume in the killed run's folder: `last` finds runs/mixerzoo/version_0/checkpoints/last.ckpt
+    code, out = _wait(_fit(tmp_path / "crash", tmp_path, "--ckpt_path", "last"))
+    assert code == 0, out[-3000:]
+    assert "not resumable" not in out  # Lightning's mid-epoch warning: our loader is resumable
+
+    ref_csv = next((tmp_path / "ref").glob("runs/mixerzoo/version_0/metrics.csv"))
+    res_csv = next((tmp_path / "crash").glob("runs/mixerzoo/version_1/metrics.csv"))
+    ref_loss, res_loss = _per_step(ref_csv, "train/loss"), _per_step(res_csv, "train/loss")
+    assert sorted(ref_loss) == list(range(MAX_STEPS))
+    assert sorted(res_loss) == list(range(KILL_AT, MAX_STEPS)), "the resumed run must start at the step after the kill"
+    for step in res_loss:
+        assert abs(res_loss[step] - ref_loss[step]) <= 1e-6, (step, res_loss[step], ref_loss[step])
+    ref_rng, res_rng = _per_step(ref_csv, "probe/rng"), _per_step(res_csv, "probe/rng")
+    assert {s: ref_rng[s] for s in res_rng} == res_rng
+    # the resumed run did learn something different from its first steps (the comparison is not vacuous)
+    assert len({round(v, 6) for v in res_loss.values()}) == len(res_loss)
