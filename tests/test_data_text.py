@@ -95,7 +95,9 @@ def test_gpt2_windows_are_shifted_copies_and_val_documents_are_disjoint(tmp_path
     ref = _windows(dm.train_tokens, 32)
     seen = [(x.tolist(), y.tolist()) for b in dm.train_dataloader() for x, y in zip(b["input_ids"], b["labels"])]
     again = [(x.tolist(), y.tolist()) for b in dm.train_dataloader() for x, y in zip(b["input_ids"], b["labels"])]
-    assert seen == again and seen != ref and sorted(seen) == sorted(ref)
+    # each window at most once per epoch; the incomplete last batch of 4 is dropped
+    assert seen == again and seen != ref and len(seen) == len(ref) // 4 * 4
+    assert all(seen.count(r) <= ref.count(r) for r in seen)
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape == batch["labels"].shape == (4, 32)
     assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long

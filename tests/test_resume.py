@@ -149,3 +149,40 @@ def test_sigkilled_fit_resumes_step_for_step(tmp_path, data):
     assert {s: ref_rng[s] for s in res_rng} == res_rng
     # the resumed run did learn something different from its first steps (the comparison is not vacuous)
     assert len({round(v, 6) for v in res_loss.values()}) == len(res_loss)
+
+
+def test_sampler_resume_skips_exactly_the_consumed_batches():
+    from mixerzoo.data.base import ResumableSampler
+
+    full = ResumableSampler(50, 4, seed=1)  # 12 global batches of 4, 2 examples dropped
+    full.set_epoch(3)
+    order = list(full)
+    assert len(order) == len(full) == 48 and len(set(order)) == 48
+    assert order == full.order(3)[:48].tolist()  # the permutation of (seed, epoch), cut into batches
+    resumed = ResumableSampler(50, 4, seed=1)
+    resumed.load_state_dict({"epoch": 3, "batches": 5, "num_examples": 50, "global_batch": 4, "seed": 1})
+    assert resumed.epoch == 3 and list(resumed) == order[20:]
+    resumed.set_epoch(4)  # the next epoch starts from its first batch again
+    assert list(resumed) == full.order(4)[:48].tolist()
+    # a position at the end of an epoch continues with the next one
+    end = ResumableSampler(50, 4, seed=1)
+    end.load_state_dict({"epoch": 3, "batches": 12, "num_examples": 50, "global_batch": 4, "seed": 1})
+    assert end.epoch == 4 and list(end) == full.order(4)[:48].tolist()
+    # another layout cannot be mapped: warned, the epoch restarts
+    other = ResumableSampler(50, 4, seed=1)
+    with pytest.warns(UserWarning, match="cannot be resumed exactly"):
+        other.load_state_dict({"epoch": 3, "batches": 5, "num_examples": 50, "global_batch": 8, "seed": 1})
+    assert list(other) == order
+
+
+def test_sampler_ranks_share_each_global_batch():
+    """Rank r's batch at step s is the r-th slice of the single-process batch of size 2B at step s."""
+    from mixerzoo.data.base import ResumableSampler
+
+    single = list(ResumableSampler(37, 6, seed=0))  # global batch 6: 6 steps
+    ranks = [list(ResumableSampler(37, 3, seed=0, num_replicas=2, rank=r)) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == 18
+    for step in range(6):
+        assert ranks[0][3 * step : 3 * step + 3] + ranks[1][3 * step : 3 * step + 3] == single[6 * step : 6 * step + 6]
+    with pytest.raises(Exception, match="fewer than one global batch"):
+        ResumableSampler(5, 3, num_replicas=2)
