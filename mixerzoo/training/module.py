@@ -137,7 +137,9 @@ class LMModule(L.LightningModule):
                 block.compile()
         self.acc = MulticlassAccuracy(num_classes=self.model.config.padded_vocab_size, average="micro",
                                       ignore_index=IGNORE_INDEX).to(self.device)
-        self.train_acc = self.acc.clone()
+        # synced at every step, so that under ddp the logged train/acc is over the global batch, like train/loss
+        self.train_acc = MulticlassAccuracy(num_classes=self.model.config.padded_vocab_size, average="micro",
+                                            ignore_index=IGNORE_INDEX, dist_sync_on_step=True).to(self.device)
 
     # -- steps --------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, states: list | None = None):
@@ -162,7 +164,7 @@ class LMModule(L.LightningModule):
             return None  # Lightning skips the backward and optimizer step
         self._bad_steps = 0
         self.train_acc(preds.flatten(), labels.flatten())
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # the mean over processes under ddp
         self.log("train/acc", self.train_acc, prog_bar=False)
         return loss
 
