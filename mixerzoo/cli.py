@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 
 __all__ = ["main", "MixerzooCLI", "print_plugins"]
@@ -67,6 +68,43 @@ def _find_last_checkpoint(config) -> str | None:
     return max(found, key=os.path.getmtime)
 
 
+def _reraise_data_error(data) -> None:
+    """Instantiate the configured data module again, outside jsonargparse, so that the error it raises reaches
+    :func:`~mixerzoo.errors.friendly_errors` as itself. Returns when that does not raise (or ``data`` is not a
+    class_path/init_args config)."""
+    import importlib
+
+    class_path = getattr(data, "class_path", None) if data is not None else None
+    if not isinstance(class_path, str) or "." not in class_path:
+        return
+    module, _, name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    init_args = data.get("init_args")
+    kwargs = init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args or {})
+    cls(**kwargs)
+
+
+def _check_config_files(argv: list[str]) -> None:
+    """Refuse a ``--config`` file that is not UTF-8 text before jsonargparse reads it (it would fail with a
+    bare ``UnicodeDecodeError`` traceback)."""
+    from .model.config import ConfigError
+
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg[9:] if arg.startswith("--config=") else None
+        if path is None or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--config {path!r} is not a YAML text file (byte {data[e.start]:#04x} at offset "
+                              f"{e.start} is not UTF-8); give a recipe such as recipes/quickstart.yaml") from None
+        if b"\x00" in data:
+            raise ConfigError(f"--config {path!r} is not a YAML text file (it contains NUL bytes); give a recipe "
+                              f"such as recipes/quickstart.yaml")
+
+
 def _lightning_cli(args: list[str] | None):
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
     from lightning.pytorch.cli import LightningCLI
@@ -88,12 +126,28 @@ def _lightning_cli(args: list[str] | None):
                                  "checkpoint.auto_insert_metric_name": False})
             parser.add_lightning_class_args(ThroughputLogger, "throughput")
 
+        def instantiate_classes(self) -> None:
+            try:
+                super().instantiate_classes()
+            except ValueError as e:
+                # jsonargparse reports a data module that raised in __init__ as "Does not validate against any
+                # of the Union subtypes" (data is Optional[LMDataModule]): raise the data module's own error.
+                if "Union subtypes" in str(e):
+                    _reraise_data_error(self.config[self.subcommand].get("data"))
+                raise
+
         def _instantiate_trainer(self, config, callbacks):
             # Rich progress bar by default, unless the recipe turns progress bars off or brings its own.
             wants_bar = config.get("enable_progress_bar", True) is not False
             given = list(callbacks) + list(config.get("callbacks") or [])
             if wants_bar and not any(isinstance(c, ProgressBar) for c in given):
                 callbacks = [*callbacks, RichProgressBar()]
+            # Our default callbacks must not turn a valid trainer setting into a Lightning error.
+            if config.get("enable_checkpointing") is False:
+                callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+            # Learning rates are logged by default, unless there is no logger (Lightning refuses the monitor then).
+            if config.get("logger") is not False and not any(isinstance(c, LearningRateMonitor) for c in given):
+                callbacks = [*callbacks, LearningRateMonitor(logging_interval="step")]
             return super()._instantiate_trainer(config, callbacks)
 
         def _parse_ckpt_path(self) -> None:
@@ -117,7 +171,6 @@ def _lightning_cli(args: list[str] | None):
     trainer_defaults = {
         "default_root_dir": "runs",
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "mixerzoo"}},
-        "callbacks": [LearningRateMonitor(logging_interval="step")],
         "plugins": [AtomicCheckpointIO()],
     }
     return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
@@ -155,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         from .errors import friendly_errors
 
         with friendly_errors():
+            _check_config_files(argv)
             _lightning_cli(None if from_shell else argv)
         return 0
     print(f"mixerzoo: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)

@@ -11,8 +11,16 @@ from .registry import PluginImportError, UnknownNameError
 
 __all__ = ["friendly_errors", "USER_ERRORS"]
 
-# Errors whose message already names the field and the fix: print it, exit 2, no traceback.
+# Errors whose message already names the field and the fix: print it, exit 2, no traceback. Lightning's
+# MisconfigurationException is its own "this trainer setting cannot work" error (e.g. a strategy or precision
+# the machine does not support) and carries a readable message.
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, UnknownNameError, PluginImportError, FileNotFoundError)
+try:
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    USER_ERRORS += (MisconfigurationException,)
+except ImportError:  # pragma: no cover - lightning is a dependency
+    pass
 
 
 @contextlib.contextmanager

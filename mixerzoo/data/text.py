@@ -18,6 +18,7 @@ Pipeline (:class:`TextDataModule`):
    (the remainder is dropped); a row is ``input_ids = w[:-1]``, ``labels = w[1:]``. Train and val windows come
    from different streams, so they never overlap.
 
+Binary files (a NUL byte in the first 64 KiB) are refused with a ``ConfigError`` naming the file.
 Non-UTF-8 bytes: plain-text files are decoded with ``errors="replace"`` (each bad byte becomes U+FFFD) and a
 ``UserWarning`` names the file and the first bad offset; ``.json``/``.jsonl`` files must be UTF-8 (RFC 8259)
 and raise a ``ConfigError`` naming the file.
@@ -183,9 +184,14 @@ def load_documents(files: Sequence[Path], sample_by: str, text_field: str, cache
     ``.json``/``.jsonl`` files through the ``json`` builder, one document per record (``text_field``).
 
     Raises:
-        ConfigError: a JSON file that is not UTF-8 or cannot be parsed, or has no ``text_field``.
+        ConfigError: a binary file (NUL bytes); a JSON file that is not UTF-8 or cannot be parsed, or has no
+            ``text_field``.
     """
     for f in files:
+        with open(f, "rb") as fh:
+            if b"\x00" in fh.read(1 << 16):
+                raise ConfigError(f"data.paths: {f} looks like a binary file (NUL bytes in its first 64 KiB), not "
+                                  f"text; remove it from data.paths (UTF-16 text: re-encode it to UTF-8)")
         bad = _first_invalid_utf8(f)
         if bad is None:
             continue

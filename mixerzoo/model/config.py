@@ -166,5 +166,24 @@ def build_mixer(spec: LayerSpec, layer_idx: int, config: LMConfig):
         raise ConfigError(f"{where}.positional: mixer {spec.mixer!r} takes no positional encoding; remove it")
     try:
         return factory(d_model=config.d_model, **kwargs)
-    except (TypeError, ValueError) as e:
+    except TypeError as e:  # usually an option of the wrong type: show what was given against what is declared
+        raise ConfigError(f"{where} (mixer {spec.mixer!r}): {e}; check the types of the options given: "
+                          f"{_option_types(factory, spec.options)}") from e
+    except ValueError as e:
         raise ConfigError(f"{where} (mixer {spec.mixer!r}): {e}") from e
+
+
+def _option_types(factory, options: dict) -> str:
+    """``"window='big' (declared int), ..."`` for the options given to a mixer factory."""
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    parts = []
+    for key, value in options.items():
+        ann = params[key].annotation if key in params else inspect.Parameter.empty
+        declared = "" if ann is inspect.Parameter.empty else f" (declared {getattr(ann, '__name__', ann)})"
+        parts.append(f"{key}={value!r}{declared}")
+    return ", ".join(parts) or "none"

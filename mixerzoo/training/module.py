@@ -82,6 +82,9 @@ class LMModule(L.LightningModule):
         self.hparams["mixers"] = mixers
         if lr <= 0:
             raise ConfigError(f"model.lr must be > 0, got {lr}")
+        if isinstance(max_bad_steps, bool) or not isinstance(max_bad_steps, int) or max_bad_steps < 1:
+            raise ConfigError(f"model.max_bad_steps must be an integer >= 1 (consecutive non-finite steps that stop "
+                              f"the run), got {max_bad_steps!r}")
         lr_lambda(0, warmup_steps, 1, lr_schedule, min_lr_ratio)  # validates lr_schedule
         self._validate_backbone()
         self.model: LanguageModel | None = None

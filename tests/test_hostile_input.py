@@ -1,0 +1,149 @@
+"""Hostile input through the command line: malformed recipes, wrong types, impossible sizes, empty / binary /
+non-UTF-8 text, tokenizer files that are not tokenizers, half-written checkpoints. Each one must end with exit
+status 2 and a message that names the culprit (field or file), never with a traceback from inside a library.
+Non-UTF-8 text is the one input that is accepted: its bad bytes are replaced and a warning names the file.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from mixerzoo.cli import main
+
+RECIPE = """
+model: {d_model: 32, n_layers: 2, n_heads: 2, layer_types: [swa, attention], mixers: {swa: {window: 8}, attention: {}}}
+data:
+  class_path: mixerzoo.data.RecallDataModule
+  init_args: {vocab_size: 64, seq_len: 32, num_kv_pairs: 4, train_examples: 64, val_examples: 16, batch_size: 16}
+trainer: {max_steps: 1, enable_progress_bar: false, enable_model_summary: false, limit_val_batches: 1}
+checkpoint: {monitor: null}
+"""
+
+
+def _files(root):
+    """Every hostile file, written into ``root``."""
+    (root / "ok.yaml").write_text(RECIPE)
+    (root / "bad.yaml").write_text("model: {d_model: 32\n  n_layers: [")
+    (root / "list.yaml").write_text("- model\n- data\n")
+    (root / "binary.yaml").write_bytes(bytes(range(256)) * 3)
+    (root / "empty").mkdir()
+    (root / "empty" / "a.txt").write_text("")
+    (root / "blank").mkdir()
+    (root / "blank" / "a.txt").write_text("   \n\n\t\n")
+    (root / "binary").mkdir()
+    (root / "binary" / "a.txt").write_bytes(bytes(range(256)) * 40)
+    (root / "latin1").mkdir()
+    (root / "latin1" / "a.txt").write_bytes(("caf\xe9 na\xefve fa\xe7ade, d\xe9j\xe0 vu. " * 200).encode("latin-1"))
+    (root / "text").mkdir()
+    (root / "text" / "a.txt").write_text("the quick brown fox jumps over the lazy dog.\n\n" * 200)
+    (root / "tok_random.json").write_text(json.dumps({"vocab": [1, 2, 3], "merges": "no"}))
+    (root / "tok_truncated.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0')
+    (root / "tok_binary.json").write_bytes(bytes(range(256)) * 2)
+    (root / "tok_empty.json").write_text("")
+    torch.save({"state_dict": {"w": torch.zeros(1000)}, "global_step": 3}, root / "full.ckpt")
+    data = (root / "full.ckpt").read_bytes()
+    (root / "half.ckpt").write_bytes(data[: len(data) // 2])  # a checkpoint write killed half-way
+
+
+def _text(path, tokenizer=None):
+    args = ["--data", "mixerzoo.data.TextDataModule", "--data.init_args.paths", path, "--data.init_args.seq_len", "8"]
+    return args + (["--data.init_args.tokenizer", tokenizer] if tokenizer else ["--data.init_args.bpe_vocab_size", "300"])
+
+
+FIT = ["fit", "--config", "ok.yaml"]
+CASES = {
+    # recipe files
+    "malformed_yaml": (["fit", "--config", "bad.yaml"], r"config"),
+    "yaml_list_not_mapping": (["fit", "--config", "list.yaml"], r"Unexpected config"),
+    "binary_recipe": (["fit", "--config", "binary.yaml"], r"binary\.yaml.*not a YAML text file"),
+    "missing_recipe": (["fit", "--config", "nope.yaml"], r"nope\.yaml"),
+    "unknown_field": (FIT + ["--model.dmodel", "3"], r"--model\.dmodel"),
+    # wrong types
+    "d_model_abc": (FIT + ["--model.d_model", "abc"], r"model\.d_model"),
+    "lr_text": (FIT + ["--model.lr", "fast"], r"model\.lr"),
+    "max_steps_text": (FIT + ["--trainer.max_steps", "abc"], r"trainer\.max_steps"),
+    "layer_types_not_a_list": (FIT + ["--model.layer_types", "{a: 1}"], r"model\.layer_types"),
+    "window_text": (FIT + ["--model.mixers", "{swa: {window: big}, attention: {}}"], r"model\.mixers\.swa.*window='big' \(declared int\)"),
+    # impossible sizes
+    "n_layers_negative": (FIT + ["--model.n_layers", "-1"], r"model\.n_layers must be a positive integer"),
+    "d_model_zero": (FIT + ["--model.d_model", "0"], r"model\.d_model must be a positive integer"),
+    "heads_do_not_divide": (FIT + ["--model.n_heads", "3"], r"not divisible by n_heads=3"),
+    "window_negative": (FIT + ["--model.mixers", "{swa: {window: -3}, attention: {}}"], r"window must be >= 1"),
+    "seq_len_zero": (FIT + ["--data.init_args.seq_len", "0"], r"data\.seq_len must be an integer >= 2"),
+    "batch_size_negative": (FIT + ["--data.init_args.batch_size", "-4"], r"data\.batch_size must be an integer >= 1"),
+    "lr_negative": (FIT + ["--model.lr", "-1"], r"model\.lr must be > 0"),
+    "max_bad_steps_zero": (FIT + ["--model.max_bad_steps", "0"], r"model\.max_bad_steps must be an integer >= 1"),
+    "too_many_kv_pairs": (FIT + ["--data.init_args.num_kv_pairs", "40"], r"data\.num_kv_pairs=40 is too many"),
+    "batch_larger_than_data": (FIT + ["--data.init_args.batch_size", "128"], r"fewer than one global batch"),
+    # text files
+    "empty_text_file": (FIT + _text("empty"), r"every file found is empty"),
+    "whitespace_only_text": (FIT + _text("blank"), r"contains no text"),
+    "binary_file_as_text": (FIT + _text("binary"), r"binary.a\.txt looks like a binary file"),
+    "missing_text_dir": (FIT + _text("nowhere"), r"data\.paths: 'nowhere' does not exist"),
+    "val_fraction_out_of_range": (FIT + _text("text") + ["--data.init_args.val_fraction", "2"], r"data\.val_fraction"),
+    # tokenizer.json files that are not tokenizers
+    "tokenizer_random_json": (FIT + _text("text", "tok_random.json"), r"tok_random\.json' is not a valid tokenizer"),
+    "tokenizer_truncated_json": (FIT + _text("text", "tok_truncated.json"), r"tok_truncated\.json' is not a valid"),
+    "tokenizer_binary": (FIT + _text("text", "tok_binary.json"), r"tok_binary\.json' is not a valid tokenizer"),
+    "tokenizer_empty": (FIT + _text("text", "tok_empty.json"), r"tok_empty\.json' is not a valid tokenizer"),
+    # checkpoints
+    "half_written_checkpoint": (FIT + ["--ckpt_path", "half.ckpt"], r"half\.ckpt' cannot be read as a checkpoint"),
+    "missing_checkpoint": (FIT + ["--ckpt_path", "gone.ckpt"], r"gone\.ckpt'.*no such file"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _log_to_current_stderr(monkeypatch):
+    """Lightning's log handlers keep the stderr of the moment lightning was imported; in-process runs under
+    pytest's capture need them on the current one (else logging prints a '--- Logging error ---' traceback of
+    its own about a closed file)."""
+    import logging
+    import sys
+
+    import lightning  # noqa: F401 - creates the handlers
+
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        for h in logging.getLogger(name).handlers:
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                monkeypatch.setattr(h, "stream", sys.stderr)
+
+
+@pytest.fixture(scope="module")
+def hostile_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile")
+    _files(root)
+    return root
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hostile_input_gets_one_clear_error(case, hostile_dir, monkeypatch, capsys):
+    import re
+
+    monkeypatch.chdir(hostile_dir)
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    argv, match = CASES[case]
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert re.search(match, err, re.S), err[-2000:]
+    assert not list(hostile_dir.glob("runs/**/*.ckpt")), "nothing may be trained on hostile input"
+
+
+def test_non_utf8_text_is_read_with_a_warning(hostile_dir, monkeypatch, capsys):
+    monkeypatch.chdir(hostile_dir)
+    with pytest.warns(UserWarning, match=r"latin1.a\.txt is not valid UTF-8 \(first bad byte near offset 3\)"):
+        assert main(FIT + _text("latin1") + ["--trainer.logger", "false", "--trainer.enable_checkpointing",
+                                             "false"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_config_check_passes_utf8_recipes(tmp_path):
+    from mixerzoo.cli import _check_config_files
+
+    (tmp_path / "r.yaml").write_text("model: {d_model: 32}  # état\n")
+    _check_config_files(["fit", "--config", str(tmp_path / "r.yaml"), f"--config={tmp_path / 'r.yaml'}"])
+    assert os.path.isfile(tmp_path / "r.yaml")
