@@ -41,7 +41,8 @@ def print_plugins(stream=None) -> int:
 def _find_last_checkpoint(config) -> str | None:
     """Resolve ``--ckpt_path last`` to the newest ``last*.ckpt`` of earlier runs: under ``checkpoint.dirpath``
     when set, else anywhere below the logger's ``save_dir`` and ``trainer.default_root_dir`` (by default
-    ``runs/mixerzoo/version_*/checkpoints/last.ckpt``). Lightning alone only looks in the new run's own
+    ``runs/mixerzoo/version_*/checkpoints/last.ckpt``), or a newer ``hpc_ckpt_*.ckpt`` (saved by Lightning
+    before a SLURM requeue) directly in one of those folders. Lightning alone only looks in the new run's own
     (empty) checkpoint folder. None (train from scratch, with a note on stderr) when there is none, so a job
     script can always pass ``--ckpt_path last``."""
     import glob
@@ -61,6 +62,8 @@ def _find_last_checkpoint(config) -> str | None:
                 roots.append(save_dir)
         pattern = os.path.join("**", "last*.ckpt")
     found = {p for root in roots for p in glob.glob(os.path.join(root, pattern), recursive=True) if os.path.isfile(p)}
+    # what Lightning saves before a SLURM requeue (SIGUSR1) is the newest state of all when present
+    found |= {p for root in roots for p in glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt")) if os.path.isfile(p)}
     if not found:
         print(f"mixerzoo: --ckpt_path last: no last*.ckpt under {sorted(set(roots))}; training from scratch",
               file=sys.stderr)

@@ -104,6 +104,7 @@ class ResumableSampler(DistributedSampler):
         self.num_samples = self.total_size = self.steps * batch_size
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, first global batch) of the next iteration
+        self.started = False  # whether an iteration has begun (a position loaded later cannot apply to it)
 
     def order(self, epoch: int) -> torch.Tensor:
         """``(num_examples,)`` int64: the global visiting order of ``epoch`` (the same on every process)."""
@@ -138,6 +139,7 @@ class ResumableSampler(DistributedSampler):
         self._resume = (epoch, batches)
 
     def __iter__(self):
+        self.started = True
         start = self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
         order, G, B = self.order(self.epoch), self.global_batch, self.batch_size
         for step in range(start, self.steps):
@@ -275,9 +277,17 @@ class LMDataModule(L.LightningDataModule):
         Lightning creates after this), keep the checkpoint's tokenizer JSON as ``saved_tokenizer_json`` and warn
         when this data module's tokenizer differs from it (the token ids would not mean what the model
         learned)."""
-        self._train_position = state_dict.get("train_position")
-        if self._train_position is not None and getattr(self, "_train_sampler", None) is not None:
-            self._train_sampler.load_state_dict(self._train_position)
+        self._train_position = position = state_dict.get("train_position")
+        sampler = getattr(self, "_train_sampler", None)
+        if position is not None and sampler is not None:
+            if sampler.started and position.get("batches"):
+                # Strategies that restore checkpoints after setup (FSDP, DeepSpeed) get here after Lightning built
+                # the train iterator when it had to count the batches of an epoch (no trainer.max_steps).
+                warnings.warn("data: the training data position was restored after the train loader had started "
+                              "(a strategy that restores checkpoints after setup, without trainer.max_steps); this "
+                              "epoch restarts from its first batch. Set trainer.max_steps for an exact resume",
+                              UserWarning, stacklevel=2)
+            sampler.load_state_dict(position)
         self.saved_tokenizer_json = saved = state_dict.get("tokenizer_json")
         tokenizer = self.tokenizer
         if saved is not None and tokenizer is not None and tokenizer.to_str() != saved \

@@ -175,15 +175,25 @@ class MixerzooForCausalLM(PreTrainedModel, GenerationMixin):
             return
         folder = Path(save_directory)
         folder.mkdir(parents=True, exist_ok=True)
+
+        def atomic(name: str, write) -> None:  # temporary file in the folder, then rename: never half-written
+            tmp = folder / f".{name}.tmp-{os.getpid()}"
+            try:
+                write(tmp)
+                os.replace(tmp, folder / name)
+            finally:
+                tmp.unlink(missing_ok=True)
+
         tensors, tied = safetensors_weights(self.model)
-        save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt", "mixerzoo_tied": json.dumps(tied)})
+        atomic(WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt",
+                                                                             "mixerzoo_tied": json.dumps(tied)}))
         config = self.config.to_dict()
         config.update(architectures=[ARCHITECTURE], auto_map=dict(AUTO_MAP),
                       dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
-        (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, default=str) + "\n")
+        atomic(CONFIG_NAME, lambda p: p.write_text(json.dumps(config, indent=2, default=str) + "\n"))
         self.generation_config.save_pretrained(str(folder))
         for filename, text in REMOTE_CODE.items():
-            (folder / filename).write_text(text)
+            atomic(filename, lambda p, text=text: p.write_text(text))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args: Any,

@@ -65,8 +65,9 @@ def set_rng_states(states: dict) -> None:
 
 
 def check_ckpt_path(ckpt_path: str | None) -> None:
-    """Validate ``--ckpt_path`` (None and Lightning's special names pass through)."""
-    if ckpt_path is None or ckpt_path in SPECIAL:
+    """Validate ``--ckpt_path`` (None, Lightning's special names and folders, i.e. sharded FSDP/DeepSpeed
+    checkpoints, pass through to Lightning)."""
+    if ckpt_path is None or ckpt_path in SPECIAL or os.path.isdir(ckpt_path):
         return
     load_checkpoint(ckpt_path)
 
