@@ -186,3 +186,23 @@ def test_sampler_ranks_share_each_global_batch():
         assert ranks[0][3 * step : 3 * step + 3] + ranks[1][3 * step : 3 * step + 3] == single[6 * step : 6 * step + 6]
     with pytest.raises(Exception, match="fewer than one global batch"):
         ResumableSampler(5, 3, num_replicas=2)
+
+
+def test_ckpt_path_last_finds_the_newest_checkpoint_of_earlier_runs(tmp_path, monkeypatch, capsys):
+    from mixerzoo.cli import _find_last_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    cfg = {"trainer": {"default_root_dir": "runs", "logger": {"init_args": {"save_dir": "runs"}}}, "checkpoint": {}}
+    assert _find_last_checkpoint(cfg) is None and "training from scratch" in capsys.readouterr().err
+    paths = [tmp_path / "runs/mixerzoo/version_0/checkpoints/last.ckpt",
+             tmp_path / "runs/mixerzoo/version_1/checkpoints/last.ckpt", tmp_path / "runs/hpc_ckpt_1.ckpt",
+             tmp_path / "elsewhere/last.ckpt"]
+    for t, p in enumerate(paths):
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"x")
+        os.utime(p, (1000 + t, 1000 + t))
+    os.utime(paths[2], (0, 0))  # an old SLURM requeue checkpoint loses against the newer last.ckpt
+    assert _find_last_checkpoint(cfg) == "runs/mixerzoo/version_1/checkpoints/last.ckpt"
+    os.utime(paths[2], (5000, 5000))
+    assert _find_last_checkpoint(cfg) == "runs/hpc_ckpt_1.ckpt"
+    assert _find_last_checkpoint({**cfg, "checkpoint": {"dirpath": "elsewhere"}}) == "elsewhere/last.ckpt"
