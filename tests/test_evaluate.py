@@ -286,3 +286,89 @@ def test_measure_cost_state_bytes_by_hand(ckpts):
     # K and V of 2 layers, 2 heads x 16 channels, fp32; 3 decode steps + 1 warm-up step add 4 positions
     assert r["state_bytes"] == 2 * 2 * 50 * 32 * 4 and r["state_bytes_after_decode"] == 2 * 2 * 54 * 32 * 4
     assert r["peak_mem_bytes"] >= r["state_bytes"] and r["peak_mem_method"].startswith("live tensor")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# lm-evaluation-harness (optional)
+# ------------------------------------------------------------------------------------------------------------
+LM_EVAL_TASKS = {
+    "mz_choice": """task: mz_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+""",
+    "mz_rolling": """task: mz_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{question}}}}"
+metric_list:
+  - metric: word_perplexity
+""",
+    "mz_generate": """task: mz_generate
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{choices[label]}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 5
+metric_list:
+  - metric: exact_match
+""",
+}
+
+
+def test_lm_eval_model_on_local_tasks(ckpts, tmp_path):
+    pytest.importorskip("lm_eval")
+    import lm_eval
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+    from lm_eval.tasks import TaskManager
+
+    from mixerzoo.evaluation.lm_eval_model import MixerzooLM
+
+    assert get_model("mixerzoo") is MixerzooLM
+    lm = MixerzooLM(ckpts["swa"], chunk=5)
+    em = load_eval_model(ckpts["swa"])
+    # loglikelihood by hand: one full forward pass over [eos] + context + continuation
+    ctx, cont = "KING RICHARD:", " my lord"
+    c_ids, w_ids = em.tokenizer.encode(ctx).ids, em.tokenizer.encode(ctx + cont).ids
+    ids = [em.eos_id] + w_ids
+    ref = reference_token_losses(em.model, torch.tensor([ids]))[0]
+    n = len(w_ids) - len(c_ids)
+    (ll, _), = lm.loglikelihood([Instance("loglikelihood", {}, (ctx, cont), 0)])
+    assert ll == pytest.approx(-float(ref[-n:].sum()), abs=1e-4)
+    (rolling,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (ctx + cont,), 0)])
+    assert rolling == pytest.approx(-float(ref.sum()), abs=1e-4)
+    (text,) = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": ["\n"], "max_gen_toks": 4}), 0)])
+    assert isinstance(text, str) and "\n" not in text
+
+    data = tmp_path / "data.jsonl"
+    rows = [{"question": "To be, or not to be:", "choices": [" that is the question", " zebra"], "label": 0},
+            {"question": "Now is the winter of our", "choices": [" discontent", " xylophone"], "label": 0}]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    for name, yaml_text in LM_EVAL_TASKS.items():
+        (tmp_path / f"{name}.yaml").write_text(yaml_text.format(data=data))
+    out = lm_eval.simple_evaluate(model=lm, tasks=list(LM_EVAL_TASKS), task_manager=TaskManager(
+        include_path=str(tmp_path)), bootstrap_iters=0, log_samples=False)
+    res = out["results"]
+    assert 0 <= res["mz_choice"]["acc,none"] <= 1
+    assert res["mz_rolling"]["word_perplexity,none"] > 1
+    assert 0 <= res["mz_generate"]["exact_match,none"] <= 1
