@@ -112,7 +112,9 @@ def main(argv: list[str], out: IO[str] | None = None) -> int:
                 em.name, k = f"{base}-{k}", k + 1
             used.add(em.name)
             models.append(em)
-        console = Console(file=out) if out is not None else Console()
+        console = Console(file=out, width=160) if out is not None else Console()
+        if not console.is_terminal:
+            console.width = max(console.width, 160)  # logs: keep every checkpoint's column readable
         command = "mixerzoo evaluate " + " ".join(shlex.quote(a) for a in argv)
         results = run_evaluation(models, settings, console=console, command=command)
         paths = write_outputs(results, args.out)

@@ -99,7 +99,8 @@ def per_position_loss(model, doc_ids: Sequence[Sequence[int]], max_len: int = 32
 
     Returns:
         ``{"block", "max_len", "chunk", "windows", "tokens", "block_start": [...], "loss": [...] (nats),
-        "mean_loss", "perplexity"}``.
+        "mean_loss", "perplexity", "nonfinite_from"}``; ``nonfinite_from`` is the first position where some
+        window's loss is NaN or infinite (a numerical blow-up of the model, e.g. a state that overflows), else None.
 
     Raises:
         ConfigError: ``block > max_len``, bad sizes, or no document long enough.
@@ -111,6 +112,8 @@ def per_position_loss(model, doc_ids: Sequence[Sequence[int]], max_len: int = 32
     losses = token_losses(model, windows, chunk, batch_size, on_chunk)
     starts, means = block_means(losses, block)
     mean = float(losses.mean())
+    bad = (~torch.isfinite(losses)).any(0).nonzero().flatten()
     return {"block": block, "max_len": max_len, "chunk": chunk, "windows": int(windows.shape[0]),
             "tokens": int(losses.numel()), "block_start": starts, "loss": means, "mean_loss": mean,
-            "perplexity": float(torch.tensor(mean).exp())}
+            "perplexity": float(torch.tensor(mean).exp()),
+            "nonfinite_from": int(bad[0]) if bad.numel() else None}

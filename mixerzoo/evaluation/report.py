@@ -72,6 +72,8 @@ def build_tables(results: dict) -> list[dict]:
         notes = [f"{n}: {loss[n]['windows']} window(s) of {loss[n]['max_len']} tokens, trained at "
                  f"{info[n].get('train_seq_len')} tokens" for n in names if n in loss]
         notes += [f"{n}: n/a, {r['na']}" for n, r in res["loss"].items() if "na" in r]
+        notes += [f"{n}: the loss is not finite from position {r['nonfinite_from']} on (the model overflows; "
+                  f"blocks from there show nan)" for n, r in loss.items() if r.get("nonfinite_from") is not None]
         out.append({"title": f"Loss per {any_res['block']}-token block (nats/token)", "header": ["positions"] + names,
                     "rows": rows, "notes": notes})
     for task, title in RECALL_TASKS.items():
@@ -171,7 +173,9 @@ def write_figures(results: dict, out_dir: Path) -> tuple[list[str], str | None]:
         marked = set()
         for n, r in loss.items():
             x = [s + r["block"] / 2 for s in r["block_start"]]
-            ax.plot(x, r["loss"], marker="o", ms=3, color=colors[n], label=n)
+            bad = r.get("nonfinite_from")
+            ax.plot(x, r["loss"], marker="o", ms=3, color=colors[n],
+                    label=n if bad is None else f"{n} (not finite from position {bad})")
             L = info[n].get("train_seq_len")
             if L and L not in marked:
                 marked.add(L)
