@@ -78,6 +78,27 @@ def test_streamed_token_losses_equal_one_full_pass(ckpts, name):
     assert abs(float(ref[0, 10]) - float(by_hand)) < 1e-5
 
 
+def _installed_mixers() -> list[str]:
+    from mixerzoo import registry
+
+    return sorted(registry.names("mixer"))
+
+
+@pytest.mark.parametrize("name", _installed_mixers())
+def test_streaming_and_cost_work_for_every_installed_mixer(name):
+    """Protocol only: a fresh one-layer model of every installed mixer (plugins too) with its default options."""
+    from mixerzoo.model import LanguageModel, LMConfig
+
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, layer_types=[name],
+                                   mixers={name: {}})).eval()
+    windows = torch.randint(0, 64, (2, 129), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(token_losses(model, windows, chunk=32), reference_token_losses(model, windows),
+                               atol=1e-5, rtol=1e-5)
+    cost = measure_cost(model, 96, chunk=32, decode_tokens=2)
+    assert cost["state_bytes"] > 0 and cost["prefill_tokens_per_s"] > 0
+
+
 def test_block_means_and_window_selection_by_hand():
     losses = torch.arange(12, dtype=torch.float32).reshape(2, 6)  # rows 0..5 and 6..11
     starts, means = block_means(losses, 4)
