@@ -247,3 +247,6 @@ def print_tables(results: dict, console=None, titles: set[str] | None = None) ->
         for r in t["rows"]:
             table.add_row(*[str(c) for c in r])
         console.print(table)
+        for note in t["notes"]:
+            if "n/a" in note or "not finite" in note:  # what the reader must know; the rest is in report.md
+                console.print(f"  {note}", style="dim", highlight=False)
