@@ -282,6 +282,10 @@ def test_recall_scoring_with_oracle_and_na(tokenizer):
     icr = icr_sweep(em, "basic", [400, 50], samples=2, batch_size=2, chunk=64)
     assert icr["options"]["vocab_size"] == 300 and icr["lengths"]["400"]["accuracy"] == 1.0
     assert "too short" in icr["lengths"]["50"]["na"]
+    # 1-token keys from 296 content ids: 1400 tokens (343 pairs) need more distinct keys than exist -> n/a, not a crash
+    small = icr_sweep(em, "basic", [1400], samples=2, options={"task": "basic", "vocab_size": 300, "key_len": 1,
+                                                              "value_len": 1, "n_queries": None, "n_copies": 4})
+    assert "distinct" in small["lengths"]["1400"]["na"]
     big = mqar_sweep(em, [64], samples=2, options={"vocab_size": 1000, "num_kv_pairs": 4, "num_queries": None})
     assert "exceeds the model's 300 ids" in big["lengths"]["64"]["na"]
 

@@ -132,9 +132,14 @@ def icr_sweep(em: EvalModel, task: str, lengths: Sequence[int], samples: int = 6
             continue
         correct = total = 0
         for b0 in range(0, samples, batch_size):
-            batch = icr_batch(spec, min(batch_size, samples - b0), L, seed=seed, split=1, start=b0)
+            try:
+                batch = icr_batch(spec, min(batch_size, samples - b0), L, seed=seed, split=1, start=b0)
+            except ConfigError as e:  # e.g. more distinct keys than the vocabulary holds at this length
+                reason = str(e)
+                break
             hits = teacher_forced_hits(em.model, batch["input_ids"], batch["labels"], chunk, on_chunk)
             correct += int(hits.sum())
             total += int((batch["labels"] != IGNORE_INDEX).sum())
-        out["lengths"][str(L)] = {"accuracy": correct / max(total, 1), "examples": samples, "value_tokens": total}
+        out["lengths"][str(L)] = ({"na": reason} if reason is not None else
+                                  {"accuracy": correct / max(total, 1), "examples": samples, "value_tokens": total})
     return out
