@@ -146,7 +146,7 @@ def write_markdown(results: dict, out_dir: Path, figures: list[str], figure_note
         parts += [f"## {t['title']}", "", _md_table(t), ""]
         parts += [f"- {n}" for n in t["notes"]] + ([""] if t["notes"] else [])
     if figures:
-        parts += ["## Figures", ""] + [f"![{Path(f).stem}]({Path(f).name})" for f in figures] + [""]
+        parts += ["## Figures", ""] + [x for f in figures for x in (f"![{Path(f).stem}]({Path(f).name})", "")]
     if figure_note:
         parts += [f"_{figure_note}_", ""]
     path = out_dir / "report.md"
@@ -169,7 +169,7 @@ def write_figures(results: dict, out_dir: Path) -> tuple[list[str], str | None]:
     paths = []
     loss = {n: r for n, r in (res.get("loss") or {}).items() if "na" not in r}
     if loss:
-        fig, ax = plt.subplots(figsize=(7, 4.2))
+        fig, ax = plt.subplots(figsize=(9.5, 4.2))
         marked = set()
         for n, r in loss.items():
             x = [s + r["block"] / 2 for s in r["block_start"]]
@@ -180,13 +180,12 @@ def write_figures(results: dict, out_dir: Path) -> tuple[list[str], str | None]:
             if L and L not in marked:
                 marked.add(L)
                 ax.axvline(L, color="gray", ls="--", lw=1)
-                ax.text(L, 1.0, f" trained at {L}", transform=ax.get_xaxis_transform(), va="top", fontsize=8,
-                        color="gray")
-        ax.set_xscale("log", base=2)
+                ax.text(L, 1.0 - 0.06 * (len(marked) - 1), f" trained at {L}", transform=ax.get_xaxis_transform(),
+                        va="top", fontsize=8, color="gray")
         ax.set_xlabel("position in document (tokens, block centre)")
         ax.set_ylabel("mean loss per block (nats/token)")
         ax.set_title(f"Loss by position ({next(iter(loss.values()))['block']}-token blocks)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.grid(alpha=0.3)
         paths.append(_save(fig, out_dir / "per_position_loss.png", plt))
     tasks = [t for t in RECALL_TASKS if res.get(t)]
@@ -227,7 +226,7 @@ def write_figures(results: dict, out_dir: Path) -> tuple[list[str], str | None]:
 
 
 def _save(fig, path: Path, plt) -> str:
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return str(path)
 
