@@ -22,9 +22,9 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..evaluation.runner import TASKS, TASK_GROUPS
+    from ..evaluation.runner import TASK_GROUPS, TASKS, EvalSettings
 
-    d = __import__("mixerzoo.evaluation.runner", fromlist=["EvalSettings"]).EvalSettings()
+    d = EvalSettings()  # the defaults
     p = argparse.ArgumentParser(
         prog="mixerzoo evaluate",
         description="Evaluate checkpoints of any mixer pattern: per-position loss on long documents, recall sweeps "
