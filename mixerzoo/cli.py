@@ -3,6 +3,8 @@
 - ``mixerzoo fit|validate|test|predict --config recipe.yaml [--model.layer_types '[attention,swa]' ...]``:
   LightningCLI (jsonargparse) over :class:`~mixerzoo.training.LMModule` and any
   :class:`~mixerzoo.data.LMDataModule` (``data.class_path``). ``--print_config`` shows the full config.
+- ``mixerzoo evaluate --ckpt A.ckpt [B.ckpt ...] --out DIR``: long-context evaluation report
+  (:mod:`mixerzoo.commands.evaluate`).
 - ``mixerzoo plugins``: every installed mixer, positional encoding and schedule, with its distribution,
   version and import path; broken plugins are listed with their error.
 - ``mixerzoo new-plugin NAME [--dir PATH]``: generate a plugin distribution (:mod:`mixerzoo.commands.new_plugin`).
@@ -17,7 +19,7 @@ import sys
 __all__ = ["main", "MixerzooCLI", "print_plugins"]
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
-SUBCOMMANDS = {"export": "export", "generate": "generate", "new-plugin": "new_plugin"}  # name -> commands.<module>
+SUBCOMMANDS = {"evaluate": "evaluate", "export": "export", "generate": "generate", "new-plugin": "new_plugin"}  # name -> commands.<module>
 
 
 def print_plugins(stream=None) -> int:
@@ -183,11 +185,13 @@ def _lightning_cli(args: list[str] | None):
 USAGE = """usage: mixerzoo {fit,validate,test,predict} --config RECIPE.yaml [--field value ...]
        mixerzoo export CKPT OUT_DIR [--repo-id NAME --push] [--private]
        mixerzoo generate CKPT_OR_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S]
+       mixerzoo evaluate --ckpt A.ckpt [B.ckpt ...] --out DIR [--tasks loss,mqar,icr,niah,cost] [--data DOCS ...]
        mixerzoo plugins
        mixerzoo new-plugin NAME [--dir PATH]
 
   fit/validate/test/predict  train or evaluate with Lightning (add --help for every field)
   export                     write a Hugging Face Hub folder from a checkpoint (and push it)
+  evaluate                   per-position loss, recall sweeps and measured cost of checkpoints (report + JSON + PNGs)
   generate                   stream text from a checkpoint, an exported folder or a Hub repository
   plugins                    list installed mixers, positional encodings and schedules
   new-plugin                 create a working plugin package mixerzoo-NAME/ (mixer, tests, recipe, README)

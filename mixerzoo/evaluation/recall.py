@@ -1,0 +1,145 @@
+"""Recall sweeps: MQAR (Zoology sec. 3) and basic / positional in-context recall (OVQ paper sec. 4.1, app. 8.4)
+at a list of context lengths, for any checkpoint.
+
+The examples come from the training generators themselves (:func:`mixerzoo.data.recall.make_mqar`,
+:func:`mixerzoo.data.icr.icr_batch`), so a model trained on a task is evaluated on exactly that task at other
+lengths. Task options default to the checkpoint's training options when it was trained on that task, else to
+something that fits the checkpoint's vocabulary (:func:`mqar_options`, :func:`icr_options`). Scoring is teacher
+forced: a label counts as recalled when the argmax of the real-vocabulary logits equals it (the per-token
+accuracy of the papers); inputs are streamed chunk by chunk with the mixers' states.
+
+A length the task or the model cannot run (too short for the query section, keys beyond the model's vocabulary)
+gives ``{"na": reason}`` instead of an accuracy.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ..data.base import IGNORE_INDEX
+from ..data.icr import ICRSpec, icr_batch
+from ..data.recall import make_mqar
+from ..model.config import ConfigError
+from .models import EvalModel, model_vocab, stream_logits
+
+__all__ = ["teacher_forced_hits", "mqar_options", "icr_options", "mqar_sweep", "icr_sweep"]
+
+MQAR_DEFAULT_KV_PAIRS = 16
+
+
+def teacher_forced_hits(model, input_ids: torch.Tensor, labels: torch.Tensor, chunk: int,
+                        on_chunk: Callable[[int], None] | None = None) -> torch.Tensor:
+    """``(B, T)`` bool: True where ``labels != -100`` and the argmax of the real-vocabulary logits at that position
+    equals the label (``labels`` already shifted: ``labels[:, t]`` is the target after reading ``input_ids[:, :t+1]``).
+    """
+    vocab = model_vocab(model)
+    hits = torch.zeros(labels.shape, dtype=torch.bool)
+    for start, logits, _ in stream_logits(model, input_ids, chunk, on_chunk=on_chunk):
+        c = logits.shape[1]
+        lab = labels[:, start:start + c]
+        pred = logits[..., :vocab].argmax(-1).cpu()
+        hits[:, start:start + c] = (pred == lab) & (lab != IGNORE_INDEX)
+    return hits
+
+
+def mqar_options(em: EvalModel, vocab_size: int | None = None, num_kv_pairs: int | None = None,
+                 num_queries: int | None = None) -> dict:
+    """MQAR options for ``em``: explicit values win; else the training values of a RecallDataModule checkpoint;
+    else the model's vocabulary and :data:`MQAR_DEFAULT_KV_PAIRS` pairs, every key queried."""
+    trained = em.data_args if em.trained_on("RecallDataModule") else {}
+    return {"vocab_size": int(vocab_size or trained.get("vocab_size") or model_vocab(em.model)),
+            "num_kv_pairs": int(num_kv_pairs or trained.get("num_kv_pairs") or MQAR_DEFAULT_KV_PAIRS),
+            "num_queries": num_queries if num_queries is not None else trained.get("num_queries")}
+
+
+def icr_options(em: EvalModel, task: str, vocab_size: int | None = None, key_len: int | None = None,
+                value_len: int | None = None) -> dict:
+    """ICR options for ``em`` and ``task``: explicit values win; else an ICRDataModule checkpoint's training
+    values (its query counts only when it was trained on the same task); else the paper's defaults with the
+    vocabulary capped at the model's (paper: 10,000)."""
+    trained = em.data_args if em.trained_on("ICRDataModule") else {}
+    same = trained.get("task", "basic") == task
+    spec = ICRSpec(task)  # the paper's defaults
+    return {"task": task,
+            "vocab_size": int(vocab_size or trained.get("vocab_size") or min(spec.vocab_size, model_vocab(em.model))),
+            "key_len": int(key_len or trained.get("key_len") or spec.key_len),
+            "value_len": int(value_len or trained.get("value_len") or spec.value_len),
+            "n_queries": trained.get("n_queries") if same else None,
+            "n_copies": int(trained.get("n_copies") or spec.n_copies) if same else spec.n_copies}
+
+
+def _vocab_check(em: EvalModel, vocab_size: int) -> str | None:
+    if vocab_size > model_vocab(em.model):
+        return (f"task vocabulary {vocab_size} exceeds the model's {model_vocab(em.model)} ids; lower the task's "
+                f"vocab_size")
+    return None
+
+
+def mqar_sweep(em: EvalModel, lengths: Sequence[int], samples: int = 64, batch_size: int = 16, chunk: int = 1024,
+               seed: int = 0, options: dict | None = None, on_chunk: Callable[[int], None] | None = None) -> dict:
+    """MQAR accuracy at each length: ``{"options": {...}, "lengths": {str(L): {"accuracy", "examples",
+    "queries"} or {"na": reason}}}``. ``accuracy`` is the fraction of queried keys whose value is the argmax."""
+    opts = options or mqar_options(em)
+    out: dict = {"options": opts, "lengths": {}}
+    for L in lengths:
+        reason = _vocab_check(em, opts["vocab_size"])
+        if reason is None:
+            try:
+                ids, labels = make_mqar(samples, opts["vocab_size"], L, opts["num_kv_pairs"], opts["num_queries"],
+                                        torch.Generator().manual_seed(seed * 1000 + L))
+            except ConfigError as e:
+                reason = str(e)
+        if reason is not None:
+            out["lengths"][str(L)] = {"na": reason}
+            continue
+        correct = total = 0
+        for b0 in range(0, samples, batch_size):
+            lab = labels[b0:b0 + batch_size]
+            hits = teacher_forced_hits(em.model, ids[b0:b0 + batch_size], lab, chunk, on_chunk)
+            correct += int(hits.sum())
+            total += int((lab != IGNORE_INDEX).sum())
+        out["lengths"][str(L)] = {"accuracy": correct / max(total, 1), "examples": samples, "queries": total}
+    return out
+
+
+def icr_sweep(em: EvalModel, task: str, lengths: Sequence[int], samples: int = 64, batch_size: int = 16,
+              chunk: int = 1024, seed: int = 0, options: dict | None = None,
+              on_chunk: Callable[[int], None] | None = None) -> dict:
+    """Basic or positional ICR per-token accuracy over value tokens at each length (the paper's metric,
+    :func:`mixerzoo.data.icr.value_token_accuracy`), samples from the validation stream (``split=1``).
+
+    Returns ``{"options": {...}, "lengths": {str(L): {"accuracy", "examples", "value_tokens"} or {"na": reason}}}``.
+    """
+    opts = options or icr_options(em, task)
+    out: dict = {"options": opts, "lengths": {}}
+    try:
+        spec = ICRSpec(opts["task"], opts["vocab_size"], opts["key_len"], opts["value_len"], opts["n_queries"],
+                       opts["n_copies"])
+        bad_spec = None
+    except ConfigError as e:
+        spec, bad_spec = None, str(e)
+    for L in lengths:
+        reason = bad_spec or _vocab_check(em, opts["vocab_size"])
+        if reason is None:
+            try:
+                spec.context_pairs(L)
+            except ConfigError as e:
+                reason = str(e)
+        if reason is not None:
+            out["lengths"][str(L)] = {"na": reason}
+            continue
+        correct = total = 0
+        for b0 in range(0, samples, batch_size):
+            try:
+                batch = icr_batch(spec, min(batch_size, samples - b0), L, seed=seed, split=1, start=b0)
+            except ConfigError as e:  # e.g. more distinct keys than the vocabulary holds at this length
+                reason = str(e)
+                break
+            hits = teacher_forced_hits(em.model, batch["input_ids"], batch["labels"], chunk, on_chunk)
+            correct += int(hits.sum())
+            total += int((batch["labels"] != IGNORE_INDEX).sum())
+        out["lengths"][str(L)] = ({"na": reason} if reason is not None else
+                                  {"accuracy": correct / max(total, 1), "examples": samples, "value_tokens": total})
+    return out
