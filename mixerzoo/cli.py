@@ -109,6 +109,59 @@ def _check_config_files(argv: list[str]) -> None:
             raise ConfigError(f"--config {path!r} is not a YAML text file (it contains NUL bytes); give a recipe "
                               f"such as recipes/quickstart.yaml")
 
+MIXER_OVERRIDE = "--model.mixers."
+
+
+def _split_mixer_overrides(args: list[str]) -> tuple[list[str], list[tuple[list[str], str]], bool]:
+    """Take ``--model.mixers.NAME.KEY VALUE`` (or ``=VALUE``) out of ``args``.
+
+    jsonargparse replaces ``model.mixers.NAME`` as a whole when one of its keys is given this way, so every
+    other option of that layer (from the recipe or the checkpoint) would silently fall back to the mixer's
+    default. These overrides are applied after parsing instead, key by key (:func:`_apply_mixer_overrides`).
+
+    Returns ``(remaining args, [(key path below model.mixers, raw value)], print_config requested)``; when there
+    are overrides, ``--print_config`` is taken out too and handled after they are applied.
+    """
+    rest, overrides, i = [], [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith(MIXER_OVERRIDE) and arg[len(MIXER_OVERRIDE):].count(".") >= 1:
+            key, eq, value = arg[len(MIXER_OVERRIDE):].partition("=")
+            if not eq:
+                if i + 1 >= len(args):
+                    from .model.config import ConfigError
+
+                    raise ConfigError(f"{arg} needs a value, e.g. {arg} 128")
+                value, i = args[i + 1], i + 1
+            overrides.append((key.split("."), value))
+        else:
+            rest.append(arg)
+        i += 1
+    print_config = False
+    if overrides:
+        kept = [a for a in rest if not (a == "--print_config" or a.startswith("--print_config="))]
+        print_config = len(kept) != len(rest)
+        rest = kept
+    return rest, overrides, print_config
+
+
+def _apply_mixer_overrides(mixers: dict | None, overrides: list[tuple[list[str], str]]) -> dict:
+    """Merge ``overrides`` (from :func:`_split_mixer_overrides`) into ``model.mixers`` key by key; values are
+    read as YAML (``true`` -> True, ``8`` -> 8, ``[1, 2]`` -> list), as jsonargparse reads untyped options."""
+    import yaml
+
+    merged = {name: dict(opts or {}) for name, opts in (mixers or {}).items()}
+    for path, raw in overrides:
+        node = merged
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                from .model.config import ConfigError
+
+                raise ConfigError(f"--model.mixers.{'.'.join(path)}: model.mixers.{part} is not a mapping")
+        node[path[-1]] = yaml.safe_load(raw)
+    return merged
+
 
 def _lightning_cli(args: list[str] | None):
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
@@ -118,6 +171,7 @@ def _lightning_cli(args: list[str] | None):
     from .training import LMModule, ThroughputLogger
     from .training.checkpoints import AtomicCheckpointIO, check_ckpt_path
 
+    args, mixer_overrides, print_config = _split_mixer_overrides(list(sys.argv[1:] if args is None else args))
     MODEL_DEFAULTS = {name: p.default for name, p in inspect.signature(LMModule.__init__).parameters.items()
                       if p.default is not inspect.Parameter.empty}
 
@@ -172,6 +226,16 @@ def _lightning_cli(args: list[str] | None):
             super()._parse_ckpt_path()
             for k, v in explicit.items():
                 self.config[sub].model[k] = v
+            if mixer_overrides:
+                self.config[sub].model.mixers = _apply_mixer_overrides(self.config[sub].model.get("mixers"),
+                                                                       mixer_overrides)
+            if print_config:
+                # --print_config was held back so that it shows the merged mixers: print the subcommand's config
+                import yaml
+
+                full = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_none=False))
+                print(yaml.safe_dump(full[sub], sort_keys=False), end="")
+                sys.exit(0)
 
     trainer_defaults = {
         "default_root_dir": "runs",

@@ -179,3 +179,25 @@ def test_cli_model_fields_given_with_ckpt_path_win(in_tmp, capsys):
     # a width change cannot load these weights: refused with a clear message, not silently replaced
     code, err = _cli(["validate", "--config", "r.yaml", "--ckpt_path", str(ckpt), "--model.d_model", "48"], capsys)
     assert code == 2 and "does not fit this model configuration" in err
+
+
+def test_cli_mixer_option_override_keeps_the_other_options(in_tmp, capsys):
+    """`--model.mixers.NAME.KEY V` changes one option; jsonargparse alone would replace model.mixers.NAME whole,
+    silently dropping the recipe's other options of that layer (here swa's window and a renamed layer's mixer)."""
+    import yaml
+
+    recipe = RECIPE.replace("mixers: {swa: {window: 8}, attention: {}}",
+                            "mixers: {swa: {window: 8, qk_norm: rms}, attention: {}, glob: {mixer: attention}}")
+    recipe = recipe.replace("layer_types: [swa, attention]", "layer_types: [swa, glob]")
+    (in_tmp / "r.yaml").write_text(recipe)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "r.yaml", "--model.mixers.swa.window", "4", "--model.mixers.glob.token_shift=true",
+              "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["mixers"] == {"swa": {"window": 4, "qk_norm": "rms"}, "attention": {},
+                                          "glob": {"mixer": "attention", "token_shift": True}}
+    assert main(["fit", "--config", "r.yaml", "--model.mixers.swa.window", "4", "--model.mixers.glob.token_shift=true"]) == 0
+    saved = yaml.safe_load(next(in_tmp.glob("runs/mixerzoo/version_*/config.yaml")).read_text())
+    assert saved["model"]["mixers"]["swa"] == {"window": 4, "qk_norm": "rms"}
+    assert saved["model"]["mixers"]["glob"] == {"mixer": "attention", "token_shift": True}
