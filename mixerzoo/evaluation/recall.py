@@ -77,6 +77,15 @@ def _vocab_check(em: EvalModel, vocab_size: int) -> str | None:
     return None
 
 
+def _score(em: EvalModel, batches, chunk: int, on_chunk: Callable[[int], None] | None) -> tuple[int, int]:
+    """``(correct, labelled)`` teacher-forced argmax hits over ``(input_ids, labels)`` batches."""
+    correct = total = 0
+    for ids, labels in batches:
+        correct += int(teacher_forced_hits(em.model, ids, labels, chunk, on_chunk).sum())
+        total += int((labels != IGNORE_INDEX).sum())
+    return correct, total
+
+
 def mqar_sweep(em: EvalModel, lengths: Sequence[int], samples: int = 64, batch_size: int = 16, chunk: int = 1024,
                seed: int = 0, options: dict | None = None, on_chunk: Callable[[int], None] | None = None) -> dict:
     """MQAR accuracy at each length: ``{"options": {...}, "lengths": {str(L): {"accuracy", "examples",
@@ -94,12 +103,8 @@ def mqar_sweep(em: EvalModel, lengths: Sequence[int], samples: int = 64, batch_s
         if reason is not None:
             out["lengths"][str(L)] = {"na": reason}
             continue
-        correct = total = 0
-        for b0 in range(0, samples, batch_size):
-            lab = labels[b0:b0 + batch_size]
-            hits = teacher_forced_hits(em.model, ids[b0:b0 + batch_size], lab, chunk, on_chunk)
-            correct += int(hits.sum())
-            total += int((lab != IGNORE_INDEX).sum())
+        batches = ((ids[b0:b0 + batch_size], labels[b0:b0 + batch_size]) for b0 in range(0, samples, batch_size))
+        correct, total = _score(em, batches, chunk, on_chunk)
         out["lengths"][str(L)] = {"accuracy": correct / max(total, 1), "examples": samples, "queries": total}
     return out
 
@@ -130,16 +135,12 @@ def icr_sweep(em: EvalModel, task: str, lengths: Sequence[int], samples: int = 6
         if reason is not None:
             out["lengths"][str(L)] = {"na": reason}
             continue
-        correct = total = 0
-        for b0 in range(0, samples, batch_size):
-            try:
-                batch = icr_batch(spec, min(batch_size, samples - b0), L, seed=seed, split=1, start=b0)
-            except ConfigError as e:  # e.g. more distinct keys than the vocabulary holds at this length
-                reason = str(e)
-                break
-            hits = teacher_forced_hits(em.model, batch["input_ids"], batch["labels"], chunk, on_chunk)
-            correct += int(hits.sum())
-            total += int((batch["labels"] != IGNORE_INDEX).sum())
+        try:  # generated up front: e.g. more distinct keys than the vocabulary holds at this length fails here
+            batches = [icr_batch(spec, min(batch_size, samples - b0), L, seed=seed, split=1, start=b0)
+                       for b0 in range(0, samples, batch_size)]
+        except ConfigError as e:
+            batches, reason = [], str(e)
+        correct, total = _score(em, ((b["input_ids"], b["labels"]) for b in batches), chunk, on_chunk)
         out["lengths"][str(L)] = ({"na": reason} if reason is not None else
                                   {"accuracy": correct / max(total, 1), "examples": samples, "value_tokens": total})
     return out
