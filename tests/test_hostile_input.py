@@ -77,6 +77,8 @@ CASES = {
     "max_bad_steps_zero": (FIT + ["--model.max_bad_steps", "0"], r"model\.max_bad_steps must be an integer >= 1"),
     "too_many_kv_pairs": (FIT + ["--data.init_args.num_kv_pairs", "40"], r"data\.num_kv_pairs=40 is too many"),
     "batch_larger_than_data": (FIT + ["--data.init_args.batch_size", "128"], r"fewer than one global batch"),
+    "d_model_huge": (FIT + ["--model.d_model", "99999999999"], r"out of memory: tried to allocate [\d,.]+ GiB.*model\.d_model"),
+    "vocab_huge": (FIT + ["--data.init_args.vocab_size", "99999999999"], r"out of memory: tried to allocate.*vocab_size"),
     # text files
     "empty_text_file": (FIT + _text("empty"), r"every file found is empty"),
     "whitespace_only_text": (FIT + _text("blank"), r"contains no text"),
@@ -147,3 +149,38 @@ def test_config_check_passes_utf8_recipes(tmp_path):
     (tmp_path / "r.yaml").write_text("model: {d_model: 32}  # état\n")
     _check_config_files(["fit", "--config", str(tmp_path / "r.yaml"), f"--config={tmp_path / 'r.yaml'}"])
     assert os.path.isfile(tmp_path / "r.yaml")
+
+
+# Every value here is wrong for its field; random combinations of them must still end in one clear error
+# naming one of the fields given (which one wins depends on the order of the checks), never a traceback.
+FUZZ_POOL = [
+    ("--model.d_model", ["-5", "0", "abc", "1.5", "[1]", "null"]),
+    ("--model.n_layers", ["-1", "0", "two", "{}"]),
+    ("--model.n_heads", ["-2", "0", "x", "5"]),
+    ("--model.lr", ["-1", "0", "fast", "[]"]),
+    ("--model.mixers.swa.window", ["-3", "0", "wide", "[1, 2]"]),
+    ("--model.layer_types", ["[]", "[nosuchmixer]", "7", "{a: 1}"]),
+    ("--data.init_args.seq_len", ["0", "-8", "long", "1"]),
+    ("--data.init_args.batch_size", ["0", "-1", "many", "1e30"]),
+    ("--data.init_args.num_kv_pairs", ["0", "-2", "999"]),
+]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_combinations_of_bad_overrides(seed, hostile_dir, monkeypatch, capsys):
+    import random
+
+    monkeypatch.chdir(hostile_dir)
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    rng = random.Random(seed)
+    picks = rng.sample(FUZZ_POOL, rng.randint(1, 3))
+    argv = list(FIT)
+    for field, values in picks:
+        argv += [field, rng.choice(values)]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, (argv, err[-2000:])
+    assert "Traceback" not in err, (argv, err[-2000:])
+    names = [field.rsplit(".", 1)[-1] for field, _ in picks] + ["layer_types", "mixer"]
+    assert any(name in err for name in names), (argv, err[-2000:])
