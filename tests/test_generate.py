@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import io
 
-import pytest
 import torch
 
 from mixerzoo.cli import main
 from mixerzoo.commands import generate as gen_cmd
-from test_hub import reference_model, trained  # the session's trained checkpoints (trained once)
-
-
-@pytest.fixture(scope="module")
-def recall(tmp_path_factory):
-    return trained("recall", str(tmp_path_factory.getbasetemp()))
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    return trained("text", str(tmp_path_factory.getbasetemp()))
+from test_hub import recall, reference_model, text  # noqa: F401 - fixtures: the session's checkpoints (trained once)
 
 
 class Recorder(io.StringIO):
