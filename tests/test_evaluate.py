@@ -18,6 +18,7 @@ from mixerzoo.evaluation.models import EvalModel, load_eval_model
 from mixerzoo.evaluation.niah import NEEDLE, QUESTION, SNAP_TOKENS, haystack_stream, make_niah, niah_sweep
 from mixerzoo.evaluation.per_position import block_means, reference_token_losses, select_windows, token_losses
 from mixerzoo.evaluation.recall import icr_sweep, mqar_sweep
+from mixerzoo.model.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -107,7 +108,6 @@ def test_block_means_and_window_selection_by_hand():
     w = select_windows(docs, max_len=8, segments=2)
     # doc 0 has 10 >= 9 tokens: one window; doc 1 (25 tokens): windows at 0 and 8 (9 tokens each, none at 16)
     assert w.tolist() == [list(range(9)), list(range(100, 109)), list(range(108, 117))]
-    from mixerzoo.model.config import ConfigError
 
     with pytest.raises(ConfigError, match="at least --max_len"):
         select_windows(docs, max_len=30)
@@ -397,3 +397,20 @@ def test_lm_eval_model_on_local_tasks(ckpts, tmp_path):
     assert 0 <= res["mz_choice"]["acc,none"] <= 1
     assert res["mz_rolling"]["word_perplexity,none"] > 1
     assert 0 <= res["mz_generate"]["exact_match,none"] <= 1
+
+
+def test_cost_counts_every_row_of_a_batch():
+    """--cost_batch B: the attention cache of B rows is B x (2 tensors x L x d_model x 4 bytes) per layer, and the
+    per-row state equals batch 1's."""
+    from mixerzoo.model import LanguageModel, LMConfig
+
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, layer_types=["attention"],
+                                   mixers={"attention": {}})).eval()
+    one = measure_cost(model, 40, chunk=16, decode_tokens=2, batch_size=1)
+    three = measure_cost(model, 40, chunk=16, decode_tokens=2, batch_size=3)
+    assert one["state_bytes"] == 2 * 2 * 40 * 32 * 4
+    assert three["state_bytes"] == 3 * one["state_bytes"]
+    assert three["state_bytes_after_decode"] == 3 * 2 * 2 * (40 + 1 + 2) * 32 * 4  # warm-up step + 2 timed steps
+    with pytest.raises(ConfigError, match="--cost_batch"):
+        measure_cost(model, 40, batch_size=0)

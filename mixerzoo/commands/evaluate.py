@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--niah_trials", type=int, default=d.niah_trials, help="NIAH examples per depth and length")
     p.add_argument("--niah_needles", type=int, default=d.niah_needles, help="needles of the multi-key variant")
     p.add_argument("--decode_tokens", type=int, default=d.decode_tokens, help="cost: timed decode steps")
+    p.add_argument("--cost_batch", type=int, default=d.cost_batch,
+                   help="cost: rows decoded together (tokens/s count every row; state bytes are for all rows)")
     p.add_argument("--mqar_vocab", type=int, default=None,
                    help="MQAR vocabulary (default: the training value of an MQAR checkpoint, else the model's)")
     p.add_argument("--mqar_kv_pairs", type=int, default=None,
@@ -99,7 +101,7 @@ def main(argv: list[str], out: IO[str] | None = None) -> int:
             chunk=args.chunk, segments=args.segments, max_docs=args.max_docs, data=args.data, split=args.split,
             samples=args.samples, batch_size=args.batch_size, seed=args.seed, niah_depths=args.niah_depths,
             niah_trials=args.niah_trials, niah_needles=args.niah_needles, decode_tokens=args.decode_tokens,
-            mqar_vocab=args.mqar_vocab, mqar_kv_pairs=args.mqar_kv_pairs, icr_vocab=args.icr_vocab,
+            cost_batch=args.cost_batch, mqar_vocab=args.mqar_vocab, mqar_kv_pairs=args.mqar_kv_pairs, icr_vocab=args.icr_vocab,
             icr_key_len=args.icr_key_len, icr_value_len=args.icr_value_len)
         settings.check()
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,15 +1,16 @@
 """Measured cost at each context length on the device the model is on: prefill and decode speed, peak memory and
 the size of the mixers' states.
 
-For a context of ``L`` tokens (batch 1, random token ids, no gradients):
+For a context of ``L`` tokens in each of ``batch_size`` rows (random token ids, no gradients):
 
 - **prefill**: the ``L`` tokens are read ``chunk`` tokens at a time with the mixers' states (one forward call when
-  ``L <= chunk``); ``prefill_tokens_per_s = L / seconds``.
+  ``L <= chunk``); ``prefill_tokens_per_s = batch_size * L / seconds``.
 - **decode**: after the prefill, ``decode_tokens`` greedy one-token steps each feeding the states back (one
-  untimed warm-up step first); ``decode_ms_per_token`` is their mean wall time, ``decode_tokens_per_s`` its
-  inverse.
+  untimed warm-up step first); ``decode_ms_per_token`` is their mean wall time per step (one token per row),
+  ``decode_tokens_per_s = batch_size * 1000 / decode_ms_per_token``.
 - **state_bytes**: :func:`mixerzoo.protocol.state_nbytes` of every layer's state after the prefill (what a cache of
-  the context costs; for attention it grows with ``L``, for a compressed-state mixer it is bounded).
+  the context costs, all rows together; for attention it grows with ``L``, for a compressed-state mixer it is
+  bounded).
 - **peak memory** (``peak_mem_bytes``, above what was allocated before the prefill; weights excluded):
   CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` during the timed run (the caching
   allocator's exact view). CPU: the allocator keeps no statistics and the resident set size hides memory reused
@@ -138,20 +139,23 @@ def _run(model, ids: torch.Tensor, chunk: int, decode_tokens: int, device: torch
 
 
 @torch.no_grad()
-def measure_cost(model, length: int, chunk: int = 1024, decode_tokens: int = 32, seed: int = 0) -> dict:
-    """Prefill/decode speed, peak memory and state bytes for one context length (see the module docstring).
+def measure_cost(model, length: int, chunk: int = 1024, decode_tokens: int = 32, seed: int = 0,
+                 batch_size: int = 1) -> dict:
+    """Prefill/decode speed, peak memory and state bytes for one context length of ``batch_size`` rows (see the
+    module docstring).
 
     Returns:
         ``{"prefill_s", "prefill_tokens_per_s", "decode_ms_per_token", "decode_tokens_per_s", "state_bytes",
         "state_bytes_after_decode", "peak_mem_bytes", "peak_mem_method", "device"}``.
 
     Raises:
-        ConfigError: ``length < 1`` or ``decode_tokens < 1``.
+        ConfigError: ``length``, ``decode_tokens`` or ``batch_size`` below 1.
     """
-    if length < 1 or decode_tokens < 1:
-        raise ConfigError(f"cost: the context length and --decode_tokens must be >= 1, got {length} and {decode_tokens}")
+    if length < 1 or decode_tokens < 1 or batch_size < 1:
+        raise ConfigError(f"cost: the context length, --decode_tokens and --cost_batch must be >= 1, got {length}, "
+                          f"{decode_tokens} and {batch_size}")
     device = model_device(model)
-    ids = torch.randint(0, model_vocab(model), (1, length), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, model_vocab(model), (batch_size, length), generator=torch.Generator().manual_seed(seed))
     _sync(device)
     if device.type == "cuda":
         with CudaPeakMemory(device) as mem:
@@ -162,24 +166,25 @@ def measure_cost(model, length: int, chunk: int = 1024, decode_tokens: int = 32,
         with LiveTensorBytes(exclude=weights) as mem:
             _run(model, ids, chunk, min(decode_tokens, 4), device)
     prefill_s, ms = run["prefill_s"], 1e3 * run["decode_s"] / decode_tokens
-    return {"prefill_s": prefill_s, "prefill_tokens_per_s": length / prefill_s if prefill_s > 0 else float("inf"),
-            "decode_ms_per_token": ms, "decode_tokens_per_s": 1e3 / ms if ms > 0 else float("inf"),
+    tokens = batch_size * length
+    return {"prefill_s": prefill_s, "prefill_tokens_per_s": tokens / prefill_s if prefill_s > 0 else float("inf"),
+            "decode_ms_per_token": ms, "decode_tokens_per_s": batch_size * 1e3 / ms if ms > 0 else float("inf"),
             "state_bytes": run["state_bytes"], "state_bytes_after_decode": run["state_bytes_after_decode"],
             "peak_mem_bytes": mem.peak_bytes, "peak_mem_method": mem.method, "device": str(device)}
 
 
 def cost_sweep(model, lengths: Sequence[int], chunk: int = 1024, decode_tokens: int = 32, seed: int = 0,
-               on_length: Callable[[int], None] | None = None) -> dict:
+               on_length: Callable[[int], None] | None = None, batch_size: int = 1) -> dict:
     """:func:`measure_cost` at each length after one untimed warm-up pass (kernels, allocator).
 
-    Returns ``{"options": {"chunk", "decode_tokens", "batch_size": 1}, "lengths": {str(L): {...}}}``; a length
+    Returns ``{"options": {"chunk", "decode_tokens", "batch_size"}, "lengths": {str(L): {...}}}``; a length
     that fails with out-of-memory gives ``{"na": "out of memory ..."}``.
     """
-    measure_cost(model, min(lengths), chunk, 2, seed)  # warm-up at the first length, discarded
-    out: dict = {"options": {"chunk": chunk, "decode_tokens": decode_tokens, "batch_size": 1}, "lengths": {}}
+    measure_cost(model, min(lengths), chunk, 2, seed, batch_size)  # warm-up at the first length, discarded
+    out: dict = {"options": {"chunk": chunk, "decode_tokens": decode_tokens, "batch_size": batch_size}, "lengths": {}}
     for L in lengths:
         try:
-            out["lengths"][str(L)] = measure_cost(model, L, chunk, decode_tokens, seed)
+            out["lengths"][str(L)] = measure_cost(model, L, chunk, decode_tokens, seed, batch_size)
         except torch.OutOfMemoryError as e:
             if model_device(model).type == "cuda":
                 torch.cuda.empty_cache()

@@ -109,7 +109,7 @@ def build_tables(results: dict) -> list[dict]:
                     cell = cost.get(n, {}).get("lengths", {}).get(L)
                     row.append("-" if cell is None else "n/a" if "na" in cell else _fmt(cell.get(key), how))
                 rows.append(row)
-            notes = [f"device {device}, batch 1, chunk {some['options']['chunk']}, "
+            notes = [f"device {device}, batch {some['options'].get('batch_size', 1)}, chunk {some['options']['chunk']}, "
                      f"{some['options']['decode_tokens']} decode steps"]
             if key == "peak_mem_bytes":
                 notes.append(f"method: {method} (above the memory held before the prefill)")

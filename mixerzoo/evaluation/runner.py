@@ -72,6 +72,7 @@ class EvalSettings:
     niah_trials: int = 2
     niah_needles: int = 4
     decode_tokens: int = 32
+    cost_batch: int = 1
     mqar_vocab: int | None = None
     mqar_kv_pairs: int | None = None
     icr_vocab: int | None = None
@@ -81,7 +82,7 @@ class EvalSettings:
     def check(self) -> None:
         """Raise ConfigError naming the flag for a bad value."""
         for name in ("block", "max_len", "chunk", "segments", "samples", "batch_size", "niah_trials",
-                     "niah_needles", "decode_tokens"):
+                     "niah_needles", "decode_tokens", "cost_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if not self.lengths or any(L < 1 for L in self.lengths):
@@ -199,7 +200,8 @@ def run_evaluation(models: Sequence[EvalModel], settings: EvalSettings, console=
             for em in models:
                 bar = progress.add_task(f"cost {em.name}", total=len(lengths))
                 res[em.name] = cost_sweep(em.model, lengths, settings.chunk, settings.decode_tokens, settings.seed,
-                                          on_length=lambda L, b=bar: progress.advance(b))
+                                          on_length=lambda L, b=bar: progress.advance(b),
+                                          batch_size=settings.cost_batch)
             done("cost")
     return results
 
