@@ -240,7 +240,8 @@ def _lightning_cli(args: list[str] | None):
     trainer_defaults = {
         "default_root_dir": "runs",
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "mixerzoo"}},
-        "plugins": [AtomicCheckpointIO()],
+        # a class_path (not an instance) so that jsonargparse can write it into the run's config.yaml
+        "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__qualname__}"}],
     }
     return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
                        save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
