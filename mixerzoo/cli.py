@@ -171,7 +171,12 @@ def _lightning_cli(args: list[str] | None):
     from .training import LMModule, ThroughputLogger
     from .training.checkpoints import AtomicCheckpointIO, check_ckpt_path
 
-    args, mixer_overrides, print_config = _split_mixer_overrides(list(sys.argv[1:] if args is None else args))
+    import warnings
+
+    # Lightning 2.6 deprecation noise about torch's pytree internals, printed on every run; nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    from_shell = args is None
+    args, mixer_overrides, print_config = _split_mixer_overrides(list(sys.argv[1:] if from_shell else args))
     MODEL_DEFAULTS = {name: p.default for name, p in inspect.signature(LMModule.__init__).parameters.items()
                       if p.default is not inspect.Parameter.empty}
 
@@ -243,8 +248,17 @@ def _lightning_cli(args: list[str] | None):
         # a class_path (not an instance) so that jsonargparse can write it into the run's config.yaml
         "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__qualname__}"}],
     }
-    return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
-                       save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
+    if not from_shell:
+        return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
+                           save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
+    # From the shell LightningCLI reads sys.argv itself (given args too, it warns about both): hand it the
+    # command line without the mixer overrides it would mis-merge.
+    saved, sys.argv = sys.argv, [sys.argv[0], *args]
+    try:
+        return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
+                           save_config_kwargs={"overwrite": True}, args=None, auto_configure_optimizers=False)
+    finally:
+        sys.argv = saved
 
 
 USAGE = """usage: mixerzoo {fit,validate,test,predict} --config RECIPE.yaml [--field value ...]

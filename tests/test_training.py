@@ -201,3 +201,20 @@ def test_cli_mixer_option_override_keeps_the_other_options(in_tmp, capsys):
     saved = yaml.safe_load(next(in_tmp.glob("runs/mixerzoo/version_*/config.yaml")).read_text())
     assert saved["model"]["mixers"]["swa"] == {"window": 4, "qk_norm": "rms"}
     assert saved["model"]["mixers"]["glob"] == {"mixer": "attention", "token_shift": True}
+
+
+def test_shell_mixer_option_override_is_merged_without_warnings(in_tmp):
+    """The console-script path (LightningCLI reading sys.argv) merges one-key overrides too, and prints neither
+    LightningCLI's 'both args and command line' warning nor a traceback."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    (in_tmp / "r.yaml").write_text(RECIPE.replace("{swa: {window: 8}", "{swa: {window: 8, qk_norm: rms}"))
+    run = subprocess.run([sys.executable, "-m", "mixerzoo.cli", "fit", "--config", "r.yaml",
+                          "--model.mixers.swa.window", "4", "--print_config"], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert yaml.safe_load(run.stdout)["model"]["mixers"]["swa"] == {"window": 4, "qk_norm": "rms"}
+    assert "args parameter" not in run.stderr and "Traceback" not in run.stderr
