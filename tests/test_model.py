@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mixerzoo.model import LanguageModel, LMConfig, generate
+from mixerzoo.model import LanguageModel, LMConfig, generate, generate_many
 from mixerzoo.model.config import ConfigError
 from mixerzoo.model.generation import sample_next
 from mixerzoo.registry import UnknownNameError
@@ -105,6 +105,32 @@ def test_generate_greedy_matches_manual_argmax_loop():
             logits, _ = m(ids)
             ids = torch.cat([ids, logits[:, -1, :97].argmax(-1, keepdim=True)], 1)
     assert torch.equal(out, ids)
+
+
+def _greedy_by_recomputation(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            logits, _ = model(ids)
+            ids = torch.cat([ids, logits[:, -1, :97].argmax(-1, keepdim=True)], 1)
+    return ids[0].tolist()
+
+
+def test_generate_many_prompts_of_different_lengths():
+    """Each prompt's continuation equals the recomputed greedy continuation of that prompt alone, whatever
+    the other prompts' lengths; equal lengths share a batch (max_batch 2 splits the group of three)."""
+    torch.manual_seed(0)
+    m = tiny().eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 7, 3, 1, 7, 3)]
+    out = generate_many(m, prompts, 5, temperature=0, max_batch=2)
+    assert [o[:len(p)] for o, p in zip(out, prompts)] == prompts
+    assert out == [_greedy_by_recomputation(m, p, 5) for p in prompts]
+    eos = out[0][3]  # the first token generated for prompt 0: its row stops right there
+    cut = generate_many(m, prompts[:1], 5, temperature=0, eos_id=eos)
+    assert cut == [prompts[0] + [eos]]
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_many(m, [[1, 2], []], 3)
 
 
 def test_sampling_filters():

@@ -8,7 +8,7 @@ import torch
 
 from ..protocol import state_nbytes
 
-__all__ = ["generate", "stream_tokens", "sample_next"]
+__all__ = ["generate", "generate_many", "stream_tokens", "sample_next"]
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -64,3 +64,40 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: f
     finally:
         model.train(was_training)
     return torch.cat([input_ids, torch.stack(out, dim=1)], dim=1) if out else input_ids
+
+
+def generate_many(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                  top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
+                  generator: torch.Generator | None = None, max_batch: int = 32) -> list[list[int]]:
+    """Continue several prompts of any lengths; returns one list of ids per prompt (prompt + new tokens), in order.
+
+    A mixer state carries one position for its whole batch (RoPE offsets, chunk alignment, KV-cache length), so
+    rows of different lengths cannot share a state without per-row masking that the protocol does not have.
+    Prompts of equal length are therefore batched together (up to ``max_batch`` rows per call) and each group is
+    prefilled and decoded with :func:`generate`; no padding token ever enters a state, and every row gets
+    exactly what :func:`generate` gives it alone (greedy decoding; a sampled row depends on its batch's draws).
+    After ``eos_id`` a row's tokens are cut at its first ``eos_id`` (kept).
+
+    Raises:
+        ValueError: an empty prompt or ``max_batch < 1``.
+    """
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (e.g. the end-of-text id to start from scratch)")
+    device = next(model.parameters()).device
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    out: list[list[int]] = [[] for _ in prompts]
+    for length, rows in by_length.items():
+        for start in range(0, len(rows), max_batch):
+            group = rows[start:start + max_batch]
+            ids = torch.tensor([prompts[i] for i in group], dtype=torch.long, device=device)
+            result = generate(model, ids, max_new_tokens, temperature, top_k, top_p, eos_id, generator)
+            for i, row in zip(group, result.tolist()):
+                new = row[length:]
+                if eos_id is not None and eos_id in new:
+                    new = new[: new.index(eos_id) + 1]
+                out[i] = row[:length] + new
+    return out
