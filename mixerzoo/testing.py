@@ -23,7 +23,7 @@ from torch import nn
 from .protocol import state_nbytes
 
 __all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
-           "check_state", "check_cuda_bf16", "run_conformance", "FP32_ATOL", "FP32_RTOL"]
+           "check_state", "check_cuda_bf16", "run_conformance", "decode_stepwise", "FP32_ATOL", "FP32_RTOL"]
 
 FP32_ATOL = 1e-4
 FP32_RTOL = 1e-4
@@ -110,20 +110,30 @@ def check_continuation(mixer: nn.Module, d_model: int, seq_len: int = 48, splits
                                    "offset by the tokens already seen?"))
 
 
+def decode_stepwise(step: Callable[[torch.Tensor, Any], tuple[torch.Tensor, Any]], inputs: torch.Tensor,
+                    prefill: int = 0, state: Any = None) -> tuple[torch.Tensor, Any]:
+    """Run ``inputs (B, T, ...)`` through ``step(x, state) -> (y, state)`` one position at a time, after one
+    parallel call over the first ``prefill`` positions; returns the outputs concatenated along time and the
+    last state. ``step`` is a mixer, a :class:`~mixerzoo.model.LanguageModel` (token ids in, logits out) or any
+    callable with that signature; compare the result with one parallel call to test decoding."""
+    outs = []
+    if prefill:
+        y, state = step(inputs[:, :prefill], state)
+        outs.append(y)
+    for t in range(prefill, inputs.shape[1]):
+        y, state = step(inputs[:, t:t + 1], state)
+        outs.append(y)
+    return torch.cat(outs, dim=1), state
+
+
 @torch.no_grad()
 def check_decode(mixer: nn.Module, d_model: int, seq_len: int = 40, batch: int = 2, seed: int = 0,
                  prefill: int = 0, atol: float = FP32_ATOL, rtol: float = FP32_RTOL) -> None:
     """Token-by-token decode (after an optional parallel prefill) must equal the parallel pass."""
     x = _inputs(d_model, seq_len, batch, seed)
     y, _ = _call(mixer, x)
-    state, outs = None, []
-    if prefill:
-        yp, state = _call(mixer, x[:, :prefill])
-        outs.append(yp)
-    for t in range(prefill, seq_len):
-        yt, state = _call(mixer, x[:, t:t + 1], state)
-        outs.append(yt)
-    ok, err, first = _compare(y, torch.cat(outs, dim=1), atol, rtol)
+    stepped, _ = decode_stepwise(lambda xt, s: _call(mixer, xt, s), x, prefill)
+    ok, err, first = _compare(y, stepped, atol, rtol)
     if not ok:
         raise ConformanceError(f"decode differs from the parallel pass at token {first} (prefill {prefill}): max "
                                f"abs diff {err:.3g}. Check what the state keeps at chunk boundaries and that "

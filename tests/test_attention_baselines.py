@@ -5,7 +5,7 @@ import torch
 
 from mixerzoo import registry
 from mixerzoo.mixers import Attention, BlockSlidingWindowAttention, SlidingWindowAttention, attention_reference
-from mixerzoo.testing import ConformanceError, check_continuation, run_conformance
+from mixerzoo.testing import ConformanceError, check_continuation, check_decode, run_conformance
 
 D = 32
 
@@ -79,6 +79,10 @@ class _Leaky(torch.nn.Module):
 def test_kit_catches_a_mixer_that_drops_its_state():
     with pytest.raises(ConformanceError, match="continuation differs at split 7"):
         check_continuation(_Leaky().eval(), D, 24, splits=(7,))
+    with pytest.raises(ConformanceError, match=r"decode differs from the parallel pass at token 1 \(prefill 0\)"):
+        check_decode(_Leaky().eval(), D, 12)
+    with pytest.raises(ConformanceError, match=r"decode differs from the parallel pass at token 5 \(prefill 5\)"):
+        check_decode(_Leaky().eval(), D, 12, prefill=5)
 
 
 def test_bad_options():

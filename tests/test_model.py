@@ -9,6 +9,7 @@ from mixerzoo.model import LanguageModel, LMConfig, generate, generate_many
 from mixerzoo.model.config import ConfigError
 from mixerzoo.model.generation import sample_next
 from mixerzoo.registry import UnknownNameError
+from mixerzoo.testing import decode_stepwise
 
 
 def tiny(**kw):
@@ -36,11 +37,8 @@ def test_lm_decode_equals_parallel_and_state_bytes():
     ids = torch.randint(0, 97, (2, 19))
     with torch.no_grad():
         full, states = m(ids)
-        s, outs = None, []
-        for t in range(19):
-            lt, s = m(ids[:, t:t + 1], s)
-            outs.append(lt)
-    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+        stepped, _ = decode_stepwise(m, ids)
+    torch.testing.assert_close(stepped, full, atol=1e-5, rtol=1e-5)
 
 
 def test_value_residual_and_zero_init():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mixerzoo.mixers import Attention, BlockSlidingWindowAttention
-from mixerzoo.testing import run_conformance
+from mixerzoo.testing import decode_stepwise, run_conformance
 from mixerzoo_kvm import KVMAttention
 
 D_MODEL = 16
@@ -44,14 +44,7 @@ def make(seed: int = 0, **kw) -> KVMAttention:
 
 
 def decode(layer: KVMAttention, x: torch.Tensor, prefill: int = 0) -> torch.Tensor:
-    state, outs = None, []
-    if prefill:
-        y, state = layer(x[:, :prefill])
-        outs.append(y)
-    for t in range(prefill, x.shape[1]):
-        y, state = layer(x[:, t:t + 1], state)
-        outs.append(y)
-    return torch.cat(outs, dim=1)
+    return decode_stepwise(layer, x, prefill)[0]
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -6,7 +6,7 @@ import torch
 from mixerzoo import registry
 from mixerzoo.model import LanguageModel
 from mixerzoo.schedules import SaturatingSchedule
-from mixerzoo.testing import run_conformance
+from mixerzoo.testing import decode_stepwise, run_conformance
 from mixerzoo_ovq import OVQAttention, ovq_attention_reference
 
 D_MODEL = 32
@@ -130,11 +130,8 @@ def test_registered_and_usable_in_an_lm():
     ids = torch.randint(0, 50, (2, 21))
     with torch.no_grad():
         logits, _ = lm(ids)
-        states, steps = None, []
-        for i in range(21):
-            out, states = lm(ids[:, i:i + 1], states)
-            steps.append(out)
-    torch.testing.assert_close(torch.cat(steps, 1), logits, atol=1e-4, rtol=1e-4)
+        stepped, _ = decode_stepwise(lm, ids)
+    torch.testing.assert_close(stepped, logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("options,match", [

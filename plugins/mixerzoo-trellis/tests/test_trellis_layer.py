@@ -11,7 +11,7 @@ import torch
 from mixerzoo import registry
 from mixerzoo.model import LanguageModel, LMConfig
 from mixerzoo.model.config import ConfigError
-from mixerzoo.testing import run_conformance
+from mixerzoo.testing import decode_stepwise, run_conformance
 from mixerzoo_trellis import Trellis, TrellisState
 
 D_MODEL = 32
@@ -45,11 +45,8 @@ def test_decode_reproduces_chunked_form_not_exact_recurrence():
     x = x_input(27)
     with torch.no_grad():
         y, _ = mixer(x)
-        state, outs = None, []
-        for t in range(27):
-            yt, state = mixer(x[:, t:t + 1], state)
-            outs.append(yt)
-        torch.testing.assert_close(torch.cat(outs, 1), y, rtol=1e-4, atol=1e-5)
+        stepped, _ = decode_stepwise(mixer, x)
+        torch.testing.assert_close(stepped, y, rtol=1e-4, atol=1e-5)
         mixer.chunk_len = 1  # same weights, exact recurrence: a different function
         y_exact, _ = mixer(x)
     assert (y_exact - y).abs().max() > 1e-2
@@ -124,11 +121,8 @@ def test_lm_decode_equals_parallel():
     ids = torch.randint(0, 50, (2, 11), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits, _ = model(ids)
-        states, outs = None, []
-        for t in range(11):
-            lt, states = model(ids[:, t:t + 1], states)
-            outs.append(lt)
-    torch.testing.assert_close(torch.cat(outs, 1), logits, rtol=1e-4, atol=1e-4)
+        stepped, states = decode_stepwise(model, ids)
+    torch.testing.assert_close(stepped, logits, rtol=1e-4, atol=1e-4)
     assert isinstance(states[0][0], TrellisState)
 
 
