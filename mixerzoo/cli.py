@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import warnings
 
 __all__ = ["main", "MixerzooCLI", "print_plugins"]
 
@@ -48,7 +49,6 @@ def _find_last_checkpoint(config) -> str | None:
     (empty) checkpoint folder. None (train from scratch, with a note on stderr) when there is none, so a job
     script can always pass ``--ckpt_path last``."""
     import glob
-    import os
 
     trainer = config.get("trainer") or {}
     dirpath = (config.get("checkpoint") or {}).get("dirpath")
@@ -108,6 +108,7 @@ def _check_config_files(argv: list[str]) -> None:
         if b"\x00" in data:
             raise ConfigError(f"--config {path!r} is not a YAML text file (it contains NUL bytes); give a recipe "
                               f"such as recipes/quickstart.yaml")
+
 
 MIXER_OVERRIDE = "--model.mixers."
 
@@ -170,8 +171,6 @@ def _lightning_cli(args: list[str] | None):
     from .data import LMDataModule
     from .training import LMModule, ThroughputLogger
     from .training.checkpoints import AtomicCheckpointIO, check_ckpt_path
-
-    import warnings
 
     # Lightning 2.6 deprecation noise about torch's pytree internals, printed on every run; nothing a user can act on.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
@@ -248,15 +247,17 @@ def _lightning_cli(args: list[str] | None):
         # a class_path (not an instance) so that jsonargparse can write it into the run's config.yaml
         "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__qualname__}"}],
     }
-    if not from_shell:
+    def run(cli_args: list[str] | None):
         return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
-                           save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
+                           save_config_kwargs={"overwrite": True}, args=cli_args, auto_configure_optimizers=False)
+
+    if not from_shell:
+        return run(args)
     # From the shell LightningCLI reads sys.argv itself (given args too, it warns about both): hand it the
     # command line without the mixer overrides it would mis-merge.
     saved, sys.argv = sys.argv, [sys.argv[0], *args]
     try:
-        return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
-                           save_config_kwargs={"overwrite": True}, args=None, auto_configure_optimizers=False)
+        return run(None)
     finally:
         sys.argv = saved
 

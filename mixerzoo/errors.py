@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 
 from .model.config import ConfigError
@@ -29,12 +30,10 @@ def out_of_memory_message(e: BaseException) -> str | None:
     import torch
 
     text = str(e)
-    is_oom = (isinstance(e, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError)))
+    is_oom = (isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError))  # torch.OutOfMemoryError only from 2.5
               or (isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)))
     if not is_oom:
         return None
-    import re
-
     size = re.search(r"allocate (\d+) bytes", text) or re.search(r"allocate ([\d.]+ [KMGT]iB)", text)
     detail = "" if size is None else (f": tried to allocate {int(size.group(1)) / 2**30:,.1f} GiB"
                                       if size.group(1).isdigit() else f": tried to allocate {size.group(1)}")

@@ -185,7 +185,7 @@ def cost_sweep(model, lengths: Sequence[int], chunk: int = 1024, decode_tokens: 
     for L in lengths:
         try:
             out["lengths"][str(L)] = measure_cost(model, L, chunk, decode_tokens, seed, batch_size)
-        except torch.OutOfMemoryError as e:
+        except torch.cuda.OutOfMemoryError as e:  # the same class as torch.OutOfMemoryError (torch >= 2.5)
             if model_device(model).type == "cuda":
                 torch.cuda.empty_cache()
             out["lengths"][str(L)] = {"na": f"out of memory at {L} tokens: {str(e).splitlines()[0][:160]}"}
