@@ -73,6 +73,27 @@ def _find_last_checkpoint(config) -> str | None:
     return max(found, key=os.path.getmtime)
 
 
+DEFAULT_ROOT_DIR = "runs"
+
+
+def _follow_default_root_dir(config) -> None:
+    """Lightning's convention: ``--trainer.default_root_dir DIR`` puts logs and checkpoints under DIR. Our default
+    logger (CSV under ``runs/``) would otherwise keep writing to ``runs/``: when the root dir was changed and the
+    logger is still the default one with the default ``save_dir``, the logger follows the root dir. A logger
+    the user configured (another class or another save_dir) is left alone."""
+    trainer = config.get("trainer")
+    if trainer is None:
+        return
+    root = trainer.get("default_root_dir")
+    logger = trainer.get("logger")
+    if not root or root == DEFAULT_ROOT_DIR or not hasattr(logger, "get"):
+        return
+    init_args = logger.get("init_args")
+    if (logger.get("class_path") == "lightning.pytorch.loggers.CSVLogger" and init_args is not None
+            and init_args.get("save_dir") == DEFAULT_ROOT_DIR):
+        init_args["save_dir"] = root
+
+
 def _reraise_data_error(data) -> None:
     """Instantiate the configured data module again, outside jsonargparse, so that the error it raises reaches
     :func:`~mixerzoo.errors.friendly_errors` as itself. Returns when that does not raise (or ``data`` is not a
@@ -165,7 +186,7 @@ def _apply_mixer_overrides(mixers: dict | None, overrides: list[tuple[list[str],
 
 
 def _lightning_cli(args: list[str] | None):
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, RichProgressBar
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
     from lightning.pytorch.cli import LightningCLI
 
     from .data import LMDataModule
@@ -204,7 +225,9 @@ def _lightning_cli(args: list[str] | None):
             wants_bar = config.get("enable_progress_bar", True) is not False
             given = list(callbacks) + list(config.get("callbacks") or [])
             if wants_bar and not any(isinstance(c, ProgressBar) for c in given):
-                callbacks = [*callbacks, RichProgressBar()]
+                from .training.callbacks import StepProgressBar
+
+                callbacks = [*callbacks, StepProgressBar()]
             # Our default callbacks must not turn a valid trainer setting into a Lightning error.
             if config.get("enable_checkpointing") is False:
                 callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
@@ -219,6 +242,7 @@ def _lightning_cli(args: list[str] | None):
             sub = self.config.get("subcommand")
             if not sub:
                 return
+            _follow_default_root_dir(self.config[sub])
             if self.config[sub].get("ckpt_path") == "last":
                 self.config[sub].ckpt_path = _find_last_checkpoint(self.config[sub])
             check_ckpt_path(self.config[sub].get("ckpt_path"))
@@ -242,8 +266,9 @@ def _lightning_cli(args: list[str] | None):
                 sys.exit(0)
 
     trainer_defaults = {
-        "default_root_dir": "runs",
-        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "mixerzoo"}},
+        "default_root_dir": DEFAULT_ROOT_DIR,
+        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                   "init_args": {"save_dir": DEFAULT_ROOT_DIR, "name": "mixerzoo"}},
         # a class_path (not an instance) so that jsonargparse can write it into the run's config.yaml
         "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__qualname__}"}],
     }

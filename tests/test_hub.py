@@ -464,3 +464,30 @@ def test_transformers_save_pretrained_round_trip(text_export, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), trust_remote_code=False)
     assert type(again).__module__ == "mixerzoo.hf.modeling"
     assert torch.equal(again.model.embed.weight, model.model.embed.weight)
+
+
+def test_transformers_without_mixerzoo_names_the_package_and_version(recall, tmp_path):
+    """Loading an export with trust_remote_code where mixerzoo is not importable: one line naming what to install
+    and the versions the export was made with (a subprocess whose import system refuses `mixerzoo*`)."""
+    import subprocess
+
+    folder = export_checkpoint(recall["last"], tmp_path / "exp")
+    script = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "mixerzoo" or name.startswith("mixerzoo.") or name.startswith("mixerzoo_"):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+from transformers import AutoModelForCausalLM
+try:
+    AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+except ImportError as e:
+    print("IMPORT-ERROR:", e)
+"""
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("IMPORT-ERROR:")]
+    assert line, out.stdout + out.stderr
+    assert f"mixerzoo {mixerzoo.__version__}" in line[0]
+    assert f"pip install 'mixerzoo=={mixerzoo.__version__}'" in line[0]

@@ -218,3 +218,40 @@ def test_shell_mixer_option_override_is_merged_without_warnings(in_tmp):
     assert run.returncode == 0, run.stderr[-2000:]
     assert yaml.safe_load(run.stdout)["model"]["mixers"]["swa"] == {"window": 4, "qk_norm": "rms"}
     assert "args parameter" not in run.stderr and "Traceback" not in run.stderr
+
+
+def test_default_root_dir_holds_logs_and_checkpoints_and_resume_finds_them(in_tmp, capsys):
+    """Lightning's convention: --trainer.default_root_dir DIR puts the logs and checkpoints under DIR (not runs/),
+    and --ckpt_path last looks there."""
+    (in_tmp / "r.yaml").write_text(RECIPE)
+    assert main(["fit", "--config", "r.yaml", "--trainer.default_root_dir", "elsewhere"]) == 0
+    assert not (in_tmp / "runs").exists()
+    ckpts = glob.glob(str(in_tmp / "elsewhere/mixerzoo/version_0/checkpoints/last.ckpt"))
+    assert ckpts and (in_tmp / "elsewhere/mixerzoo/version_0/config.yaml").is_file()
+    capsys.readouterr()
+    assert main(["fit", "--config", "r.yaml", "--trainer.default_root_dir", "elsewhere", "--trainer.max_steps", "3",
+                 "--ckpt_path", "last"]) == 0
+    assert "training from scratch" not in capsys.readouterr().err
+    assert load_checkpoint(glob.glob(str(in_tmp / "elsewhere/mixerzoo/version_1/checkpoints/last.ckpt"))[0])[
+        "global_step"] == 3
+    # a logger the user configured keeps its own save_dir
+    assert main(["fit", "--config", "r.yaml", "--trainer.default_root_dir", "elsewhere",
+                 "--trainer.logger.init_args.save_dir", "logs_here"]) == 0
+    assert (in_tmp / "logs_here/mixerzoo/version_0/config.yaml").is_file()
+
+
+def test_step_based_progress_bar_counts_steps(tmp_path):
+    """With max_steps and max_epochs -1 the bar reads `Step s/max_steps`, never Lightning's `Epoch 1/-2`, and its
+    length is the batches left, not the whole epoch."""
+    from mixerzoo.training import StepProgressBar
+
+    bar = StepProgressBar()
+    t = trainer(tmp_path, max_steps=5, max_epochs=-1, enable_progress_bar=True, callbacks=[bar])
+    t.fit(LMModule(**TINY), tiny_data(train_examples=512))
+    assert bar._get_train_description(t.current_epoch) == f"Step 5/5 (epoch {t.current_epoch})"
+    assert "-" not in bar._get_train_description(0)
+    epochs = StepProgressBar()
+    t = trainer(tmp_path, max_steps=-1, max_epochs=1, limit_train_batches=2, val_check_interval=1.0, enable_progress_bar=True,
+                callbacks=[epochs])
+    t.fit(LMModule(**TINY), tiny_data())
+    assert epochs._get_train_description(0).strip() == "Epoch 0/0"

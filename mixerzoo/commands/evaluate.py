@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--icr_value_len", type=int, default=None, help="ICR tokens per value (default 8 or the trained)")
     p.add_argument("--tokenizer", nargs="+", default=None,
                    help="tokenizer.json to use instead of the checkpoint's (one for all, or one per checkpoint)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (they are drawn only on a terminal anyway)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: as saved)")
@@ -118,7 +119,7 @@ def main(argv: list[str], out: IO[str] | None = None) -> int:
         if not console.is_terminal:
             console.width = max(console.width, 160)  # logs: keep every checkpoint's column readable
         command = "mixerzoo evaluate " + " ".join(shlex.quote(a) for a in argv)
-        results = run_evaluation(models, settings, console=console, command=command)
+        results = run_evaluation(models, settings, console=console, command=command, quiet=args.quiet)
         paths = write_outputs(results, args.out)
         console.print(f"[mixerzoo evaluate] wrote {paths['report']}, {paths['json']}"
                       + (f" and {len(paths['figures'])} figure(s)" if paths["figures"] else ""))

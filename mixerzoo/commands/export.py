@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="a tokenizer.json to ship instead of the one saved in the checkpoint")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="cast the floating weights (default: as trained)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (drawn only on a terminal anyway)")
     return p
 
 
@@ -50,7 +51,7 @@ def main(argv: list[str]) -> int:
             print(f"pushed {args.checkpoint} to {url}")
             return 0
         folder = export_checkpoint(args.checkpoint, args.out_dir, repo_id=args.repo_id, tokenizer=args.tokenizer,
-                                   dtype=args.dtype)
+                                   dtype=args.dtype, quiet=args.quiet)
         print(f"exported {args.checkpoint} -> {folder}")
         if args.push:
             url = push_to_hub(folder, args.repo_id, private=args.private)

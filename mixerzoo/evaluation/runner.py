@@ -102,16 +102,11 @@ def _is_text(em: EvalModel) -> bool:
     return em.tokenizer is not None and not str(em.info.get("tokenizer", "")).startswith("synthetic")
 
 
-def _progress(console):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=False)
-
-
-def run_evaluation(models: Sequence[EvalModel], settings: EvalSettings, console=None, command: str = "") -> dict:
+def run_evaluation(models: Sequence[EvalModel], settings: EvalSettings, console=None, command: str = "",
+                   quiet: bool = False) -> dict:
     """Evaluate every model on every task of ``settings``; returns the results dict of
-    :mod:`mixerzoo.evaluation.report` (printing each task's table as it finishes).
+    :mod:`mixerzoo.evaluation.report` (printing each task's table as it finishes). Progress bars with an ETA
+    are drawn on ``console`` when it is a terminal and ``quiet`` is False (:func:`mixerzoo.progress.progress_bar`).
 
     Raises:
         ConfigError: bad settings, no document long enough, an unusable ``--split``.
@@ -146,7 +141,9 @@ def run_evaluation(models: Sequence[EvalModel], settings: EvalSettings, console=
     def done(task: str) -> None:
         print_tables(results, console, titles={_title_prefix(task)})
 
-    with _progress(console) as progress:
+    from ..progress import progress_bar
+
+    with progress_bar(console, quiet=quiet) as progress:
         if "loss" in tasks:
             res = results["results"]["loss"] = {}
             for em in models:

@@ -14,28 +14,9 @@ Alternatively :func:`register` makes ``model_type: mixerzoo`` known to the Auto 
 
 from __future__ import annotations
 
-__all__ = ["REMOTE_CODE", "AUTO_MAP", "ARCHITECTURE", "register"]
+from ..hub.remote_code import ARCHITECTURE, AUTO_MAP, remote_code
 
-ARCHITECTURE = "MixerzooForCausalLM"
-AUTO_MAP = {
-    "AutoConfig": "configuration_mixerzoo.MixerzooConfig",
-    "AutoModelForCausalLM": "modeling_mixerzoo.MixerzooForCausalLM",
-}
-
-_SHIM = '''"""{what} of a mixerzoo model, for `transformers` with trust_remote_code=True.
-
-The code lives in the installed `mixerzoo` package (pip install mixerzoo, plus the plugins this model's
-config.json lists under mixerzoo.plugins); this file only points transformers at it.
-"""
-
-from mixerzoo.hf.{module} import {names}  # noqa: F401
-'''
-
-REMOTE_CODE = {
-    "configuration_mixerzoo.py": _SHIM.format(what="Configuration", module="configuration", names="MixerzooConfig"),
-    "modeling_mixerzoo.py": _SHIM.format(what="Model", module="modeling",
-                                         names="MixerzooConfig, MixerzooForCausalLM"),
-}
+__all__ = ["AUTO_MAP", "ARCHITECTURE", "remote_code", "register"]
 
 
 def register() -> None:

@@ -165,7 +165,8 @@ class MixerzooForCausalLM(PreTrainedModel, GenerationMixin):
 
         from safetensors.torch import save_file
 
-        from . import ARCHITECTURE, AUTO_MAP, REMOTE_CODE
+        from .. import __version__
+        from ..hub.remote_code import ARCHITECTURE, AUTO_MAP, remote_code
         from ..hub.export import safetensors_weights
         from ..hub.load import CONFIG_NAME, WEIGHTS_NAME
 
@@ -192,7 +193,7 @@ class MixerzooForCausalLM(PreTrainedModel, GenerationMixin):
                       dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
         atomic(CONFIG_NAME, lambda p: p.write_text(json.dumps(config, indent=2, default=str) + "\n"))
         self.generation_config.save_pretrained(str(folder))
-        for filename, text in REMOTE_CODE.items():
+        for filename, text in remote_code(__version__, self.config.mixerzoo.get("plugins")).items():
             atomic(filename, lambda p, text=text: p.write_text(text))
 
     @classmethod

@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..hf import ARCHITECTURE, AUTO_MAP, REMOTE_CODE
 from ..model import LanguageModel
 from ..model.config import ConfigError
 from .card import model_card
 from .checkpoint import TrainedModel, read_checkpoint, tokenizer_json
+from .remote_code import ARCHITECTURE, AUTO_MAP, remote_code
 from .load import CONFIG_NAME, GENERATION_CONFIG_NAME, TOKENIZER_NAME, WEIGHTS_NAME, _dtype, plugin_metadata
 
 __all__ = ["export_checkpoint", "export_trained", "write_folder_atomic", "push_to_hub", "HubPushError",
@@ -172,7 +172,7 @@ def export_trained(trained: TrainedModel, out_dir: str | os.PathLike, *, repo_id
         (folder / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(trained), indent=2) + "\n")
         (folder / GENERATION_CONFIG_NAME).write_text(json.dumps(generation, indent=2) + "\n")
         (folder / "README.md").write_text(card)
-        for filename, text in REMOTE_CODE.items():
+        for filename, text in remote_code(__version__, plugins).items():
             (folder / filename).write_text(text)
         for f in folder.iterdir():
             os.chmod(f, 0o644)
@@ -225,7 +225,7 @@ def _is_network_error(e: BaseException) -> bool:
 
 def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, repo_id: str | None = None,
                       push: bool = False, private: bool = False, tokenizer: str | None = None,
-                      dtype: str | torch.dtype | None = None) -> Path:
+                      dtype: str | torch.dtype | None = None, quiet: bool = True) -> Path:
     """Export a Lightning checkpoint of :class:`~mixerzoo.training.LMModule` to a Hub folder, and optionally
     push it.
 
@@ -236,6 +236,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         push: upload the folder after writing it. private: create the repository as private.
         tokenizer: a tokenizer.json to ship instead of the one saved in the checkpoint.
         dtype: cast floating weights (``float32``, ``bfloat16``, ``float16``); default as trained.
+        quiet: no progress bar (one is drawn over read / write / push only on a terminal).
 
     Raises:
         ConfigError: ``push`` without ``repo_id``, or a checkpoint that cannot be exported (see
@@ -243,9 +244,15 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     """
     if push and not repo_id:
         raise ConfigError("--push needs --repo-id owner/name (the Hub repository to create or update)")
-    trained = read_checkpoint(checkpoint, tokenizer=tokenizer)
-    folder = export_trained(trained, out_dir, repo_id=repo_id, dtype=dtype)
-    if push:
-        push_to_hub(folder, repo_id, private=private)
+    from ..progress import stages
+
+    with stages("export", ["read checkpoint", "write folder"] + (["push"] if push else []), quiet=quiet) as step:
+        trained = read_checkpoint(checkpoint, tokenizer=tokenizer)
+        step()
+        folder = export_trained(trained, out_dir, repo_id=repo_id, dtype=dtype)
+        step()
+        if push:
+            push_to_hub(folder, repo_id, private=private)
+            step()
     return folder
 

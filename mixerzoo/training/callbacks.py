@@ -1,4 +1,4 @@
-"""Callbacks that every run gets: measured throughput and peak memory."""
+"""Callbacks that every run gets: measured throughput and peak memory, and a progress bar that counts steps."""
 
 from __future__ import annotations
 
@@ -8,8 +8,45 @@ import time
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
 
-__all__ = ["ThroughputLogger", "peak_memory_mb"]
+__all__ = ["ThroughputLogger", "StepProgressBar", "peak_memory_mb", "is_step_based"]
+
+
+def is_step_based(trainer) -> bool:
+    """A run bounded by ``max_steps`` with no epoch limit (``max_epochs: -1`` or unset with ``max_steps``)."""
+    return trainer.max_steps is not None and trainer.max_steps > 0 and (trainer.max_epochs in (None, -1))
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's Rich progress bar, labelled by optimizer step for step-based runs.
+
+    Lightning labels the training bar ``Epoch {e}/{max_epochs - 1}``, which reads ``Epoch 1/-2`` when a recipe
+    trains for ``max_steps`` with ``max_epochs: -1`` (every synthetic-task recipe). For such runs the bar reads
+    ``Step {global_step}/{max_steps} (epoch e)`` and its length is the batches left before ``max_steps`` (not
+    the whole epoch the run will not finish). Epoch-based runs keep Lightning's label.
+    """
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        trainer = self.trainer
+        if not is_step_based(trainer):
+            return super()._get_train_description(current_epoch)
+        return f"Step {trainer.global_step}/{trainer.max_steps} (epoch {current_epoch})"
+
+    @property
+    def total_train_batches(self) -> int | float:
+        total = super().total_train_batches
+        trainer = self.trainer
+        if is_step_based(trainer):
+            left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+            total = min(total, left) if total != float("inf") else left
+        return total
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if is_step_based(trainer) and self.progress is not None and self.train_progress_bar_id is not None:
+            self.progress.update(self.train_progress_bar_id,
+                                 description=self._get_train_description(trainer.current_epoch))
 
 
 def peak_memory_mb(device: torch.device | str | None = None) -> float:
