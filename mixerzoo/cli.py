@@ -20,7 +20,8 @@ import warnings
 __all__ = ["main", "MixerzooCLI", "print_plugins"]
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
-SUBCOMMANDS = {"evaluate": "evaluate", "export": "export", "generate": "generate", "new-plugin": "new_plugin"}  # name -> commands.<module>
+SUBCOMMANDS = {"evaluate": "evaluate", "export": "export", "generate": "generate", "import": "import_pretrained",
+               "new-plugin": "new_plugin"}  # name -> commands.<module>
 
 
 def print_plugins(stream=None) -> int:
@@ -131,72 +132,19 @@ def _check_config_files(argv: list[str]) -> None:
                               f"such as recipes/quickstart.yaml")
 
 
-MIXER_OVERRIDE = "--model.mixers."
-
-
-def _split_mixer_overrides(args: list[str]) -> tuple[list[str], list[tuple[list[str], str]], bool]:
-    """Take ``--model.mixers.NAME.KEY VALUE`` (or ``=VALUE``) out of ``args``.
-
-    jsonargparse replaces ``model.mixers.NAME`` as a whole when one of its keys is given this way, so every
-    other option of that layer (from the recipe or the checkpoint) would silently fall back to the mixer's
-    default. These overrides are applied after parsing instead, key by key (:func:`_apply_mixer_overrides`).
-
-    Returns ``(remaining args, [(key path below model.mixers, raw value)], print_config requested)``; when there
-    are overrides, ``--print_config`` is taken out too and handled after they are applied.
-    """
-    rest, overrides, i = [], [], 0
-    while i < len(args):
-        arg = args[i]
-        if arg.startswith(MIXER_OVERRIDE) and arg[len(MIXER_OVERRIDE):].count(".") >= 1:
-            key, eq, value = arg[len(MIXER_OVERRIDE):].partition("=")
-            if not eq:
-                if i + 1 >= len(args):
-                    from .model.config import ConfigError
-
-                    raise ConfigError(f"{arg} needs a value, e.g. {arg} 128")
-                value, i = args[i + 1], i + 1
-            overrides.append((key.split("."), value))
-        else:
-            rest.append(arg)
-        i += 1
-    print_config = False
-    if overrides:
-        kept = [a for a in rest if not (a == "--print_config" or a.startswith("--print_config="))]
-        print_config = len(kept) != len(rest)
-        rest = kept
-    return rest, overrides, print_config
-
-
-def _apply_mixer_overrides(mixers: dict | None, overrides: list[tuple[list[str], str]]) -> dict:
-    """Merge ``overrides`` (from :func:`_split_mixer_overrides`) into ``model.mixers`` key by key; values are
-    read as YAML (``true`` -> True, ``8`` -> 8, ``[1, 2]`` -> list), as jsonargparse reads untyped options."""
-    import yaml
-
-    merged = {name: dict(opts or {}) for name, opts in (mixers or {}).items()}
-    for path, raw in overrides:
-        node = merged
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                from .model.config import ConfigError
-
-                raise ConfigError(f"--model.mixers.{'.'.join(path)}: model.mixers.{part} is not a mapping")
-        node[path[-1]] = yaml.safe_load(raw)
-    return merged
-
-
 def _lightning_cli(args: list[str] | None):
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
     from lightning.pytorch.cli import LightningCLI
 
     from .data import LMDataModule
+    from .model.config import apply_mixer_overrides, split_mixer_overrides
     from .training import LMModule, ThroughputLogger
     from .training.checkpoints import AtomicCheckpointIO, check_ckpt_path
 
     # Lightning 2.6 deprecation noise about torch's pytree internals, printed on every run; nothing a user can act on.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     from_shell = args is None
-    args, mixer_overrides, print_config = _split_mixer_overrides(list(sys.argv[1:] if from_shell else args))
+    args, mixer_overrides, print_config = split_mixer_overrides(list(sys.argv[1:] if from_shell else args))
     MODEL_DEFAULTS = {name: p.default for name, p in inspect.signature(LMModule.__init__).parameters.items()
                       if p.default is not inspect.Parameter.empty}
 
@@ -255,7 +203,7 @@ def _lightning_cli(args: list[str] | None):
             for k, v in explicit.items():
                 self.config[sub].model[k] = v
             if mixer_overrides:
-                self.config[sub].model.mixers = _apply_mixer_overrides(self.config[sub].model.get("mixers"),
+                self.config[sub].model.mixers = apply_mixer_overrides(self.config[sub].model.get("mixers"),
                                                                        mixer_overrides)
             if print_config:
                 # --print_config was held back so that it shows the merged mixers: print the subcommand's config
@@ -288,13 +236,15 @@ def _lightning_cli(args: list[str] | None):
 
 
 USAGE = """usage: mixerzoo {fit,validate,test,predict} --config RECIPE.yaml [--field value ...]
-       mixerzoo export CKPT OUT_DIR [--repo-id NAME --push] [--private]
-       mixerzoo generate CKPT_OR_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S]
-       mixerzoo evaluate --ckpt A.ckpt [B.ckpt ...] --out DIR [--tasks loss,mqar,icr,niah,cost] [--data DOCS ...]
+       mixerzoo import SOURCE OUT_DIR [--gguf-file F]     (transformers folder, .gguf or Hub id)
+       mixerzoo export CKPT OUT_DIR [--repo-id NAME --push] [--private] [--native]
+       mixerzoo generate MODEL --prompt TEXT [--chat] [--max-new-tokens N --temperature T --top-k K --top-p P --seed S]
+       mixerzoo evaluate --ckpt A [B ...] --out DIR [--mixers YAML ...] [--tasks loss,mqar,icr,niah,cost] [--data DOCS ...]
        mixerzoo plugins
        mixerzoo new-plugin NAME [--dir PATH]
 
   fit/validate/test/predict  train or evaluate with Lightning (add --help for every field)
+  import                     turn a pretrained Llama/Mistral/Qwen2/Qwen3 model into a mixerzoo model folder
   export                     write a Hugging Face Hub folder from a checkpoint (and push it)
   evaluate                   per-position loss, recall sweeps and measured cost of checkpoints (report + JSON + PNGs)
   generate                   stream text from a checkpoint, an exported folder or a Hub repository

@@ -68,8 +68,9 @@ class RoPE(PositionalEncoding):
         if rotary_dim < 2:
             raise ValueError(f"rope rotary_fraction={rotary_fraction} of head_dim={head_dim} leaves no channel pair")
         self.head_dim, self.rotary_dim, self.theta, self.rotary_fraction = head_dim, rotary_dim, theta, rotary_fraction
-        inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # computed in float32 exactly as transformers' Llama does, so imported models rotate bit for bit alike
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``(time, rotary_dim)`` for absolute ``positions`` of shape ``(time,)``."""

@@ -31,7 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "(MQAR, ICR, needle in a haystack) and measured cost at each context length; writes report.md, "
                     "results.json and PNGs to --out.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ckpt", nargs="+", required=True, help="Lightning checkpoint(s) of mixerzoo models")
+    p.add_argument("--ckpt", nargs="+", required=True,
+                   help="models: Lightning checkpoints, export/import folders, Hub ids, transformers folders or .gguf "
+                        "files (the same path may be given twice with different --mixers)")
+    p.add_argument("--mixers", nargs="+", default=None,
+                   help="per --ckpt, YAML overrides of its model.mixers, e.g. '{}' '{attention: {mixer: tova, "
+                        "multi_state: 256}}' (the layer's other options are kept)")
     p.add_argument("--names", nargs="+", default=None, help="a label per checkpoint (default: the run folder)")
     p.add_argument("--out", required=True, help="output folder (created; files in it are overwritten)")
     p.add_argument("--tasks", default="loss,mqar,icr,niah,cost",
@@ -76,6 +81,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _yaml_mapping(text: str, field: str) -> dict:
+    """``text`` read as a YAML mapping of layer name -> options (``{}`` for none)."""
+    import yaml
+
+    from ..model.config import ConfigError
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{field}: {text!r} is not YAML ({str(e).splitlines()[0]})") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, dict) or v is None for v in value.values()):
+        raise ConfigError(f"{field}: {text!r} must map layer names to options, e.g. '{{attention: {{mixer: tova, "
+                          f"multi_state: 256}}}}'")
+    return value
+
+
 def main(argv: list[str], out: IO[str] | None = None) -> int:
     """Run ``mixerzoo evaluate``; returns the exit status (2 for user errors, printed as one line)."""
     args = build_parser().parse_args(argv)
@@ -97,6 +120,11 @@ def main(argv: list[str], out: IO[str] | None = None) -> int:
             raise ConfigError(f"--tokenizer has {len(toks)} path(s) for {len(args.ckpt)} checkpoint(s); give one for "
                               f"all or one per --ckpt")
         toks = toks * len(args.ckpt) if len(toks) == 1 else toks
+        mixers = [_yaml_mapping(m, f"--mixers[{i}]") for i, m in enumerate(args.mixers or [])] or [None]
+        if len(mixers) not in (1, len(args.ckpt)):
+            raise ConfigError(f"--mixers has {len(mixers)} override(s) for {len(args.ckpt)} model(s); give one for "
+                              f"all or one per --ckpt")
+        mixers = mixers * len(args.ckpt) if len(mixers) == 1 else mixers
         settings = EvalSettings(
             tasks=parse_tasks(args.tasks), lengths=args.lengths, block=args.block, max_len=args.max_len,
             chunk=args.chunk, segments=args.segments, max_docs=args.max_docs, data=args.data, split=args.split,
@@ -107,9 +135,9 @@ def main(argv: list[str], out: IO[str] | None = None) -> int:
         settings.check()
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         models, used = [], set()
-        for i, (path, tok) in enumerate(zip(args.ckpt, toks)):
+        for i, (path, tok, mix) in enumerate(zip(args.ckpt, toks, mixers)):
             name = args.names[i] if args.names else None
-            em = load_eval_model(path, name, tok, device=device, dtype=args.dtype)
+            em = load_eval_model(path, name, tok, device=device, dtype=args.dtype, mixers=mix)
             base, k = em.name, 2
             while em.name in used:  # two runs with the same folder name
                 em.name, k = f"{base}-{k}", k + 1

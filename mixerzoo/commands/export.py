@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Export a Lightning checkpoint to a Hugging Face Hub folder (config.json, model.safetensors, "
                     "tokenizer.json, generation_config.json, README.md model card, transformers shims), optionally "
                     "pushing it. With a single exported folder and --push, push that folder.")
-    p.add_argument("checkpoint", help="the .ckpt file (read with weights_only=True), or an exported folder to push")
+    p.add_argument("checkpoint", help="the .ckpt file (read with weights_only=True), or an exported folder to push "
+                                      "(with --native: any model source, e.g. a `mixerzoo import` folder)")
     p.add_argument("out_dir", nargs="?", help="the folder to write (a previous export there is replaced atomically)")
     p.add_argument("--repo-id", help="Hub repository owner/name (named in the model card; needed by --push)")
     p.add_argument("--push", action="store_true", help="upload the folder with huggingface_hub after writing it")
@@ -30,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="cast the floating weights (default: as trained)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (drawn only on a terminal anyway)")
+    p.add_argument("--native", action="store_true",
+                   help="write a native transformers folder (LlamaForCausalLM, MistralForCausalLM, Qwen2/Qwen3) with "
+                        "no remote code; only for models whose layers are all attention / sliding-window attention")
     return p
 
 
@@ -49,6 +53,14 @@ def main(argv: list[str]) -> int:
                                   "to push it")
             url = push_to_hub(args.checkpoint, args.repo_id, private=args.private)
             print(f"pushed {args.checkpoint} to {url}")
+            return 0
+        if args.native:
+            from ..hub.native import export_native
+
+            if args.push:
+                raise ConfigError("--native with --push: export first, then push the folder with --repo-id --push")
+            folder = export_native(args.checkpoint, args.out_dir, dtype=args.dtype, quiet=args.quiet)
+            print(f"exported {args.checkpoint} -> {folder} (native transformers, no remote code)")
             return 0
         folder = export_checkpoint(args.checkpoint, args.out_dir, repo_id=args.repo_id, tokenizer=args.tokenizer,
                                    dtype=args.dtype, quiet=args.quiet)

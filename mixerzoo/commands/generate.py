@@ -22,40 +22,17 @@ __all__ = ["main", "build_parser", "load_for_generation", "stream_text"]
 
 
 def load_for_generation(source: str, tokenizer: str | None = None, device: str | None = None,
-                        dtype: str | None = None):
-    """``(model, tokenizer, eos_id)`` from a ``.ckpt`` file, an export folder or a Hub repository id.
+                        dtype: str | None = None, mixers: dict | None = None):
+    """``(model, tokenizer, eos_id)`` from any source :func:`mixerzoo.hub.load_model` opens (a ``.ckpt``, an
+    export folder, a Hub repository id, a transformers folder or a ``.gguf`` file).
 
     Raises:
-        FileNotFoundError, ConfigError, MissingPluginError, HubDownloadError: see :func:`mixerzoo.hub.read_checkpoint`
-            and :func:`mixerzoo.hub.from_pretrained`.
+        FileNotFoundError, ConfigError, MissingPluginError, HubDownloadError: see :func:`mixerzoo.hub.load_model`.
     """
-    from ..data.text import find_eos_id, load_tokenizer
+    from ..hub.source import load_model
 
-    if source.endswith(".ckpt") and not os.path.isfile(os.path.expanduser(source)):
-        raise FileNotFoundError(f"{source!r}: no such checkpoint file")
-    if os.path.isfile(os.path.expanduser(source)):
-        from ..hub import read_checkpoint
-
-        trained = read_checkpoint(os.path.expanduser(source), tokenizer=tokenizer)
-        model, tok, eos_id = trained.build_model(), trained.tokenizer, trained.eos_id
-    else:
-        import json
-
-        from ..hub.load import GENERATION_CONFIG_NAME, TOKENIZER_NAME, build_from_folder, resolve_folder
-
-        folder = resolve_folder(source)
-        model = build_from_folder(folder)
-        tok = load_tokenizer(tokenizer or folder / TOKENIZER_NAME, field="tokenizer")
-        eos_id = find_eos_id(tok)
-        gen = folder / GENERATION_CONFIG_NAME
-        if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id", eos_id)
-            eos_id = eos[0] if isinstance(eos, list) and eos else eos
-    if device is not None or dtype is not None:
-        from ..hub.load import _dtype
-
-        model.to(device=device, dtype=_dtype(dtype))
-    return model.eval(), tok, eos_id
+    loaded = load_model(source, tokenizer=tokenizer, mixers=mixers, device=device, dtype=dtype)
+    return loaded.model, loaded.tokenizer, loaded.eos_id
 
 
 def stream_text(model, tokenizer, prompt_ids: list[int], out: IO[str], max_new_tokens: int = 64,
@@ -108,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mixerzoo generate",
         description="Generate text from a checkpoint, an exported folder or a Hub repository id, streaming tokens "
                     "to stdout (each step reuses the mixers' states) and reporting tokens/s on stderr.")
-    p.add_argument("source", help="a Lightning .ckpt, a folder made by `mixerzoo export`, or a Hub repo id")
+    p.add_argument("source", help="a Lightning .ckpt, a folder made by `mixerzoo export`/`import`, a Hub repo id, "
+                                  "or a pretrained transformers folder / .gguf file")
     p.add_argument("--prompt", default="", help="the text to continue (default: start after end-of-text)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy; default 1.0")
@@ -120,15 +98,50 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (default: as saved)")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json to use instead of the model's")
     p.add_argument("--no-echo", action="store_true", help="do not print the prompt before the continuation")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as one user message in the model's chat template (imported chat models)")
+    p.epilog = ("Change layers before generating with --model.mixers.NAME.KEY VALUE, as in `mixerzoo fit`, e.g. "
+                "--model.mixers.attention.mixer tova --model.mixers.attention.multi_state 256")
     return p
+
+
+def mixer_overrides(argv: list[str]) -> tuple[list[str], dict]:
+    """Take ``--model.mixers.NAME.KEY VALUE`` out of ``argv``: ``(the rest, {NAME: {KEY: value}})``."""
+    from ..model.config import apply_mixer_overrides, split_mixer_overrides
+
+    rest, overrides, _ = split_mixer_overrides(argv)
+    return rest, apply_mixer_overrides({}, overrides) if overrides else {}
+
+
+def chat_prompt(template: str | None, prompt: str, bos_token: str | None = None) -> str:
+    """``prompt`` as one user message rendered by the model's Jinja chat template with the generation prompt
+    (rendered by transformers' ``apply_chat_template(..., add_generation_prompt=True)``; only the template and the
+    bos token take part, so a placeholder tokenizer stands in for the real one).
+
+    Raises:
+        ConfigError: the model has no chat template.
+    """
+    from ..model.config import ConfigError
+
+    if not template:
+        raise ConfigError("--chat: this model has no chat template (tokenizer_config.json chat_template); drop --chat")
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    wrapper = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str('{"version": "1.0", "model": {"type": '
+                                                                          '"WordLevel", "vocab": {}, "unk_token": ""}}'),
+                                      chat_template=template, bos_token=bos_token)
+    return wrapper.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True)
 
 
 def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     """Run ``mixerzoo generate``; returns the exit status (2 for user errors)."""
-    args = build_parser().parse_args(argv)
     out, err = out or sys.stdout, err or sys.stderr
     status = [0]
     with user_errors(status):
+        argv, mixers = mixer_overrides(list(argv))
+        args = build_parser().parse_args(argv)
         from ..model.config import ConfigError
 
         if args.max_new_tokens < 1:
@@ -139,9 +152,16 @@ def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None
             raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         t0 = time.perf_counter()
-        model, tok, eos_id = load_for_generation(args.source, args.tokenizer, device=device, dtype=args.dtype)
+        from ..hub.source import load_model
+
+        loaded = load_model(args.source, tokenizer=args.tokenizer, mixers=mixers, device=device, dtype=args.dtype)
+        model, tok, eos_id = loaded.model, loaded.tokenizer, loaded.eos_id
         load_s = time.perf_counter() - t0
-        prompt_ids = tok.encode(args.prompt).ids if args.prompt else []
+        prompt = args.prompt
+        if args.chat:
+            settings = loaded.trained.tokenizer_settings
+            prompt = chat_prompt(settings.get("chat_template"), prompt, settings.get("bos_token"))
+        prompt_ids = tok.encode(prompt).ids if prompt else []
         if not prompt_ids:
             if eos_id is None:
                 raise ConfigError("--prompt is empty and the tokenizer has no end-of-text token to start from; give "

@@ -2,7 +2,7 @@
 
 Importing this module registers :class:`MixerzooLM` under the name ``mixerzoo`` (lm-eval's ``register_model``).
 It loads a Lightning checkpoint, a folder made by ``mixerzoo export`` or a Hub repository id, with its own
-tokenizer (:func:`mixerzoo.commands.generate.load_for_generation`), and answers the three request types through
+tokenizer (:func:`mixerzoo.hub.load_model`), and answers the three request types through
 the Mixer protocol only, one request at a time:
 
 - ``loglikelihood(context, continuation)``: ``[eos] + context + continuation`` streamed ``chunk`` tokens at a time
@@ -51,10 +51,11 @@ class MixerzooLM(LM):
                  dtype: str | None = None, chunk: int = 1024, max_gen_toks: int = 256, batch_size: int = 1,
                  **_: object) -> None:
         super().__init__()
-        from ..commands.generate import load_for_generation
+        from ..hub.source import load_model
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model, self.tokenizer, self.eos_id = load_for_generation(str(pretrained), tokenizer, device, dtype)
+        loaded = load_model(str(pretrained), tokenizer=tokenizer, device=device, dtype=dtype)
+        self.model, self.tokenizer, self.eos_id = loaded.model, loaded.tokenizer, loaded.eos_id
         self.vocab = int(self.model.config.vocab_size)
         self.chunk, self.max_gen_toks = int(chunk), int(max_gen_toks)
 

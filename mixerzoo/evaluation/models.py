@@ -48,36 +48,35 @@ class EvalModel:
 
 
 def load_eval_model(path: str, name: str | None = None, tokenizer: str | None = None, device: str | None = None,
-                    dtype: str | None = None) -> EvalModel:
-    """Load a Lightning checkpoint of :class:`~mixerzoo.training.LMModule` for evaluation.
+                    dtype: str | None = None, mixers: dict | None = None) -> EvalModel:
+    """Open any model source for evaluation (:func:`mixerzoo.hub.load_model`): a Lightning checkpoint, an export
+    folder or Hub id, or a pretrained transformers folder / ``.gguf`` file.
 
-    Reads it with ``torch.load(weights_only=True)`` (:func:`mixerzoo.hub.read_checkpoint`); the tokenizer is the
-    one stored in the checkpoint unless ``tokenizer`` (a tokenizer.json) is given.
+    Args:
+        tokenizer: a tokenizer.json to use instead of the model's. mixers: per-layer-name option overrides
+            (e.g. ``{"attention": {"mixer": "tova", "multi_state": 256}}``).
 
     Raises:
-        FileNotFoundError: no such file. ConfigError: not a mixerzoo checkpoint, weights that do not fit, or no
+        FileNotFoundError: no such file. ConfigError: not a mixerzoo model, weights that do not fit, or no
             tokenizer for a text model. UnknownNameError / PluginImportError: a mixer that is not installed.
     """
-    from ..hub import read_checkpoint
-    from ..hub.load import _dtype
+    from ..hub.source import load_model
 
-    if not os.path.isfile(os.path.expanduser(path)):
-        raise FileNotFoundError(f"--ckpt {path!r}: no such checkpoint file")
-    trained = read_checkpoint(os.path.expanduser(path), tokenizer=tokenizer)
-    model = trained.build_model()
-    if device is not None or dtype is not None:
-        model.to(device=device, dtype=_dtype(dtype))
-    data = trained.recipe.get("data", {})
+    loaded = load_model(os.path.expanduser(path), tokenizer=tokenizer, mixers=mixers, device=device, dtype=dtype)
+    trained, model = loaded.trained, loaded.model
+    data = trained.recipe.get("data", {}) or {}
     args = dict(data.get("init_args") or {})
     cfg = trained.config
+    origin = trained.origin or {}
+    seq_len = args.get("seq_len") or origin.get("max_position_embeddings")
     info = {"path": os.path.abspath(os.path.expanduser(path)), "layer_types": list(cfg.layer_types),
             "mixers": cfg.mixers, "d_model": cfg.d_model, "n_layers": cfg.n_layers, "vocab_size": cfg.vocab_size,
             "parameters": model.num_parameters(non_embedding=False),
             "non_embedding_parameters": model.num_parameters(), "global_step": trained.global_step,
-            "training_tokens": trained.training_tokens, "train_seq_len": args.get("seq_len"),
-            "data": data.get("class_path"), "tokenizer": trained.tokenizer_source}
-    seq_len = args.get("seq_len")
-    return EvalModel(name=name or _default_name(path), model=model.eval(), tokenizer=trained.tokenizer,
+            "training_tokens": trained.training_tokens, "train_seq_len": seq_len,
+            "data": data.get("class_path"), "tokenizer": trained.tokenizer_source,
+            **({"pretrained": origin.get("source"), "model_type": origin.get("model_type")} if origin else {})}
+    return EvalModel(name=name or _default_name(path), model=model, tokenizer=trained.tokenizer,
                      eos_id=trained.eos_id, train_seq_len=seq_len if isinstance(seq_len, int) else None,
                      data_class=data.get("class_path"), data_args=args, info=info)
 

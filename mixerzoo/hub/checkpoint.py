@@ -41,6 +41,9 @@ class TrainedModel:
             hyper-parameters are unknown.
         metrics: scalars (ModelCheckpoint's monitored metric, best and current score, epoch, step).
         source: the checkpoint's path.
+        origin: for an imported pretrained model, where it came from (source, model_type, transformers config);
+            written to config.json under ``mixerzoo.origin``. None for models trained here.
+        tokenizer_settings: special tokens and chat template for tokenizer_config.json (imported models).
     """
 
     config: LMConfig
@@ -54,6 +57,8 @@ class TrainedModel:
     training_tokens: int | None
     metrics: dict
     source: str
+    origin: dict | None = None
+    tokenizer_settings: dict = dataclasses.field(default_factory=dict)
 
     def build_model(self) -> LanguageModel:
         """The :class:`LanguageModel` with these weights, in eval mode.

@@ -73,7 +73,8 @@ def _config_json(trained: TrainedModel, plugins: dict, dtype: torch.dtype) -> di
         "model_type": "mixerzoo",
         "auto_map": dict(AUTO_MAP),
         "lm_config": cfg.to_dict(),
-        "mixerzoo": {"version": __version__, "plugins": plugins},
+        "mixerzoo": {"version": __version__, "plugins": plugins,
+                     **({"origin": trained.origin} if trained.origin else {})},
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
@@ -92,12 +93,15 @@ def _tokenizer_config(trained: TrainedModel) -> dict:
            "clean_up_tokenization_spaces": False, "padding_side": "right"}
     if eos is not None:
         out.update(eos_token=eos, pad_token=eos)
+    out.update(trained.tokenizer_settings)  # an imported model's own special tokens and chat template
     return out
 
 
 def _is_export(folder: Path) -> bool:
+    """A folder mixerzoo wrote: its own export (``model_type: mixerzoo``) or a native transformers export."""
     try:
-        return json.loads((folder / CONFIG_NAME).read_text()).get("model_type") == "mixerzoo"
+        cfg = json.loads((folder / CONFIG_NAME).read_text())
+        return cfg.get("model_type") == "mixerzoo" or "mixerzoo_native_export" in cfg
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -233,3 +233,39 @@ def load_tokenizer(path_or_repo_id: str | os.PathLike, **hub_kwargs):
     from ..data.text import load_tokenizer as _load
 
     return _load(resolve_folder(path_or_repo_id, **hub_kwargs) / TOKENIZER_NAME, field="tokenizer")
+
+
+def read_export(path_or_repo_id: str | os.PathLike, tokenizer: str | None = None, **hub_kwargs):
+    """An export folder (or Hub repository) as a :class:`~mixerzoo.hub.checkpoint.TrainedModel`: config, weights,
+    tokenizer, end-of-text id, and the recipe/origin recorded at export (what :func:`mixerzoo.hub.load_model`
+    builds from, as it does from a checkpoint or an imported transformers model).
+
+    Raises:
+        FileNotFoundError, HubDownloadError, ConfigError, MissingPluginError: see :func:`from_pretrained`.
+    """
+    from ..data.text import find_eos_id, load_tokenizer as _load
+    from .checkpoint import TrainedModel
+
+    folder = resolve_folder(path_or_repo_id, **hub_kwargs)
+    config, meta = read_config(folder)
+    check_plugins(config, meta, where=f"{folder}: ")
+    tok = _load(tokenizer or folder / TOKENIZER_NAME, field="tokenizer")
+    eos_id = find_eos_id(tok)
+    gen = folder / GENERATION_CONFIG_NAME
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id", eos_id)
+        eos_id = eos[0] if isinstance(eos, list) and eos else eos
+    settings = {}
+    tok_cfg = folder / "tokenizer_config.json"
+    if tok_cfg.is_file():
+        try:
+            settings = {k: v for k, v in json.loads(tok_cfg.read_text()).items()
+                        if k in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template",
+                                 "model_max_length")}
+        except ValueError:
+            settings = {}
+    return TrainedModel(config=config, state_dict=load_folder_weights(folder), tokenizer=tok,
+                        tokenizer_source=str(tokenizer or folder / TOKENIZER_NAME), eos_id=eos_id,
+                        recipe=dict(meta.get("recipe") or {"model": config.to_dict(), "data": {}}),
+                        global_step=int(meta.get("global_step") or 0), batches=0, training_tokens=None,
+                        metrics={}, source=str(folder), origin=meta.get("origin"), tokenizer_settings=settings)

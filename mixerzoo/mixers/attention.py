@@ -70,9 +70,10 @@ class Attention(Mixer):
         n_kv_heads: key/value heads for grouped-query attention (default ``n_heads``).
         head_dim: channels per head (default ``d_model // n_heads``).
         positional: ``rope`` (default), ``{name: rope, rotary_fraction: 0.5, theta: 10000}`` or ``nope``.
-        qk_norm: per-head ``rms`` or ``layernorm`` on q and k, or none.
+        qk_norm: per-head ``rms`` or ``layernorm`` on q and k, or none; qk_norm_eps: its epsilon.
         token_shift, value_residual: backbone options of the KVM paper (see :class:`QKVProjection`).
-        bias: biases on the q/k/v/o projections.
+        bias: biases on the q/k/v projections, and on o unless ``o_bias`` says otherwise.
+        o_bias: bias on the output projection (default: ``bias``; Qwen2 has q/k/v biases and none on o).
         use_reference: compute with :func:`attention_reference` instead of SDPA (for tests).
 
     State: :class:`KVCache`; grows by one key/value per token (bounded for ``swa``/``bswa``).
@@ -84,11 +85,11 @@ class Attention(Mixer):
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, head_dim: int | None = None,
                  positional: Any = "rope", qk_norm: str | None = None, token_shift: bool = False,
                  value_residual: bool = False, bias: bool = False, use_reference: bool = False,
-                 layer_idx: int = 0) -> None:
+                 layer_idx: int = 0, o_bias: bool | None = None, qk_norm_eps: float | None = None) -> None:
         super().__init__()
         self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim, positional, qk_norm, token_shift,
-                                 value_residual, bias)
-        self.o_proj = nn.Linear(n_heads * self.qkv.head_dim, d_model, bias=bias)
+                                 value_residual, bias, qk_norm_eps)
+        self.o_proj = nn.Linear(n_heads * self.qkv.head_dim, d_model, bias=bias if o_bias is None else o_bias)
         self.use_reference = use_reference
         self.layer_idx = layer_idx
 

@@ -16,14 +16,16 @@ from ..positional import build_positional
 __all__ = ["QKVProjection", "head_norm"]
 
 
-def head_norm(kind: str | None, head_dim: int) -> nn.Module:
-    """Per-head normalisation over ``head_dim``: ``None``/``"none"``, ``"rms"`` or ``"layernorm"`` (with bias)."""
+def head_norm(kind: str | None, head_dim: int, eps: float | None = None) -> nn.Module:
+    """Per-head normalisation over ``head_dim``: ``None``/``"none"``, ``"rms"`` or ``"layernorm"`` (with bias).
+
+    ``eps`` defaults to 1e-6 for ``rms`` (Qwen3's per-head q/k RMSNorm) and 1e-5 for ``layernorm``."""
     if kind in (None, "none", False):
         return nn.Identity()
     if kind == "rms":
-        return nn.RMSNorm(head_dim, eps=1e-6)
+        return nn.RMSNorm(head_dim, eps=1e-6 if eps is None else eps)
     if kind == "layernorm":
-        return nn.LayerNorm(head_dim, eps=1e-5)
+        return nn.LayerNorm(head_dim, eps=1e-5 if eps is None else eps)
     raise ValueError(f"qk_norm must be one of none, rms, layernorm; got {kind!r}")
 
 
@@ -37,6 +39,7 @@ class QKVProjection(nn.Module):
         head_dim: channels per head ``D``; default ``d_model // n_heads``.
         positional: positional strategy spec (``"rope"``, ``{name: rope, rotary_fraction: 0.5}``, ``"nope"``).
         qk_norm: per-head norm on q and k before the positional encoding: none, rms, layernorm.
+        qk_norm_eps: its epsilon (default 1e-6 for rms, 1e-5 for layernorm).
         token_shift: mix each projected q/k/v with the previous token's, ``a_t + mu * (a_{t-1} - a_t)``
             with learned per-channel ``mu`` (init 0.5). The previous token's projections live in the state.
         value_residual: ``v <- v + (v_first - v) * sigmoid(lambda)`` with ``v_first`` the values of the first
@@ -49,7 +52,7 @@ class QKVProjection(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
                  positional: Any = "rope", qk_norm: str | None = None, token_shift: bool = False,
-                 value_residual: bool = False, bias: bool = False) -> None:
+                 value_residual: bool = False, bias: bool = False, qk_norm_eps: float | None = None) -> None:
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
         if head_dim is None:
@@ -62,8 +65,8 @@ class QKVProjection(nn.Module):
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
-        self.q_norm = head_norm(qk_norm, head_dim)
-        self.k_norm = head_norm(qk_norm, head_dim)
+        self.q_norm = head_norm(qk_norm, head_dim, qk_norm_eps)
+        self.k_norm = head_norm(qk_norm, head_dim, qk_norm_eps)
         self.pos = build_positional(positional, head_dim)
         self.token_shift = token_shift
         if token_shift:

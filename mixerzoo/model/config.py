@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import registry
 
-__all__ = ["LMConfig", "LayerSpec", "ConfigError"]
+__all__ = ["LMConfig", "LayerSpec", "ConfigError", "split_mixer_overrides", "apply_mixer_overrides"]
 
 
 class ConfigError(ValueError):
@@ -187,3 +187,53 @@ def _option_types(factory, options: dict) -> str:
         declared = "" if ann is inspect.Parameter.empty else f" (declared {getattr(ann, '__name__', ann)})"
         parts.append(f"{key}={value!r}{declared}")
     return ", ".join(parts) or "none"
+
+
+MIXER_OVERRIDE = "--model.mixers."
+
+
+def split_mixer_overrides(args: list[str]) -> tuple[list[str], list[tuple[list[str], str]], bool]:
+    """Take ``--model.mixers.NAME.KEY VALUE`` (or ``=VALUE``) out of ``args``.
+
+    jsonargparse replaces ``model.mixers.NAME`` as a whole when one of its keys is given this way, so every
+    other option of that layer (from the recipe or the checkpoint) would silently fall back to the mixer's
+    default. These overrides are applied after parsing instead, key by key (:func:`apply_mixer_overrides`).
+
+    Returns ``(remaining args, [(key path below model.mixers, raw value)], print_config requested)``; when there
+    are overrides, ``--print_config`` is taken out too and handled after they are applied.
+    """
+    rest, overrides, i = [], [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith(MIXER_OVERRIDE) and arg[len(MIXER_OVERRIDE):].count(".") >= 1:
+            key, eq, value = arg[len(MIXER_OVERRIDE):].partition("=")
+            if not eq:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"{arg} needs a value, e.g. {arg} 128")
+                value, i = args[i + 1], i + 1
+            overrides.append((key.split("."), value))
+        else:
+            rest.append(arg)
+        i += 1
+    print_config = False
+    if overrides:
+        kept = [a for a in rest if not (a == "--print_config" or a.startswith("--print_config="))]
+        print_config = len(kept) != len(rest)
+        rest = kept
+    return rest, overrides, print_config
+
+
+def apply_mixer_overrides(mixers: dict | None, overrides: list[tuple[list[str], str]]) -> dict:
+    """Merge ``overrides`` (from :func:`split_mixer_overrides`) into ``model.mixers`` key by key; values are
+    read as YAML (``true`` -> True, ``8`` -> 8, ``[1, 2]`` -> list), as jsonargparse reads untyped options."""
+    import yaml
+
+    merged = {name: dict(opts or {}) for name, opts in (mixers or {}).items()}
+    for path, raw in overrides:
+        node = merged
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--model.mixers.{'.'.join(path)}: model.mixers.{part} is not a mapping")
+        node[path[-1]] = yaml.safe_load(raw)
+    return merged

@@ -1,0 +1,141 @@
+"""One way to open a model, whatever it is stored as: ``load_model(source)``.
+
+Every command (``generate``, ``evaluate``, ``export``, the lm-evaluation-harness class, ``fit``'s
+``model.init_from``) opens models here. A *source* is
+
+- a Lightning checkpoint ``*.ckpt`` of :class:`~mixerzoo.training.LMModule` (read with ``weights_only=True``),
+- a folder written by ``mixerzoo export`` / ``mixerzoo import``, or a Hub repository id holding one,
+- a pretrained transformers causal LM: a transformers folder or a ``.gguf`` file (imported on the fly,
+  :mod:`mixerzoo.hub.pretrained`).
+
+Each is read into a :class:`~mixerzoo.hub.checkpoint.TrainedModel` (config, weights, tokenizer, eos id, recipe,
+origin); ``mixers`` overrides (``{"attention": {"mixer": "tova", "multi_state": 256}}``, the same merge as
+``--model.mixers.NAME.KEY VALUE`` on the command line) change layers before the model is built, so a pretrained
+model's attention layers become TOVA (or any mixer whose parameters are attention's) without retraining.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..model import LanguageModel, LMConfig
+from .checkpoint import TrainedModel
+
+__all__ = ["LoadedModel", "open_source", "load_model", "with_mixers", "source_kind"]
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready to run and what came with it.
+
+    Attributes:
+        model: the :class:`LanguageModel`, in eval mode, on the requested device and dtype.
+        tokenizer: a ``tokenizers.Tokenizer``. eos_id: end-of-text id (None without one).
+        trained: the :class:`TrainedModel` it was built from (config after overrides, recipe, origin, metrics).
+        kind: ``checkpoint``, ``export`` or ``transformers``.
+    """
+
+    model: LanguageModel
+    tokenizer: Any
+    eos_id: int | None
+    trained: TrainedModel
+    kind: str
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.trained.tokenizer_settings.get("chat_template")
+
+
+def source_kind(source: str | os.PathLike) -> str:
+    """``checkpoint`` (a file that is not ``.gguf``), ``transformers`` (a ``.gguf`` or a transformers folder) or
+    ``export`` (a mixerzoo export folder or a Hub repository id)."""
+    from .pretrained import is_transformers_source
+
+    p = Path(os.path.expanduser(os.fspath(source)))
+    if is_transformers_source(p):
+        return "transformers"
+    if p.is_file() or os.fspath(source).endswith(".ckpt"):
+        return "checkpoint"
+    return "export"
+
+
+def open_source(source: str | os.PathLike, tokenizer: str | None = None, quiet: bool = True) -> tuple[TrainedModel, str]:
+    """Read any source (see the module docstring) into a :class:`TrainedModel`; returns it and its kind.
+
+    Raises:
+        FileNotFoundError: no such file/folder. ConfigError: not a mixerzoo checkpoint/export, weights that do not
+            fit, an unsupported pretrained architecture. MissingPluginError, HubDownloadError: see
+            :func:`mixerzoo.hub.from_pretrained`.
+    """
+    kind = source_kind(source)
+    path = os.path.expanduser(os.fspath(source))
+    if kind == "checkpoint":
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{os.fspath(source)!r}: no such checkpoint file")
+        from .checkpoint import read_checkpoint
+
+        return read_checkpoint(path, tokenizer=tokenizer), kind
+    if kind == "transformers":
+        from ..progress import stages
+        from .pretrained import read_transformers, trained_from_transformers
+
+        with stages("import", ["read with transformers", "map weights"], quiet=quiet) as step:
+            src = read_transformers(path, quiet=quiet)
+            step()
+            trained = trained_from_transformers(src)
+            step()
+        if tokenizer is not None:
+            from ..data.text import load_tokenizer
+
+            trained.tokenizer = load_tokenizer(tokenizer, field="--tokenizer")
+        return trained, kind
+    from .load import read_export
+
+    return read_export(source, tokenizer=tokenizer), kind
+
+
+def with_mixers(config: LMConfig, mixers: dict | None) -> LMConfig:
+    """``config`` with ``mixers`` merged into ``config.mixers`` key by key (a layer's other options are kept)."""
+    if not mixers:
+        return config
+    merged = {name: dict(opts or {}) for name, opts in config.mixers.items()}
+    for name, opts in mixers.items():
+        merged.setdefault(name, {}).update(opts or {})
+    return LMConfig(**{**config.to_dict(), "mixers": merged})
+
+
+def load_model(source: str | os.PathLike, *, tokenizer: str | None = None, mixers: dict | None = None,
+               device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+               quiet: bool = True) -> LoadedModel:
+    """Open ``source`` and build its model (every weight loaded exactly), in eval mode.
+
+    Args:
+        source: a ``.ckpt``, an export folder / Hub id, a transformers folder or a ``.gguf`` file.
+        tokenizer: a tokenizer.json to use instead of the model's own.
+        mixers: per-layer-name option overrides merged into ``config.mixers`` before building (e.g.
+            ``{"attention": {"mixer": "tova", "multi_state": 256}}``); the weights must still fit.
+        device, dtype: where and in which floating type to run (default: CPU; the dtype of the weights).
+        quiet: no progress bar while importing a transformers model.
+
+    Raises:
+        FileNotFoundError, ConfigError, MissingPluginError, HubDownloadError: see :func:`open_source`;
+        ConfigError also when the overridden layers' parameters do not fit the weights (names them).
+    """
+    from .checkpoint import load_weights
+    from .load import _dtype
+
+    trained, kind = open_source(source, tokenizer=tokenizer, quiet=quiet)
+    trained.config = with_mixers(trained.config, mixers)
+    model = LanguageModel(trained.config)
+    load_weights(model, trained.state_dict, where=trained.source)
+    want = _dtype(dtype) if dtype not in (None, "auto") else next(
+        (t.dtype for t in trained.state_dict.values() if t.is_floating_point()), None)
+    if want is not None or device is not None:
+        model.to(device=device, dtype=want)
+    return LoadedModel(model=model.eval(), tokenizer=trained.tokenizer, eos_id=trained.eos_id, trained=trained,
+                       kind=kind)
