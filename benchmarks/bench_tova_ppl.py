@@ -1,6 +1,8 @@
-"""Perplexity of a trained attention LM under KV-cache eviction policies (paper, appendix A table 3, in shape).
+"""Perplexity of an attention LM under KV-cache eviction policies (paper, appendix A table 3, in shape).
 
-The checkpoint (trained with ``recipes/tova/books-attention.yaml``) is loaded once; for every policy and
+The model is any source :func:`mixerzoo.hub.load_model` opens: a checkpoint trained with
+``recipes/tova/books-attention.yaml`` (windows from the recipe's held-out books), or a pretrained LLM imported
+with ``mixerzoo import`` / a ``.gguf`` file (windows from ``--data`` documents). It is loaded once; for every policy and
 multi-state size its attention layers are switched with ``mixerzoo_tova.convert`` (weights unchanged) and
 held-out book windows are scored. ``full`` is the unchanged attention model. As in the paper (section 5.1),
 each window is as long as the training sequence, so the full model works at the length it was trained for.
@@ -15,6 +17,10 @@ Usage::
 
     python benchmarks/bench_tova_ppl.py --ckpt runs/tova/.../checkpoints/last.ckpt \\
         --config recipes/tova/books-attention.yaml --chunked 64 --ablation --out docs/results/tova_ppl.md
+    # a real pretrained LLM (SmolLM2-135M), 8 held-out book windows of 2048 tokens
+    mixerzoo import ../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf smollm2/
+    python benchmarks/bench_tova_ppl.py --ckpt smollm2/ --data ../shared/data/books --windows 8 --length 2048 \\
+        --sizes 64,128,256,512,1024 --head-sizes 256,512 --threads 2 --out docs/results/tova_smollm2.md
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from mixerzoo.model import LanguageModel, LMConfig
-from mixerzoo.training.checkpoints import load_checkpoint
+from mixerzoo.hub import load_model
+from mixerzoo.model import LanguageModel
+from mixerzoo.progress import progress_bar
 from mixerzoo_tova import convert
 
 PAPER = {  # appendix A table 3, LLaMA-2-7B on PG-19, multi-state 64/128/256/512 (full 4096: 7.16)
@@ -39,15 +46,24 @@ PAPER = {  # appendix A table 3, LLaMA-2-7B on PG-19, multi-state 64/128/256/512
     "h2o": (10.22, 8.97, 8.21, 7.75), "tova": (9.53, 8.32, 7.71, 7.41)}
 
 
-def load_model(ckpt_path: str) -> LanguageModel:
-    """The :class:`LanguageModel` of a ``mixerzoo fit`` checkpoint (LMModule hyper-parameters + weights)."""
-    ckpt = load_checkpoint(ckpt_path)
-    hp = ckpt["hyper_parameters"]
-    config = LMConfig(**{k: hp[k] for k in LMConfig.__dataclass_fields__ if k in hp})
-    model = LanguageModel(config)
-    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-    model.load_state_dict(state, strict=True)
-    return model.eval()
+def book_windows(paths: list[str], tokenizer, n_windows: int, length: int, offset: int) -> tuple[torch.Tensor, dict]:
+    """One window of ``length + 1`` tokens from each of ``n_windows`` documents (the longest first), starting
+    ``offset`` tokens in (past front matter), tokenised with the model's own tokenizer."""
+    from mixerzoo.evaluation.documents import read_documents
+
+    docs = read_documents(paths)
+    order = sorted(range(len(docs)), key=lambda i: -len(docs[i]))
+    windows, used = [], []
+    for i in order:
+        ids = tokenizer.encode(docs[i]).ids
+        if len(ids) >= offset + length + 1:
+            windows.append(ids[offset:offset + length + 1])
+            used.append(i)
+        if len(windows) == n_windows:
+            break
+    if len(windows) < n_windows:
+        raise ValueError(f"only {len(windows)} documents hold {offset + length + 1} tokens; lower --windows/--length")
+    return torch.tensor(windows), {"documents": used, "offset": offset, "paths": paths}
 
 
 def heldout_windows(config_path: str, n_windows: int, length: int) -> tuple[torch.Tensor, dict]:
@@ -99,6 +115,22 @@ def truncated_perplexity(model: LanguageModel, windows: torch.Tensor, context: i
         if n == x.shape[1] else float("nan")
 
 
+def profile_pass(model: LanguageModel, window: torch.Tensor, k: int, path: str) -> None:
+    """torch.profiler table (self CPU time, top 25 ops) of one TOVA pass at multi-state ``k`` over ``window``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bounded = convert(model, multi_state=k, policy="tova")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        bounded(window[:, :-1])
+        wall = time.perf_counter() - t0
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    with open(path, "w") as f:
+        f.write(f"TOVA k={k}, one window of {window.shape[1] - 1} tokens, {wall:.1f} s wall "
+                f"(torch threads {torch.get_num_threads()})\n\n{table}\n")
+    print(f"profile written to {path} ({wall:.1f} s)", flush=True)
+
+
 def plot(results: dict, sizes: list[int], full: float, path: str, title: str, main: set[str]) -> None:
     import matplotlib
 
@@ -107,8 +139,9 @@ def plot(results: dict, sizes: list[int], full: float, path: str, title: str, ma
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, row in results.items():  # the main policies, the paper's baseline and the chunked approximation
-        if label in main or "baseline" in label or "chunked" in label:
-            ax.plot(sizes, [row[str(s)] for s in sizes], marker="o", label=label,
+        if label in main or "baseline" in label or "chunked" in label or label == "tova-head":
+            xs = [s for s in sizes if str(s) in row]
+            ax.plot(xs, [row[str(s)] for s in xs], marker="o", label=label,
                     linestyle="--" if "chunked" in label else (":" if "baseline" in label else "-"))
     ax.axhline(full, color="k", linestyle=":", label=f"full attention ({full:.1f})")
     ax.set_xscale("log", base=2)
@@ -128,7 +161,15 @@ def plot(results: dict, sizes: list[int], full: float, path: str, title: str, ma
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--replot", default=None, help="only redraw the PNG from a .json this script wrote")
-    p.add_argument("--ckpt", default=None, help="checkpoint of `mixerzoo fit --config recipes/tova/books-attention.yaml`")
+    p.add_argument("--ckpt", "--model", default=None,
+                   help="any model source: a checkpoint of `mixerzoo fit --config recipes/tova/books-attention.yaml`, "
+                        "a `mixerzoo import` folder, a .gguf file")
+    p.add_argument("--data", nargs="+", default=None,
+                   help="documents to cut the windows from (one per document) instead of the recipe's held-out split")
+    p.add_argument("--offset", type=int, default=4096, help="with --data: first token of each window in its document")
+    p.add_argument("--head-sizes", default="", help="also TOVA head-wise (per KV head) at these sizes")
+    p.add_argument("--profile", default=None,
+                   help="write a torch.profiler table of one TOVA (k=smallest size) pass over one window here")
     p.add_argument("--config", default="recipes/tova/books-attention.yaml", help="the recipe (for the data split)")
     p.add_argument("--windows", type=int, default=8, help="held-out windows")
     p.add_argument("--length", type=int, default=None, help="tokens per window (default: the recipe's seq_len)")
@@ -153,11 +194,16 @@ def main() -> None:
     if args.ckpt is None:
         p.error("--ckpt is required (or --replot)")
 
-    with open(args.config) as f:
-        seq_len = yaml.safe_load(f)["data"]["init_args"]["seq_len"]
-    length = args.length or seq_len
-    model = load_model(args.ckpt)
-    windows, info = heldout_windows(args.config, args.windows, length)
+    loaded = load_model(args.ckpt)
+    model = loaded.model
+    if args.data:
+        length = args.length or 2048
+        windows, info = book_windows(args.data, loaded.tokenizer, args.windows, length, args.offset)
+    else:
+        with open(args.config) as f:
+            seq_len = yaml.safe_load(f)["data"]["init_args"]["seq_len"]
+        length = args.length or seq_len
+        windows, info = heldout_windows(args.config, args.windows, length)
     sizes = [int(s) for s in args.sizes.split(",")]
     policies = args.policies.split(",")
     t0 = time.perf_counter()
@@ -175,28 +221,41 @@ def main() -> None:
     if args.chunked:
         runs.append((f"tova (chunked, chunk_len {args.chunked})",
                      dict(policy="tova", eval_mode="chunked", chunk_len=args.chunked)))
+    head_sizes = [int(s) for s in args.head_sizes.split(",") if s]
+    if head_sizes:
+        runs.append(("tova-head", dict(policy="tova", per_head=True, sizes=head_sizes)))
+    if args.profile:
+        profile_pass(model, windows[:1], min(sizes), args.profile)
     main_rows = set(policies)
-    for label, options in runs:
-        results[label] = {}
-        for k in sizes:
+    cells = [(label, options, k) for label, options in runs for k in options.get("sizes", sizes)]
+    seconds: dict[str, dict[str, float]] = {}
+    with progress_bar() as progress:
+        bar = progress.add_task("policies x sizes", total=len(cells))
+        for label, options, k in cells:
             t0 = time.perf_counter()
-            bounded = convert(model, multi_state=k, **options)
-            results[label][str(k)] = perplexity(bounded, windows, args.batch)
-            print(f"{label:>32} k={k:<5} ppl {results[label][str(k)]:10.3f} ({time.perf_counter() - t0:.0f} s)",
+            bounded = convert(model, multi_state=k, **{o: v for o, v in options.items() if o != "sizes"})
+            results.setdefault(label, {})[str(k)] = perplexity(bounded, windows, args.batch)
+            seconds.setdefault(label, {})[str(k)] = time.perf_counter() - t0
+            print(f"{label:>32} k={k:<5} ppl {results[label][str(k)]:10.3f} ({seconds[label][str(k)]:.0f} s)",
                   flush=True)
+            progress.advance(bar)
     header = "| policy | " + " | ".join(str(s) for s in sizes) + f" | full ({length}) |"
     lines = [header, "|---|" + "---|" * (len(sizes) + 1)]
     for label, row in results.items():
         policy_rows = [r for name, r in results.items() if name in main_rows]
         best = label in main_rows and all(row[str(s)] <= min(r[str(s)] for r in policy_rows) + 1e-9 for s in sizes)
-        cells = " | ".join(f"{row[str(s)]:.2f}" for s in sizes)
+        cells = " | ".join(f"{row[str(s)]:.2f}" if str(s) in row else "" for s in sizes)
         lines.append(f"| {label}{' (best at every size)' if best else ''} | {cells} | {full:.2f} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
-        meta = (f"Held-out perplexity, {args.windows} windows x {length} tokens from the validation books "
-                f"(documents {info['val_documents']} of the recipe's split, {info['val_tokens']} tokens), "
-                f"checkpoint `{args.ckpt}`; exact decode-time eviction.")
+        where = (f"documents {info['documents']} of {args.data} (largest first), tokens {args.offset}.."
+                 f"{args.offset + length} of each" if args.data else
+                 f"the validation books (documents {info['val_documents']} of the recipe's split, "
+                 f"{info['val_tokens']} tokens)")
+        meta = (f"Perplexity, {args.windows} windows x {length} tokens from {where}, model `{args.ckpt}`; exact "
+                f"decode-time eviction (one token at a time once the multi-state is full). Seconds per cell: "
+                f"{json.dumps({k: {s: round(v) for s, v in row.items()} for k, row in seconds.items()})}.")
         with open(args.out, "w") as f:
             f.write(meta + "\n\n" + table + "\n")
         stem = os.path.splitext(args.out)[0]
@@ -204,7 +263,7 @@ def main() -> None:
                  f"{args.windows}x{length} tokens")
         with open(stem + ".json", "w") as f:
             json.dump({"args": vars(args), "title": title, "length": length, "full": full, "results": results, "data": info,
-                       "paper_table3": PAPER}, f, indent=1)
+                       "seconds": seconds, "paper_table3": PAPER}, f, indent=1)
         plot(results, sizes, full, stem + ".png", title, main_rows)
 
 

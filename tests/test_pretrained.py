@@ -207,3 +207,47 @@ def test_smollm2_gguf_matches_transformers_and_answers_a_chat_prompt(shared_data
     assert main(["generate", str(folder), "--chat", "--prompt", "What is the capital of France?",
                  "--temperature", "0", "--max-new-tokens", "24", "--no-echo"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_fit_starts_from_imported_weights_with_new_layers_reported(tmp_path, capsys):
+    """``model.init_from``: the imported backbone's fields and weights; a changed layer's new parameters are
+    listed and initialised; an unchanged layer starts exactly from the imported weights."""
+    from mixerzoo.training import LMModule
+
+    tiny_hf("llama", tmp_path / "hf")
+    folder = import_pretrained(tmp_path / "hf", tmp_path / "imported")
+    same = LMModule(init_from=str(folder), mixers={"attention": {"mixer": "tova", "multi_state": 16}})
+    assert same.hparams.n_layers == 3 and same.hparams.d_model == 64 and same.hparams.vocab_size == VOCAB
+    assert same.hparams.mixers["attention"]["n_kv_heads"] == 2  # the imported options are kept
+    same.configure_model()
+    assert same.init_report["new"] == [] and same.init_report["unused"] == []
+    ref = load_model(folder).model
+    for name, p in ref.state_dict().items():
+        assert torch.equal(same.model.state_dict()[name], p), name
+    # kvm layers: q/k/v/o and the rest load, KVM's own parameters are new and reported
+    kvm = LMModule(init_from=str(folder), layer_types=["attention", "kvm_layer"],
+                   mixers={"kvm_layer": {"mixer": "kvm", "n_heads": 4, "n_kv_heads": 2, "head_dim": 16}})
+    kvm.configure_model()
+    report = kvm.init_report
+    assert any(k.startswith("blocks.1.mixer.qkv.q_proj") for k in report["loaded"])
+    assert report["new"] and all(k.startswith("blocks.1.") for k in report["new"])
+    assert report["unused"] == []
+
+
+def test_fit_from_the_command_line_with_init_from(tmp_path, in_tmp):
+    """A short ``mixerzoo fit`` from an imported model (the imported tokenizer, tokens of the tiny vocabulary)."""
+    tiny_hf("llama", tmp_path / "hf")
+    folder = import_pretrained(tmp_path / "hf", tmp_path / "imported")
+    text = " ".join(f"t{i % VOCAB}" for i in range(4000))
+    (in_tmp / "corpus.txt").write_text(text)
+    (in_tmp / "r.yaml").write_text(f"""
+model: {{init_from: {folder}, lr: 1.0e-4, warmup_steps: 1}}
+data:
+  class_path: mixerzoo.data.TextDataModule
+  init_args: {{paths: corpus.txt, tokenizer: {folder / 'tokenizer.json'}, seq_len: 32, batch_size: 2, sample_by: paragraph}}
+trainer: {{max_steps: 2, enable_progress_bar: false, limit_val_batches: 1, val_check_interval: 2}}
+""")
+    assert main(["fit", "--config", "r.yaml"]) == 0
+    ckpt = next(in_tmp.glob("runs/mixerzoo/version_0/checkpoints/last.ckpt"))
+    again = load_model(ckpt)
+    assert again.trained.config.n_layers == 3 and again.trained.config.mixers["attention"]["n_kv_heads"] == 2

@@ -98,6 +98,37 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], where
     model.load_state_dict(weights, strict=False)
 
 
+def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Copy into ``model`` every tensor of ``weights`` whose name and shape it has (a model initialised from a
+    pretrained one whose layers were partly changed); returns what happened, so nothing is dropped in silence:
+
+    - ``loaded``: names copied;
+    - ``new``: the model's parameters/buffers that ``weights`` lacks (they keep their fresh initialisation), e.g.
+      a KVM layer's temperatures where attention had none;
+    - ``unused``: names of ``weights`` the model has no place for, or with another shape (``name: file (shape)
+      vs model (shape)``).
+
+    Names the model ties to a loaded one (``head.weight`` tied to ``embed.weight``) count as loaded.
+    """
+    groups: dict[int, list[str]] = {}
+    for name, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(p), []).append(name)
+    alias_of = {n: names for names in groups.values() for n in names}
+    own = model.state_dict()
+    fit, unused = {}, []
+    for name, tensor in weights.items():
+        if name not in own:
+            unused.append(name)
+        elif tuple(tensor.shape) != tuple(own[name].shape):
+            unused.append(f"{name}: file {tuple(tensor.shape)} vs model {tuple(own[name].shape)}")
+        else:
+            fit[name] = tensor
+    model.load_state_dict(fit, strict=False)
+    loaded = sorted(fit)
+    new = sorted(k for k in own if k not in fit and not any(a in fit for a in alias_of.get(k, [])))
+    return {"loaded": loaded, "new": new, "unused": sorted(unused)}
+
+
 def id_tokenizer(vocab_size: int):
     """A tokenizer for synthetic tasks whose tokens are numbers: token ``i`` is the text ``"i"``, split on
     whitespace (``"3 17 5"`` -> ``[3, 17, 5]``), decoded with single spaces."""

@@ -26,7 +26,7 @@ import torch
 from ..model import LanguageModel, LMConfig
 from .checkpoint import TrainedModel
 
-__all__ = ["LoadedModel", "open_source", "load_model", "with_mixers", "source_kind"]
+__all__ = ["LoadedModel", "open_source", "load_model", "with_mixers", "source_kind", "read_lm_config"]
 
 
 @dataclasses.dataclass
@@ -139,3 +139,28 @@ def load_model(source: str | os.PathLike, *, tokenizer: str | None = None, mixer
         model.to(device=device, dtype=want)
     return LoadedModel(model=model.eval(), tokenizer=trained.tokenizer, eos_id=trained.eos_id, trained=trained,
                        kind=kind)
+
+
+def read_lm_config(source: str | os.PathLike) -> LMConfig:
+    """The :class:`LMConfig` of any source, reading as little as possible (an export's config.json, a
+    transformers config, or a checkpoint's hyper-parameters).
+
+    Raises:
+        FileNotFoundError, ConfigError: see :func:`open_source`.
+    """
+    kind = source_kind(source)
+    path = os.path.expanduser(os.fspath(source))
+    if kind == "transformers":
+        from transformers import AutoConfig
+
+        from .pretrained import lm_config_from_hf
+
+        p = Path(path)
+        kwargs = {"gguf_file": p.name} if p.is_file() else {}
+        return lm_config_from_hf(AutoConfig.from_pretrained(str(p.parent if p.is_file() else p), **kwargs))
+    if kind == "export":
+        from .load import read_config, resolve_folder
+
+        return read_config(resolve_folder(source))[0]
+    return open_source(source)[0].config
+

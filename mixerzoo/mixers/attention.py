@@ -70,7 +70,8 @@ class Attention(Mixer):
         n_kv_heads: key/value heads for grouped-query attention (default ``n_heads``).
         head_dim: channels per head (default ``d_model // n_heads``).
         positional: ``rope`` (default), ``{name: rope, rotary_fraction: 0.5, theta: 10000}`` or ``nope``.
-        qk_norm: per-head ``rms`` or ``layernorm`` on q and k, or none; qk_norm_eps: its epsilon.
+        qk_norm: per-head ``rms`` or ``layernorm`` on q and k, or none.
+        qk_norm_eps: epsilon of ``qk_norm`` (default 1e-6 for rms, as Qwen3; 1e-5 for layernorm).
         token_shift, value_residual: backbone options of the KVM paper (see :class:`QKVProjection`).
         bias: biases on the q/k/v projections, and on o unless ``o_bias`` says otherwise.
         o_bias: bias on the output projection (default: ``bias``; Qwen2 has q/k/v biases and none on o).

@@ -54,6 +54,9 @@ MODEL_FIELDS: dict[str, str] = {
     "min_lr_ratio": "Final learning rate as a fraction of `lr` (0: decay to zero).",
     "compile": "`torch.compile` each block (parameter names unchanged).",
     "max_bad_steps": "A step with a non-finite loss is skipped; this many in a row stop the run.",
+    "init_from": "Start from another model's weights (a `mixerzoo import` folder, an export, a checkpoint, a .gguf). "
+                 "Its backbone fields fill every field left at its default; `mixers` given are merged into its "
+                 "layers' options. Weights that fit are loaded; new and unused ones are listed at the start.",
 }
 
 # trainer.*: the most used of Lightning's Trainer arguments (`--help` lists all)

@@ -23,6 +23,48 @@ __all__ = ["LMModule", "NonFiniteLossError"]
 IGNORE_INDEX = -100
 
 
+def _fields_from(source: str, given: dict[str, Any]) -> dict[str, Any]:
+    """Backbone fields for ``init_from``: the source's, except where ``given`` differs from LMModule's default;
+    ``mixers`` given are merged into the source's key by key. Ordered as LMConfig's fields."""
+    import inspect
+
+    from ..hub.source import read_lm_config, with_mixers
+
+    defaults = {k: p.default for k, p in inspect.signature(LMModule.__init__).parameters.items()}
+    config = read_lm_config(source)
+    fields = config.to_dict()
+    for key, value in given.items():
+        default = defaults.get(key)
+        if key == "mixers" or value is None or value == default or (
+                isinstance(default, tuple) and list(value) == list(default)):
+            continue
+        fields[key] = list(value) if key == "layer_types" else value
+    if given.get("mixers"):
+        fields["mixers"] = with_mixers(LMConfig(**{**config.to_dict(), "layer_types": config.layer_types}),
+                                       given["mixers"]).mixers
+    return {k: fields[k] for k in LMConfig.__dataclass_fields__}
+
+
+def _load_init_weights(model: LanguageModel, source: str) -> dict:
+    """Load ``source``'s weights into ``model`` where they fit and print what was loaded, new and unused."""
+    from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+    from ..hub.checkpoint import load_matching_weights
+    from ..hub.source import open_source
+
+    trained, _ = open_source(source)
+    report = load_matching_weights(model, trained.state_dict)
+    n_new = sum(dict(model.named_parameters()).get(k, torch.empty(0)).numel() for k in report["new"])
+    rank_zero_info(f"model.init_from {source}: loaded {len(report['loaded'])} tensors; {len(report['new'])} new "
+                   f"(initialised, {n_new:,} parameters){': ' + ', '.join(report['new'][:8]) if report['new'] else ''}"
+                   f"{' ...' if len(report['new']) > 8 else ''}")
+    if report["unused"]:
+        rank_zero_warn(f"model.init_from {source}: {len(report['unused'])} weights of the source have no place in this "
+                       f"model and were not loaded: {', '.join(report['unused'][:8])}"
+                       f"{' ...' if len(report['unused']) > 8 else ''}")
+    return report
+
+
 class NonFiniteLossError(RuntimeError):
     """Raised after ``max_bad_steps`` consecutive steps with a non-finite loss."""
 
@@ -39,6 +81,13 @@ class LMModule(L.LightningModule):
             (to ``min_lr_ratio``; 0 = linear-to-zero) or ``constant``.
         compile: ``torch.compile`` each block (in place, parameter names unchanged).
         max_bad_steps: a step whose loss is not finite is skipped and counted; this many in a row stop the run.
+        init_from: start from the weights of another model (any source :func:`mixerzoo.hub.load_model` opens:
+            a ``mixerzoo import`` folder, an export, a checkpoint, a ``.gguf``). Its backbone fields are used
+            wherever this module's are left at their defaults; ``mixers`` given here are merged into its layers'
+            options key by key, so ``{attention: {mixer: tova}}`` or ``{attention: {mixer: kvm}}`` changes the
+            layers and keeps the rest. Every weight whose name and shape fit is loaded; the parameters it lacks
+            (a new mixer's own) keep their initialisation, and both lists are printed at the start of training
+            (``init_report``). Ignored when resuming (``--ckpt_path``): the checkpoint has the weights.
 
     Logged: ``train/loss``, ``train/acc``, ``val/loss``, ``val/ppl`` (exp of the token-weighted mean loss),
     ``val/acc`` (next-token accuracy over labelled positions).
@@ -73,11 +122,20 @@ class LMModule(L.LightningModule):
         min_lr_ratio: float = 0.1,
         compile: bool = False,
         max_bad_steps: int = 10,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
+        resolved = None
+        if init_from is not None:
+            resolved = _fields_from(init_from, {k: v for k, v in locals().items() if k in LMConfig.__dataclass_fields__})
+            layer_types, mixers = resolved["layer_types"], resolved["mixers"]
         if mixers is None:
             mixers = {name: {} for name in layer_types}
         self.save_hyperparameters()
+        if resolved is not None:  # LightningCLI hands save_hyperparameters the given values: record the resolved
+            self.hparams.update(resolved)
+            if getattr(self, "_hparams_initial", None) is not None:
+                self._hparams_initial.update(resolved)
         self.hparams["layer_types"] = list(layer_types)
         self.hparams["mixers"] = mixers
         if lr <= 0:
@@ -132,6 +190,10 @@ class LMModule(L.LightningModule):
         if getattr(self, "_hparams_initial", None) is not None:
             self._hparams_initial["vocab_size"] = vocab
         self.model = LanguageModel(self.lm_config(vocab))
+        self.init_report = None
+        resuming = self._trainer is not None and getattr(self._trainer, "ckpt_path", None)
+        if self.hparams.get("init_from") and not resuming:
+            self.init_report = _load_init_weights(self.model, self.hparams.init_from)
         seq_len = getattr(dm, "seq_len", None)
         if seq_len is not None:
             self.model.check_seq_len(seq_len)
