@@ -97,7 +97,7 @@ def _follow_default_root_dir(config) -> None:
 
 def _reraise_data_error(data) -> None:
     """Instantiate the configured data module again, outside jsonargparse, so that the error it raises reaches
-    :func:`~mixerzoo.errors.friendly_errors` as itself. Returns when that does not raise (or ``data`` is not a
+    :func:`~mixerzoo.errors.user_errors` as itself. Returns when that does not raise (or ``data`` is not a
     class_path/init_args config)."""
     import importlib
 
@@ -267,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return importlib.import_module(f".commands.{SUBCOMMANDS[argv[0]]}", __package__).main(argv[1:])
     if argv[0] in LIGHTNING_COMMANDS:
-        from .errors import friendly_errors
+        from .errors import user_errors
 
-        with friendly_errors():
+        with user_errors():
             _check_config_files(argv)
             _lightning_cli(None if from_shell else argv)
         return 0

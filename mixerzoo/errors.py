@@ -1,4 +1,10 @@
-"""Turning configuration and input mistakes into one clear message instead of a deep traceback."""
+"""User errors and the one printer that turns them into a single clear line instead of a deep traceback.
+
+Every error whose message already names the problem and the fix derives from :class:`UserError`
+(:class:`ConfigError`, the registry's unknown-name and plugin-import errors, the Hub's download/push errors), so
+every command prints them the same way through :func:`user_errors`. This module imports nothing else of mixerzoo:
+every other layer may import it.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +13,32 @@ import os
 import re
 import sys
 
-from .model.config import ConfigError
-from .registry import PluginImportError, UnknownNameError
+__all__ = ["UserError", "ConfigError", "user_errors", "friendly_errors", "user_error_types", "USER_ERRORS",
+           "out_of_memory_message"]
 
-__all__ = ["friendly_errors", "USER_ERRORS", "out_of_memory_message"]
 
-# Errors whose message already names the field and the fix: print it, exit 2, no traceback. Lightning's
-# MisconfigurationException is its own "this trainer setting cannot work" error (e.g. a strategy or precision
-# the machine does not support) and carries a readable message.
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, UnknownNameError, PluginImportError, FileNotFoundError)
-try:
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
+class UserError(Exception):
+    """Base of the errors a user fixes from the message alone (it names the field, file or package and the fix)."""
 
-    USER_ERRORS += (MisconfigurationException,)
-except ImportError:  # pragma: no cover - lightning is a dependency
-    pass
+
+class ConfigError(UserError, ValueError):
+    """A configuration value is wrong; the message names the field and the fix."""
+
+
+# Besides UserError: file-system errors carry the path and are the user's to fix.
+USER_ERRORS: tuple[type[BaseException], ...] = (UserError, FileNotFoundError, FileExistsError, NotADirectoryError,
+                                                IsADirectoryError)
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """:data:`USER_ERRORS`, plus Lightning's MisconfigurationException (its own "this trainer setting cannot work"
+    error, with a readable message) once Lightning is imported."""
+    extra: tuple[type[BaseException], ...] = ()
+    if "lightning" in sys.modules or "lightning.fabric" in sys.modules:
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        extra = (MisconfigurationException,)
+    return USER_ERRORS + extra
 
 
 def out_of_memory_message(e: BaseException) -> str | None:
@@ -43,19 +60,28 @@ def out_of_memory_message(e: BaseException) -> str | None:
 
 
 @contextlib.contextmanager
-def friendly_errors():
-    """Print user errors as ``mixerzoo: error: ...`` and exit with status 2 (``MIXERZOO_TRACEBACK=1`` shows the
-    traceback). Other exceptions propagate unchanged: they are bugs and deserve a traceback."""
+def user_errors(status: list | None = None):
+    """Print a user error (or an allocation failure) as one ``mixerzoo: error: ...`` line on stderr; then set
+    ``status[0] = 2`` when a ``status`` list is given (the subcommands return it), else exit with status 2.
+    ``MIXERZOO_TRACEBACK=1`` shows the traceback instead. Other exceptions propagate unchanged: they are bugs
+    and deserve a traceback."""
     try:
         yield
-    except USER_ERRORS as e:
-        if os.environ.get("MIXERZOO_TRACEBACK"):
-            raise
-        print(f"mixerzoo: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (RuntimeError, MemoryError) as e:
-        message = out_of_memory_message(e)
+    except Exception as e:  # noqa: BLE001 - filtered just below
+        if isinstance(e, user_error_types()):
+            message = str(e)
+        elif isinstance(e, (RuntimeError, MemoryError)):
+            message = out_of_memory_message(e)
+        else:
+            message = None
         if message is None or os.environ.get("MIXERZOO_TRACEBACK"):
             raise
         print(f"mixerzoo: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        if status is None:
+            sys.exit(2)
+        status[0] = 2
+
+
+def friendly_errors():
+    """Deprecated name of :func:`user_errors` without a status list (prints and exits with status 2)."""
+    return user_errors()

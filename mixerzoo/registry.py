@@ -16,19 +16,21 @@ import importlib
 import importlib.metadata as md
 from typing import Any, Callable
 
+from .errors import UserError
+
 __all__ = ["GROUPS", "Entry", "entries", "get", "names", "register", "UnknownNameError", "PluginImportError"]
 
 GROUPS = {"mixer": "mixerzoo.mixers", "positional": "mixerzoo.positional", "schedule": "mixerzoo.schedules"}
 
 
-class UnknownNameError(KeyError, ValueError):
+class UnknownNameError(UserError, KeyError, ValueError):
     """Raised when a mixer/positional/schedule name is not installed; the message lists installed names."""
 
     def __str__(self) -> str:  # KeyError would otherwise quote the message
         return str(self.args[0])
 
 
-class PluginImportError(ImportError):
+class PluginImportError(UserError, ImportError):
     """Raised when an installed plugin's entry point fails to import; names the distribution."""
 
 

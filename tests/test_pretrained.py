@@ -251,3 +251,13 @@ trainer: {{max_steps: 2, enable_progress_bar: false, limit_val_batches: 1, val_c
     ckpt = next(in_tmp.glob("runs/mixerzoo/version_0/checkpoints/last.ckpt"))
     again = load_model(ckpt)
     assert again.trained.config.n_layers == 3 and again.trained.config.mixers["attention"]["n_kv_heads"] == 2
+
+
+def test_context_beyond_the_trained_length_warns_with_the_length(tmp_path, capsys):
+    tiny_hf("llama", tmp_path / "hf")  # max_position_embeddings 512
+    folder = import_pretrained(tmp_path / "hf", tmp_path / "imported")
+    assert main(["generate", str(folder), "--prompt", "t3 t4", "--temperature", "0", "--max-new-tokens", "600"]) == 0
+    err = capsys.readouterr().err
+    assert "602 tokens, longer than the 512" in err and "max_position_embeddings" in err
+    assert main(["generate", str(folder), "--prompt", "t3 t4", "--temperature", "0", "--max-new-tokens", "4"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -167,7 +167,10 @@ def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None
                 raise ConfigError("--prompt is empty and the tokenizer has no end-of-text token to start from; give "
                                   "a prompt")
             prompt_ids = [eos_id]
-        elif not args.no_echo:
+        from ..hub.source import warn_if_beyond_context
+
+        warn_if_beyond_context(loaded.trained, len(prompt_ids) + args.max_new_tokens, "prompt + --max-new-tokens")
+        if prompt and not args.no_echo:
             out.write(tok.decode(prompt_ids, skip_special_tokens=False))
         new, t = stream_text(model, tok, prompt_ids, out, args.max_new_tokens, args.temperature, args.top_k,
                              args.top_p, eos_id, args.seed)

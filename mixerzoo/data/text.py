@@ -37,7 +37,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -46,6 +45,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..atomic import atomic_write
 from ..model.config import ConfigError
 from .base import LMDataModule, check_int
 
@@ -407,22 +407,6 @@ def _hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write via ``write(file_object)`` to a temp file in ``path``'s directory, then ``os.replace`` it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _load_stream(path: Path, dtype: np.dtype, length: int, vocab_size: int) -> np.ndarray:
     """Memory-map a cached stream and check it; raises ValueError/OSError when it is not what was written."""
     arr = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -678,7 +662,7 @@ class TextDataModule(LMDataModule):
         n_chars = sum(len(d) for d in train_docs)
         log.info("data: training a byte-level BPE (vocab %d) on %d training characters", self.bpe_vocab_size, n_chars)
         tok = train_bpe(train_docs, self.bpe_vocab_size)
-        _atomic_write(path, lambda f: f.write(tok.to_str().encode()))
+        atomic_write(path, lambda f: f.write(tok.to_str().encode()))
         self._tokenizer = tok
         self.tokenizer_file = path
 
@@ -717,14 +701,14 @@ class TextDataModule(LMDataModule):
         val_cap = None if self.max_tokens is None else max(math.ceil(self.val_fraction * self.max_tokens), self.seq_len + 1)
         train = encode_capped(self.tokenizer, train_docs, eos, dtype, self.max_tokens)
         val = encode_capped(self.tokenizer, val_docs, eos, dtype, val_cap)
-        _atomic_write(directory / "train.npy", lambda f: np.save(f, train, allow_pickle=False))
-        _atomic_write(directory / "val.npy", lambda f: np.save(f, val, allow_pickle=False))
+        atomic_write(directory / "train.npy", lambda f: np.save(f, train, allow_pickle=False))
+        atomic_write(directory / "val.npy", lambda f: np.save(f, val, allow_pickle=False))
         meta = {"train_tokens": len(train), "val_tokens": len(val), "val_documents": val_idx,
                 "n_documents": len(self._docs()), "dtype": dtype.name, "source": self._source_fingerprint(),
                 "tokenizer_file": str(self.tokenizer_file) if self.tokenizer_file else None,
                 "sample_by": self.sample_by, "val_fraction": self.val_fraction, "seed": self.seed,
                 "max_tokens": self.max_tokens}
-        _atomic_write(directory / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        atomic_write(directory / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
         log.info("data: tokenised %d train / %d val tokens into %s", len(train), len(val), directory)
         if not self._load_cached(directory, dtype):  # re-open memory-mapped, which also checks what was written
             raise OSError(f"data: could not read back the token cache just written to {directory}")

@@ -31,6 +31,7 @@ class EvalModel:
         data_class: class path of the training data module (e.g. ``mixerzoo.data.RecallDataModule``), or None.
         data_args: the training data module's init arguments ({} when unknown).
         info: plain facts for the report (path, layer pattern, parameters, steps, tokenizer source).
+        trained: what :func:`mixerzoo.hub.load_model` read (config, origin of a pretrained model), or None.
     """
 
     name: str
@@ -41,6 +42,7 @@ class EvalModel:
     data_class: str | None = None
     data_args: dict = dataclasses.field(default_factory=dict)
     info: dict = dataclasses.field(default_factory=dict)
+    trained: Any = None
 
     def trained_on(self, class_name: str) -> bool:
         """Whether the training data module's class is named ``class_name`` (e.g. ``RecallDataModule``)."""
@@ -78,7 +80,7 @@ def load_eval_model(path: str, name: str | None = None, tokenizer: str | None = 
             **({"pretrained": origin.get("source"), "model_type": origin.get("model_type")} if origin else {})}
     return EvalModel(name=name or _default_name(path), model=model, tokenizer=trained.tokenizer,
                      eos_id=trained.eos_id, train_seq_len=seq_len if isinstance(seq_len, int) else None,
-                     data_class=data.get("class_path"), data_args=args, info=info)
+                     data_class=data.get("class_path"), data_args=args, info=info, trained=trained)
 
 
 def _default_name(path: str) -> str:

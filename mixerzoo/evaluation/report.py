@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from ..atomic import atomic_write
 
 __all__ = ["RECALL_TASKS", "build_tables", "write_json", "write_markdown", "write_figures", "print_tables"]
 
@@ -120,10 +121,8 @@ def build_tables(results: dict) -> list[dict]:
 def write_json(results: dict, out_dir: Path) -> Path:
     """Write ``results.json`` (atomically) and return its path."""
     path = out_dir / "results.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
+    text = json.dumps(results, indent=2, sort_keys=False, default=str) + "\n"
+    return atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def _md_table(t: dict) -> str:

@@ -128,6 +128,13 @@ def run_evaluation(models: Sequence[EvalModel], settings: EvalSettings, console=
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(settings).items()},
         "models": {em.name: em.info for em in models}, "results": {}}
     results["settings"]["lengths"] = lengths
+    from ..hub.source import warn_if_beyond_context
+
+    for em in models:
+        trained = getattr(em, "trained", None)
+        if trained is not None:
+            longest = max([*lengths, settings.max_len if "loss" in tasks else 0])
+            warn_if_beyond_context(trained, longest, f"the longest context evaluated for {em.name}")
 
     texts = None
     if {"loss", "niah_single", "niah_multikey"} & set(tasks):

@@ -166,6 +166,7 @@ class MixerzooForCausalLM(PreTrainedModel, GenerationMixin):
         from safetensors.torch import save_file
 
         from .. import __version__
+        from ..atomic import atomic_write_path
         from ..hub.remote_code import ARCHITECTURE, AUTO_MAP, remote_code
         from ..hub.export import safetensors_weights
         from ..hub.load import CONFIG_NAME, WEIGHTS_NAME
@@ -177,13 +178,8 @@ class MixerzooForCausalLM(PreTrainedModel, GenerationMixin):
         folder = Path(save_directory)
         folder.mkdir(parents=True, exist_ok=True)
 
-        def atomic(name: str, write) -> None:  # temporary file in the folder, then rename: never half-written
-            tmp = folder / f".{name}.tmp-{os.getpid()}"
-            try:
-                write(tmp)
-                os.replace(tmp, folder / name)
-            finally:
-                tmp.unlink(missing_ok=True)
+        def atomic(name: str, write) -> None:  # never half-written (mixerzoo.atomic)
+            atomic_write_path(folder / name, write)
 
         tensors, tied = safetensors_weights(self.model)
         atomic(WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt",

@@ -1,7 +1,7 @@
 """Reading what an export needs out of a Lightning checkpoint: the backbone's config and weights, the
 tokenizer, the recipe, how much it was trained and how well it did.
 
-Checkpoints are read with ``torch.load(weights_only=True)`` (:func:`mixerzoo.training.checkpoints.load_checkpoint`),
+Checkpoints are read with ``torch.load(weights_only=True)`` (:func:`load_checkpoint`),
 so no code in the file runs.
 """
 
@@ -18,7 +18,8 @@ import torch
 from ..model import LanguageModel, LMConfig
 from ..model.config import ConfigError
 
-__all__ = ["TrainedModel", "read_checkpoint", "id_tokenizer", "TOKENIZER_KEY"]
+__all__ = ["TrainedModel", "read_checkpoint", "load_checkpoint", "load_weights", "load_matching_weights",
+           "id_tokenizer", "TOKENIZER_KEY"]
 
 TOKENIZER_KEY = "tokenizer_json"  # what LMDataModule.state_dict() stores
 _MODEL_PREFIX = "model."  # LMModule keeps the LanguageModel as ``self.model``
@@ -70,6 +71,26 @@ class TrainedModel:
         model = LanguageModel(self.config)
         load_weights(model, self.state_dict, where=self.source)
         return model.eval()
+
+
+def load_checkpoint(path: str) -> dict:
+    """Load a checkpoint file safely (``weights_only=True``: no arbitrary code runs).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ConfigError: the file is truncated, corrupt or not a checkpoint.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--ckpt_path {path!r}: no such file (use 'last' to resume the latest run)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure here means the file is unusable
+        raise ConfigError(f"--ckpt_path {path!r} cannot be read as a checkpoint (truncated, corrupt or not a "
+                          f"Lightning checkpoint): {type(e).__name__}: {str(e).splitlines()[0][:200]}. Point to an "
+                          f"intact file, e.g. last.ckpt or an earlier step checkpoint.") from e
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise ConfigError(f"--ckpt_path {path!r} is not a Lightning checkpoint (no 'state_dict' inside)")
+    return ckpt
 
 
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
@@ -229,8 +250,6 @@ def read_checkpoint(path: str | os.PathLike, tokenizer: str | None = None) -> Tr
         FileNotFoundError: no such file. ConfigError: not a readable Lightning checkpoint, not an LMModule
             checkpoint, or no tokenizer can be found for a text model.
     """
-    from ..training.checkpoints import load_checkpoint  # imports lightning: only when reading checkpoints
-
     path = os.fspath(path)
     ckpt = load_checkpoint(path)
     hparams = dict(ckpt.get("hyper_parameters") or {})

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
 from .. import __version__
+from ..atomic import atomic_folder
 from ..model import LanguageModel
-from ..model.config import ConfigError
+from ..errors import ConfigError, UserError
 from .card import model_card
 from .checkpoint import TrainedModel, read_checkpoint, tokenizer_json
 from .remote_code import ARCHITECTURE, AUTO_MAP, remote_code
@@ -37,7 +36,7 @@ __all__ = ["export_checkpoint", "export_trained", "write_folder_atomic", "push_t
            "safetensors_weights"]
 
 
-class HubPushError(RuntimeError):
+class HubPushError(UserError, RuntimeError):
     """Uploading to the Hub failed; the exported folder is intact (the message says where and how to retry)."""
 
 
@@ -107,39 +106,13 @@ def _is_export(folder: Path) -> bool:
 
 
 def write_folder_atomic(out_dir: str | os.PathLike, write) -> Path:
-    """Create ``out_dir`` by calling ``write(tmp_folder)`` on a temporary folder next to it, then renaming.
-
-    An existing ``out_dir`` is replaced only after ``write`` returned (moved aside, the new folder renamed in,
-    the old one deleted); if anything fails the temporary folder is removed and ``out_dir`` is as it was.
+    """Create ``out_dir`` by calling ``write(tmp_folder)`` (:func:`mixerzoo.atomic.atomic_folder`); a previous
+    export there is replaced only once ``write`` returned, anything else is never overwritten.
 
     Raises:
         FileExistsError: ``out_dir`` exists, is not empty and is not a mixerzoo export (never overwritten).
     """
-    out = Path(os.path.expanduser(os.fspath(out_dir))).resolve()
-    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or _is_export(out))):
-        raise FileExistsError(f"{out} exists and is not a mixerzoo export; choose another output folder (an existing "
-                              f"export is replaced, anything else is left alone)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-            os.replace(out, old / "previous")
-            try:
-                os.replace(tmp, out)
-            except BaseException:
-                os.replace(old / "previous", out)
-                raise
-            finally:
-                shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return atomic_folder(out_dir, write, may_replace=_is_export)
 
 
 def export_trained(trained: TrainedModel, out_dir: str | os.PathLike, *, repo_id: str | None = None,

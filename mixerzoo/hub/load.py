@@ -18,7 +18,7 @@ import torch
 
 from .. import registry
 from ..model import LanguageModel, LMConfig
-from ..model.config import ConfigError
+from ..errors import ConfigError, UserError
 from ..registry import UnknownNameError
 from .checkpoint import load_weights
 
@@ -39,7 +39,7 @@ class MissingPluginError(UnknownNameError):
     distribution (and version) that provided it at export time."""
 
 
-class HubDownloadError(OSError):
+class HubDownloadError(UserError, OSError):
     """A Hub repository could not be downloaded (no network, unknown repository, no access)."""
 
 

@@ -26,7 +26,8 @@ import torch
 from ..model import LanguageModel, LMConfig
 from .checkpoint import TrainedModel
 
-__all__ = ["LoadedModel", "open_source", "load_model", "with_mixers", "source_kind", "read_lm_config"]
+__all__ = ["LoadedModel", "open_source", "load_model", "with_mixers", "source_kind", "read_lm_config",
+           "warn_if_beyond_context"]
 
 
 @dataclasses.dataclass
@@ -163,4 +164,18 @@ def read_lm_config(source: str | os.PathLike) -> LMConfig:
 
         return read_config(resolve_folder(source))[0]
     return open_source(source)[0].config
+
+
+def warn_if_beyond_context(trained: TrainedModel, n_tokens: int, what: str) -> bool:
+    """Warn (one line on stderr) when a pretrained model is asked for more tokens than it was trained for
+    (``max_position_embeddings`` of its transformers config); returns whether it warned. Models trained here are
+    not warned about: reading past the training length is what length-extrapolation studies do on purpose."""
+    import sys
+
+    limit = (trained.origin or {}).get("max_position_embeddings")
+    if not isinstance(limit, int) or n_tokens <= limit:
+        return False
+    print(f"mixerzoo: warning: {what} is {n_tokens:,} tokens, longer than the {limit:,} that {trained.source} was "
+          f"trained for (max_position_embeddings); expect it to degrade past {limit:,}", file=sys.stderr)
+    return True
 

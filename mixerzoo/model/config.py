@@ -18,12 +18,9 @@ import inspect
 from typing import Any
 
 from .. import registry
+from ..errors import ConfigError
 
 __all__ = ["LMConfig", "LayerSpec", "ConfigError", "split_mixer_overrides", "apply_mixer_overrides"]
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,37 +4,18 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 
 import numpy as np
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from ..model.config import ConfigError
+from ..hub.checkpoint import load_checkpoint  # noqa: F401 - kept importable from here
+from ..atomic import atomic_write
+from ..errors import ConfigError
 
 __all__ = ["check_ckpt_path", "load_checkpoint", "AtomicCheckpointIO", "collect_rng_states", "set_rng_states"]
 
 SPECIAL = ("last", "best", "hpc", "registry")
-
-
-def load_checkpoint(path: str) -> dict:
-    """Load a checkpoint file safely (``weights_only=True``: no arbitrary code runs).
-
-    Raises:
-        FileNotFoundError: no such file.
-        ConfigError: the file is truncated, corrupt or not a checkpoint.
-    """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--ckpt_path {path!r}: no such file (use 'last' to resume the latest run)")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure here means the file is unusable
-        raise ConfigError(f"--ckpt_path {path!r} cannot be read as a checkpoint (truncated, corrupt or not a "
-                          f"Lightning checkpoint): {type(e).__name__}: {str(e).splitlines()[0][:200]}. Point to an "
-                          f"intact file, e.g. last.ckpt or an earlier step checkpoint.") from e
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise ConfigError(f"--ckpt_path {path!r} is not a Lightning checkpoint (no 'state_dict' inside)")
-    return ckpt
 
 
 def collect_rng_states() -> dict:
@@ -73,22 +54,17 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning checkpoint IO that writes to a temporary file in the target folder, then renames it.
+    """Lightning checkpoint IO that writes to a temporary file in the target folder, then renames it
+    (:func:`mixerzoo.atomic.atomic_write`).
 
     A run killed while saving leaves the previous checkpoint intact and never a half-written file under the
-    checkpoint's name (``os.replace`` is atomic on POSIX within one file system).
+    checkpoint's name (``os.replace`` is atomic on POSIX within one file system). Why not Lightning's own
+    ``TorchCheckpointIO``: on Lightning 2.6 it serialises the whole checkpoint into memory (a second copy) and
+    writes it through an fsspec transaction whose temporary file is in the system temp folder, so the final move
+    is a copy, not an atomic rename, whenever that folder is on another file system than the checkpoints
+    (common on clusters). Ours streams to a temporary file beside the checkpoint and renames it
+    (``tests/test_resume.py`` kills a run while it saves).
     """
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
-        path = os.fspath(path)
-        folder = os.path.dirname(path) or "."
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".ckpt")
-        os.close(fd)
-        try:
-            torch.save(checkpoint, tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write(os.fspath(path), lambda f: torch.save(checkpoint, f))
