@@ -169,7 +169,9 @@ def main() -> None:
     p.add_argument("--offset", type=int, default=4096, help="with --data: first token of each window in its document")
     p.add_argument("--head-sizes", default="", help="also TOVA head-wise (per KV head) at these sizes")
     p.add_argument("--profile", default=None,
-                   help="write a torch.profiler table of one TOVA (k=smallest size) pass over one window here")
+                   help="write a torch.profiler table of one TOVA pass (k = smallest size) over the first "
+                        "--profile-tokens tokens of one window here (the profiler keeps every op: keep it short)")
+    p.add_argument("--profile-tokens", type=int, default=512)
     p.add_argument("--config", default="recipes/tova/books-attention.yaml", help="the recipe (for the data split)")
     p.add_argument("--windows", type=int, default=8, help="held-out windows")
     p.add_argument("--length", type=int, default=None, help="tokens per window (default: the recipe's seq_len)")
@@ -225,7 +227,7 @@ def main() -> None:
     if head_sizes:
         runs.append(("tova-head", dict(policy="tova", per_head=True, sizes=head_sizes)))
     if args.profile:
-        profile_pass(model, windows[:1], min(sizes), args.profile)
+        profile_pass(model, windows[:1, :args.profile_tokens + 1], min(sizes), args.profile)
     main_rows = set(policies)
     cells = [(label, options, k) for label, options in runs for k in options.get("sizes", sizes)]
     seconds: dict[str, dict[str, float]] = {}

@@ -26,19 +26,13 @@ and raise a ``ConfigError`` naming the file.
 
 from __future__ import annotations
 
-import codecs
-import contextlib
-import glob
 import hashlib
-import itertools
 import json
 import logging
 import math
 import os
-import re
 import shutil
 import warnings
-from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -46,9 +40,16 @@ import torch
 from torch.utils.data import Dataset
 
 from ..atomic import atomic_write
-from ..model.config import ConfigError
+from ..errors import ConfigError
 from .base import LMDataModule, check_int
+from .documents import (JSON_SUFFIXES, SAMPLE_BY, TEXT_SUFFIXES, clean_documents,  # noqa: F401 - re-exported
+                        load_documents, quiet_datasets, resolve_paths, split_documents)
+from .encoding import (CACHE_VERSION, char_prefix, config_hash, encode_capped, encode_documents, load_stream,
+                       token_dtype)
+from .tokenizers import EOS_CANDIDATES, EOS_TOKEN, find_eos_id, load_tokenizer, train_bpe, vocab_size_of  # noqa: F401
 
+# The pipeline's steps live in .documents (files, documents, split), .tokenizers and .encoding (tokens, cache);
+# their public names stay importable from here.
 __all__ = [
     "TextDataModule",
     "TokenWindows",
@@ -61,360 +62,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-EOS_TOKEN = "<|endoftext|>"
-# Special tokens tried, in order, as the document separator of a user-supplied tokenizer.
-EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
-TEXT_SUFFIXES = (".txt",)
-JSON_SUFFIXES = (".json", ".jsonl")
-SAMPLE_BY = ("document", "paragraph", "line")
-CACHE_VERSION = 1  # bump when the token layout changes, so that old caches are not reused
-# A GPT-2 style byte-level pre-tokenizer never joins "\n" with a neighbouring non-space character, so
-# cutting a text right after such a "\n" gives the same tokens as encoding it whole (used to parallelise
-# long documents and to cut text for max_tokens without changing any token).
-_SAFE_CUT = re.compile(r"(?<=\S)\n(?=\S)")
-_PIECE_CHARS = 1 << 16
-_BATCH_CHARS = 1 << 23
-
-
-# --------------------------------------------------------------------------------------------------------------
-# files
-# --------------------------------------------------------------------------------------------------------------
-def _is_hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
-def _files_in(directory: Path) -> list[Path]:
-    suffixes = TEXT_SUFFIXES + JSON_SUFFIXES
-    return sorted(p for p in directory.rglob("*")
-                  if p.is_file() and p.suffix.lower() in suffixes and not _is_hidden(p, directory))
-
-
-def resolve_paths(paths: str | Sequence[str], field: str = "data.paths") -> list[Path]:
-    """Expand ``paths`` (files, directories, globs) into a sorted, de-duplicated list of absolute files.
-
-    A file is taken whatever its extension (``.json``/``.jsonl`` are read as JSON, anything else as text); a
-    directory contributes every ``*.txt``/``*.json``/``*.jsonl`` below it (recursively, hidden names skipped);
-    a glob (``*``, ``?``, ``[``; ``**`` recurses) contributes its matches (directories expanded as above).
-
-    Raises:
-        FileNotFoundError: a path that does not exist, a glob that matches nothing, a directory without text
-            files, or no paths at all; the message names ``field``.
-    """
-    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    if not items:
-        raise FileNotFoundError(f"{field} is empty; give files, directories or globs of .txt/.json/.jsonl text")
-    found: list[Path] = []
-    for item in items:
-        item = os.path.expanduser(str(item))
-        if any(c in item for c in "*?["):
-            matches = sorted(glob.glob(item, recursive=True))
-            if not matches:
-                raise FileNotFoundError(f"{field}: the glob {item!r} matches no file (relative to {os.getcwd()}); "
-                                        f"fix the pattern or give the files/directories explicitly")
-            for m in matches:
-                p = Path(m)
-                found.extend(_files_in(p) if p.is_dir() else [p])
-            continue
-        p = Path(item)
-        if not p.exists():
-            raise FileNotFoundError(f"{field}: {item!r} does not exist (relative to {os.getcwd()}); fix the path")
-        if p.is_dir():
-            inside = _files_in(p)
-            if not inside:
-                raise FileNotFoundError(f"{field}: the directory {item!r} holds no *.txt, *.json or *.jsonl file; "
-                                        f"point {field} at the text files")
-            found.extend(inside)
-        else:
-            found.append(p)
-    return sorted({f.resolve() for f in found})
-
-
-def _is_json(path: Path) -> bool:
-    return path.suffix.lower() in JSON_SUFFIXES
-
-
-def _first_invalid_utf8(path: Path) -> int | None:
-    """Byte offset of the first invalid UTF-8 sequence in ``path`` (approximate at 16 MiB chunk edges), or None."""
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
-    offset = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            try:
-                decoder.decode(chunk)
-            except UnicodeDecodeError as e:
-                return max(0, offset + e.start - len(decoder.getstate()[0]))
-            offset += len(chunk)
-    try:
-        decoder.decode(b"", final=True)
-    except UnicodeDecodeError:
-        return offset
-    return None
-
-
-@contextlib.contextmanager
-def _quiet_datasets():
-    import datasets
-
-    was_disabled = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        yield datasets
-    finally:
-        if not was_disabled:
-            datasets.enable_progress_bars()
-
-
-def _clean(texts: Iterable, field: str) -> list[str]:
-    docs = []
-    for t in texts:
-        if t is None:
-            continue
-        if not isinstance(t, str):
-            raise ConfigError(f"{field} holds a {type(t).__name__}, not text; set it to a field that holds strings")
-        if t.strip():
-            docs.append(t)
-    return docs
-
-
-def load_documents(files: Sequence[Path], sample_by: str, text_field: str, cache_dir: Path) -> list[str]:
-    """Read ``files`` in order into a list of non-empty documents via ``datasets.load_dataset``.
-
-    Plain-text files go through the ``text`` builder with ``sample_by`` (one row per file, paragraph or line);
-    ``.json``/``.jsonl`` files through the ``json`` builder, one document per record (``text_field``).
-
-    Raises:
-        ConfigError: a binary file (NUL bytes); a JSON file that is not UTF-8 or cannot be parsed, or has no
-            ``text_field``.
-    """
-    for f in files:
-        with open(f, "rb") as fh:
-            if b"\x00" in fh.read(1 << 16):
-                raise ConfigError(f"data.paths: {f} looks like a binary file (NUL bytes in its first 64 KiB), not "
-                                  f"text; remove it from data.paths (UTF-16 text: re-encode it to UTF-8)")
-        bad = _first_invalid_utf8(f)
-        if bad is None:
-            continue
-        if _is_json(f):
-            raise ConfigError(f"data.paths: {f} is not valid UTF-8 (first bad byte near offset {bad}); JSON must be "
-                              f"UTF-8: re-encode the file (e.g. iconv -f latin1 -t utf-8)")
-        msg = (f"data.paths: {f} is not valid UTF-8 (first bad byte near offset {bad}); invalid bytes are "
-               f"replaced by U+FFFD. Re-encode the file to UTF-8 to keep those characters")
-        warnings.warn(msg, UserWarning, stacklevel=3)
-        log.warning(msg)
-    docs: list[str] = []
-    hf_cache = str(cache_dir / "hf_datasets")
-    with _quiet_datasets() as datasets:
-        for is_json, group in itertools.groupby(files, key=_is_json):
-            group = [str(f) for f in group]
-            if not is_json:
-                ds = datasets.load_dataset("text", data_files=group, sample_by=sample_by, encoding_errors="replace",
-                                           cache_dir=hf_cache, split="train")
-                docs.extend(_clean(ds["text"], "data.text_field"))
-                continue
-            try:
-                ds = datasets.load_dataset("json", data_files=group, cache_dir=hf_cache, split="train")
-            except Exception as e:  # datasets wraps parse errors in its own exception types
-                raise ConfigError(f"data.paths: could not read {group} as JSON / JSON lines ({e}); fix the file(s) "
-                                  f"or rename them to .txt to read them as plain text") from e
-            if text_field not in ds.column_names:
-                raise ConfigError(f"data.text_field: {text_field!r} is not a field of {group}; the fields are "
-                                  f"{ds.column_names}; set data.text_field to the one that holds the text")
-            docs.extend(_clean(ds[text_field], "data.text_field"))
-    return docs
-
-
-# --------------------------------------------------------------------------------------------------------------
-# tokenizer
-# --------------------------------------------------------------------------------------------------------------
-def load_tokenizer(path: str | os.PathLike, field: str = "data.tokenizer"):
-    """Load a ``tokenizers.Tokenizer`` from a tokenizer.json (or a directory holding one).
-
-    Raises:
-        FileNotFoundError: the path does not exist. ConfigError: the file is not a tokenizer.json.
-    """
-    from tokenizers import Tokenizer
-
-    p = Path(os.path.expanduser(str(path)))
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise FileNotFoundError(f"{field}: {str(path)!r} does not exist (relative to {os.getcwd()}); give the path of a "
-                                f"tokenizer.json, or null to train a BPE on the corpus")
-    try:
-        return Tokenizer.from_file(str(p))
-    except Exception as e:  # tokenizers raises a bare Exception for bad JSON and for wrong content
-        raise ConfigError(f"{field}: {str(p)!r} is not a valid tokenizer.json ({str(e).splitlines()[0][:200]}); "
-                          f"give a file saved by `tokenizers`/`transformers` (e.g. the GPT-2 tokenizer.json), "
-                          f"or null to train a BPE on the corpus") from e
-
-
-def find_eos_id(tokenizer) -> int | None:
-    """Id of the first of :data:`EOS_CANDIDATES` the tokenizer knows, or None."""
-    for token in EOS_CANDIDATES:
-        i = tokenizer.token_to_id(token)
-        if i is not None:
-            return i
-    return None
-
-
-def vocab_size_of(tokenizer) -> int:
-    """Number of ids (including added/special tokens): one more than the largest id."""
-    added = tokenizer.get_added_tokens_decoder()
-    return max([tokenizer.get_vocab_size(with_added_tokens=True)] + [i + 1 for i in added])
-
-
-def train_bpe(texts: Iterable[str], vocab_size: int):
-    """Train a byte-level BPE (GPT-2 style: byte alphabet, GPT-2 pre-tokenisation regex, no prefix space)
-    with ``<|endoftext|>`` as special token (id 0) on ``texts``. Returns a ``tokenizers.Tokenizer`` whose
-    vocabulary is at most ``vocab_size`` (fewer if the text has fewer distinct merges)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok
-
-
-def _cut_safe(tokenizer) -> bool:
-    """True when cutting text after a ``(?<=\\S)\\n(?=\\S)`` newline cannot change the tokens: no normalizer and a
-    plain GPT-2 style ByteLevel pre-tokenizer (regex on, no prefix space)."""
-    from tokenizers import pre_tokenizers
-
-    pre = tokenizer.pre_tokenizer
-    return (tokenizer.normalizer is None and isinstance(pre, pre_tokenizers.ByteLevel) and pre.use_regex
-            and not pre.add_prefix_space)
-
-
-def _pieces(text: str, size: int, safe: bool) -> list[str]:
-    if not safe or len(text) <= size:
-        return [text]
-    out, i = [], 0
-    while i < len(text):
-        m = _SAFE_CUT.search(text, i + size)
-        j = m.end() if m else len(text)
-        out.append(text[i:j])
-        i = j
-    return out
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """``uint16`` when every id fits (``vocab_size < 65536``), else ``int32``."""
-    return np.dtype(np.uint16) if vocab_size < 65536 else np.dtype(np.int32)
-
-
-def encode_documents(tokenizer, docs: Sequence[str], eos_id: int | None, dtype=np.int32,
-                     safe: bool | None = None) -> np.ndarray:
-    """One token stream: ``ids(doc_0) eos ids(doc_1) eos ... ids(doc_n)`` (1-D, ``dtype``); no separator when
-    ``eos_id`` is None. Encoded with ``encode_batch`` (no special tokens added) in batches of ~8M characters;
-    with a byte-level tokenizer, long documents are encoded in ~64k-character pieces cut where that cannot
-    change any token, so one long document also uses every core (``safe``: whether such cuts are exact;
-    None: decide from the tokenizer)."""
-    encode = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
-    safe = _cut_safe(tokenizer) if safe is None else safe
-    sep = np.array([] if eos_id is None else [eos_id], dtype=dtype)
-    parts: list[np.ndarray] = []
-    batch: list[str] = []
-    owner: list[int] = []
-    chars = 0
-
-    def flush():
-        encodings = encode(batch, add_special_tokens=False)
-        for k, enc in enumerate(encodings):
-            if k == 0 or owner[k] != owner[k - 1]:
-                if owner[k] > 0:
-                    parts.append(sep)
-            parts.append(np.asarray(enc.ids, dtype=dtype))
-        batch.clear()
-        owner.clear()
-
-    for d, doc in enumerate(docs):
-        for piece in _pieces(doc, _PIECE_CHARS, safe):
-            batch.append(piece)
-            owner.append(d)
-            chars += len(piece)
-        if chars >= _BATCH_CHARS:
-            flush()
-            chars = 0
-    if batch:
-        flush()
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-
-
-def _char_prefix(docs: Sequence[str], budget: int, safe: bool) -> tuple[list[str], bool]:
-    """The documents up to ``budget`` characters (the last one cut at a safe newline when ``safe``);
-    second value: whether that is all of them."""
-    out, used = [], 0
-    for i, doc in enumerate(docs):
-        if used + len(doc) <= budget:
-            out.append(doc)
-            used += len(doc)
-            continue
-        m = _SAFE_CUT.search(doc, max(0, budget - used)) if safe else None
-        cut = m.end() if m else (len(doc) if safe else budget - used)
-        out.append(doc[:cut])
-        return out, cut == len(doc) and i == len(docs) - 1
-    return out, True
-
-
-def encode_capped(tokenizer, docs: Sequence[str], eos_id: int | None, dtype, cap: int | None) -> np.ndarray:
-    """:func:`encode_documents` limited to the first ``cap`` tokens, encoding only as much text as needed
-    (8 characters per token first, 4x more while short). The result equals the first ``cap`` tokens of the
-    whole stream for byte-level tokenizers (text is cut only where no token can change)."""
-    safe = _cut_safe(tokenizer)
-    if cap is None:
-        return encode_documents(tokenizer, docs, eos_id, dtype, safe)
-    budget = 8 * cap
-    while True:
-        head, complete = _char_prefix(docs, budget, safe)
-        ids = encode_documents(tokenizer, head, eos_id, dtype, safe)
-        if len(ids) >= cap or complete:
-            return ids[:cap]
-        budget *= 4
-
-
-# --------------------------------------------------------------------------------------------------------------
-# split, cache, windows
-# --------------------------------------------------------------------------------------------------------------
-def split_documents(docs: Sequence[str], val_fraction: float, seed: int) -> tuple[list[str], list[str], list[int]]:
-    """Split documents into (train, val) by a seeded shuffle; returns ``(train_docs, val_docs, val_indices)``.
-
-    ``n_val = ceil(val_fraction * n)`` clipped to ``[1, n - 1]``; the chosen documents are those at the first
-    ``n_val`` positions of ``numpy.random.default_rng(seed).permutation(n)``; each split keeps corpus order.
-    A single document is split contiguously instead: the last ``ceil(val_fraction * n_chars)`` characters
-    are validation (``val_indices`` is then empty).
-    """
-    n = len(docs)
-    if n == 0:
-        raise ValueError("no documents to split")
-    if n == 1:
-        text = docs[0]
-        cut = len(text) - min(len(text) - 1, max(1, math.ceil(round(val_fraction * len(text), 6))))
-        log.warning("data: the corpus is a single document of %d characters; splitting it contiguously: the first "
-                    "%d characters train, the last %d validation", len(text), cut, len(text) - cut)
-        return [text[:cut]], [text[cut:]], []
-    n_val = min(n - 1, max(1, math.ceil(round(val_fraction * n, 6))))
-    perm = np.random.default_rng(seed).permutation(n)
-    val_idx = sorted(int(i) for i in perm[:n_val])
-    val_set = set(val_idx)
-    return [d for i, d in enumerate(docs) if i not in val_set], [docs[i] for i in val_idx], val_idx
-
-
-def _hash(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-def _load_stream(path: Path, dtype: np.dtype, length: int, vocab_size: int) -> np.ndarray:
-    """Memory-map a cached stream and check it; raises ValueError/OSError when it is not what was written."""
-    arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    if arr.ndim != 1 or arr.dtype != dtype or arr.shape[0] != length:
-        raise ValueError(f"{path.name}: expected {length} tokens of {dtype}, found {arr.shape} {arr.dtype}")
-    if length and int(arr.max()) >= vocab_size:
-        raise ValueError(f"{path.name}: ids >= vocab_size {vocab_size}")
-    return arr
 
 
 class TokenWindows(Dataset):
@@ -604,7 +251,7 @@ class TextDataModule(LMDataModule):
         return self._fingerprint
 
     def _load_hf(self):
-        with _quiet_datasets() as datasets:
+        with quiet_datasets() as datasets:
             try:
                 return datasets.load_dataset(self.hf_dataset, self.hf_config, split=self.hf_split,
                                              cache_dir=str(self.cache_dir / "hf_datasets"))
@@ -623,7 +270,7 @@ class TextDataModule(LMDataModule):
                 if self.text_field not in ds.column_names:
                     raise ConfigError(f"data.text_field: {self.text_field!r} is not a field of {self.hf_dataset!r}; "
                                       f"the fields are {ds.column_names}")
-                docs = _clean(ds[self.text_field], "data.text_field")
+                docs = clean_documents(ds[self.text_field], "data.text_field")
                 where = f"data.hf_dataset {self.hf_dataset!r}"
             if not docs:
                 raise ConfigError(f"{where}: the corpus contains no text (every document is empty or whitespace); "
@@ -641,7 +288,7 @@ class TextDataModule(LMDataModule):
     def _ensure_tokenizer(self) -> None:
         if self._tokenizer is not None:
             return
-        key = _hash({"v": CACHE_VERSION, "source": self._source_fingerprint(), "sample_by": self.sample_by,
+        key = config_hash({"v": CACHE_VERSION, "source": self._source_fingerprint(), "sample_by": self.sample_by,
                      "val_fraction": self.val_fraction, "seed": self.seed, "max_tokens": self.max_tokens,
                      "text_field": self.text_field, "bpe_vocab_size": self.bpe_vocab_size})
         path = self.cache_dir / "tokenizers" / f"bpe-{key}" / "tokenizer.json"
@@ -658,7 +305,7 @@ class TextDataModule(LMDataModule):
                 path.unlink(missing_ok=True)
         train_docs, _, _ = self._split()
         if self.max_tokens is not None:  # a quick run: learn merges from about as much text as it will use
-            train_docs, _ = _char_prefix(train_docs, 8 * self.max_tokens, safe=True)
+            train_docs, _ = char_prefix(train_docs, 8 * self.max_tokens, safe=True)
         n_chars = sum(len(d) for d in train_docs)
         log.info("data: training a byte-level BPE (vocab %d) on %d training characters", self.bpe_vocab_size, n_chars)
         tok = train_bpe(train_docs, self.bpe_vocab_size)
@@ -668,7 +315,7 @@ class TextDataModule(LMDataModule):
 
     # -- token streams -----------------------------------------------------------------------------------------
     def _token_key(self) -> str:
-        return _hash({"v": CACHE_VERSION, "source": self._source_fingerprint(),
+        return config_hash({"v": CACHE_VERSION, "source": self._source_fingerprint(),
                       "tokenizer": hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest(),
                       "sample_by": self.sample_by, "val_fraction": self.val_fraction, "seed": self.seed,
                       "max_tokens": self.max_tokens, "text_field": self.text_field})
@@ -679,8 +326,8 @@ class TextDataModule(LMDataModule):
             return False
         try:
             meta = json.loads(meta_path.read_text())
-            train = _load_stream(directory / "train.npy", dtype, int(meta["train_tokens"]), self.vocab_size)
-            val = _load_stream(directory / "val.npy", dtype, int(meta["val_tokens"]), self.vocab_size)
+            train = load_stream(directory / "train.npy", dtype, int(meta["train_tokens"]), self.vocab_size)
+            val = load_stream(directory / "val.npy", dtype, int(meta["val_tokens"]), self.vocab_size)
             val_docs = [int(i) for i in meta["val_documents"]]
         except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
             msg = f"data: the token cache {directory} is corrupt ({e}); deleting it and tokenising again"

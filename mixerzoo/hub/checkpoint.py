@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..data.tokenizers import id_tokenizer  # noqa: F401 - kept importable from here
 from ..model import LanguageModel, LMConfig
 from ..model.config import ConfigError
 
@@ -148,17 +149,6 @@ def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tenso
     loaded = sorted(fit)
     new = sorted(k for k in own if k not in fit and not any(a in fit for a in alias_of.get(k, [])))
     return {"loaded": loaded, "new": new, "unused": sorted(unused)}
-
-
-def id_tokenizer(vocab_size: int):
-    """A tokenizer for synthetic tasks whose tokens are numbers: token ``i`` is the text ``"i"``, split on
-    whitespace (``"3 17 5"`` -> ``[3, 17, 5]``), decoded with single spaces."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({str(i): i for i in range(vocab_size)}, unk_token="0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with single spaces
-    return tok
 
 
 def _has_tokenizer(class_path: str | None) -> bool | None:

@@ -139,35 +139,32 @@ _LAYER_NAMES = {
 }
 
 
+_TOP_NAMES = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+              "lm_head.weight": "head.weight"}
+
+
+def _rename(name: str, top: dict[str, str], prefix: str, to_prefix: str, pairs) -> str | None:
+    """``name`` under the other naming: a top-level weight through ``top``, a layer's through ``pairs``."""
+    if name in top:
+        return top[name]
+    if name.startswith(prefix):
+        idx, _, rest = name[len(prefix):].partition(".")
+        for src, dst in pairs:
+            if rest == src or rest.startswith(src + "."):
+                return f"{to_prefix}{idx}.{dst}{rest[len(src):]}"
+    return None
+
+
 def hf_name_to_mixerzoo(name: str) -> str | None:
     """``model.layers.3.self_attn.q_proj.weight`` -> ``blocks.3.mixer.qkv.q_proj.weight`` (None: not a weight of
     the backbone, e.g. a rotary buffer)."""
-    if name == "model.embed_tokens.weight":
-        return "embed.weight"
-    if name == "model.norm.weight":
-        return "norm.weight"
-    if name == "lm_head.weight":
-        return "head.weight"
-    if name.startswith("model.layers."):
-        idx, _, rest = name[len("model.layers."):].partition(".")
-        for src, dst in _LAYER_NAMES.items():
-            if rest == src or rest.startswith(src + "."):
-                return f"blocks.{idx}.{dst}{rest[len(src):]}"
-    return None
+    return _rename(name, _TOP_NAMES, "model.layers.", "blocks.", _LAYER_NAMES.items())
 
 
 def mixerzoo_name_to_hf(name: str) -> str | None:
     """The inverse of :func:`hf_name_to_mixerzoo` (used by the native export)."""
-    fixed = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "head.weight": "lm_head.weight"}
-    if name in fixed:
-        return fixed[name]
-    if name.startswith("blocks."):
-        idx, _, rest = name[len("blocks."):].partition(".")
-        for src, dst in _LAYER_NAMES.items():
-            if rest == dst or rest.startswith(dst + "."):
-                return f"model.layers.{idx}.{src}{rest[len(dst):]}"
-    return None
+    return _rename(name, {v: k for k, v in _TOP_NAMES.items()}, "blocks.", "model.layers.",
+                   [(dst, src) for src, dst in _LAYER_NAMES.items()])
 
 
 def weights_from_hf(hf_state: dict[str, torch.Tensor], config: LMConfig) -> dict[str, torch.Tensor]:

@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..protocol import Mixer, MixerState
-from .qkv import QKVProjection
+from ..protocol import Mixer
+from .qkv import QKVProjection, StreamState
 
 __all__ = ["KVCache", "Attention", "SlidingWindowAttention", "BlockSlidingWindowAttention", "attention_reference"]
 
 
 @dataclasses.dataclass
-class KVCache(MixerState):
+class KVCache(StreamState):
     """State of the attention baselines.
 
     Attributes:
@@ -36,8 +36,6 @@ class KVCache(MixerState):
 
     k: torch.Tensor
     v: torch.Tensor
-    next_pos: int
-    shift: tuple | None = None
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -107,9 +105,8 @@ class Attention(Mixer):
                 ) -> tuple[torch.Tensor, KVCache]:
         """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` (a :class:`KVCache`) if given."""
         B, T, _ = x.shape
+        q, k, v, positions, shift = self.qkv.stream(x, state, shared)
         p0 = 0 if state is None else state.next_pos
-        positions = torch.arange(p0, p0 + T, device=x.device)
-        q, k, v, shift = self.qkv(x, positions, None if state is None else state.shift, shared)
         if state is not None and state.k.shape[2]:
             k = torch.cat([state.k.to(k.dtype), k], dim=2)
             v = torch.cat([state.v.to(v.dtype), v], dim=2)

@@ -6,14 +6,32 @@ per-head q/k norm, token shift on projected q/k/v, value residual to the first l
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..positional import build_positional
+from ..protocol import MixerState
 
-__all__ = ["QKVProjection", "head_norm"]
+__all__ = ["QKVProjection", "StreamState", "head_norm"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class StreamState(MixerState):
+    """Base of the states of attention-like mixers: where the stream is, and the token-shift carry.
+
+    Subclass it as a ``@dataclass`` with the mixer's own tensors; these two fields come last and are given by
+    keyword (``KVCache(k=..., v=..., next_pos=..., shift=...)``).
+
+    Attributes:
+        next_pos: tokens seen so far (the absolute position of the next token).
+        shift: previous-token projections ``(q, k, v)`` for the token-shift option, else None.
+    """
+
+    next_pos: int
+    shift: tuple | None = None
 
 
 def head_norm(kind: str | None, head_dim: int, eps: float | None = None) -> nn.Module:
@@ -81,6 +99,22 @@ class QKVProjection(nn.Module):
         first = torch.zeros_like(a[:, :1]) if prev is None else prev[:, None].to(a.dtype)
         shifted = torch.cat([first, a[:, :-1]], dim=1)
         return a + mu * (shifted - a), a[:, -1]
+
+    def stream(self, x: torch.Tensor, state: StreamState | None, shared: dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+        """The prelude every attention-like mixer shares: positions continue ``state`` (from 0 at ``None``), and
+        q/k/v are projected with the state's token-shift carry.
+
+        Args:
+            x: ``(B, T, d_model)``. state: the mixer's :class:`StreamState` (or None at sequence start).
+
+        Returns:
+            ``q (B, H, T, D)``, ``k, v (B, H_kv, T, D)``, absolute ``positions (T,)``, the new shift carry.
+        """
+        p0 = 0 if state is None else state.next_pos
+        positions = torch.arange(p0, p0 + x.shape[1], device=x.device)
+        q, k, v, shift = self(x, positions, None if state is None else state.shift, shared)
+        return q, k, v, positions, shift
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shift_state: tuple | None = None,
                 shared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:

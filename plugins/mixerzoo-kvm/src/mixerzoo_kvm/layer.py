@@ -120,9 +120,7 @@ class KVMAttention(Mixer):
                 ) -> tuple[torch.Tensor, KVMState]:
         """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given (any ``T >= 1``)."""
         B, T, _ = x.shape
-        p0 = 0 if state is None else state.next_pos
-        positions = torch.arange(p0, p0 + T, device=x.device)
-        q, k, v, shift = self.qkv(x, positions, None if state is None else state.shift, shared)
+        q, k, v, _, shift = self.qkv.stream(x, state, shared)
         g = merge_gate(x, self.gate_proj)
         if state is None:
             state = KVMState.empty(k, with_count=self.value_norm == "mean", with_gate=g is not None)

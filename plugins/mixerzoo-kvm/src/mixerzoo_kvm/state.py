@@ -6,13 +6,13 @@ import dataclasses
 
 import torch
 
-from mixerzoo.protocol import MixerState
+from mixerzoo.mixers.qkv import StreamState
 
 __all__ = ["KVMState"]
 
 
 @dataclasses.dataclass
-class KVMState(MixerState):
+class KVMState(StreamState):
     """State of one KVM layer after ``next_pos`` tokens (``H`` = key/value heads, ``D`` = head_dim).
 
     Attributes:
@@ -25,8 +25,7 @@ class KVMState(MixerState):
             the block sliding window plus, at a chunk boundary, the chunk that leaves it next ``(B, H, W, D)``.
         win_v: their values ``(B, H, W, D)``.
         win_g: their merge gates ``(B, H, W)``, or None when the merge gate is off.
-        next_pos: tokens seen so far (the absolute position of the next token).
-        shift: previous-token projections for the token-shift option, else None.
+        next_pos, shift: where the stream is and the token-shift carry (:class:`~mixerzoo.mixers.qkv.StreamState`).
 
     The first ``2 C`` tokens leave ``m = 0``: the state is created when the first chunk leaves the window.
     """
@@ -38,8 +37,6 @@ class KVMState(MixerState):
     win_k: torch.Tensor
     win_v: torch.Tensor
     win_g: torch.Tensor | None
-    next_pos: int
-    shift: tuple | None = None
 
     @property
     def n_rows(self) -> int:

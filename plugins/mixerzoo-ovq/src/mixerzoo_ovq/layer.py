@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.mixers.qkv import QKVProjection
-from mixerzoo.protocol import Mixer, MixerState
+from mixerzoo.mixers.qkv import QKVProjection, StreamState
+from mixerzoo.protocol import Mixer
 from mixerzoo.schedules import build_schedule
 
 from . import ops, reference
@@ -31,7 +31,7 @@ __all__ = ["OVQState", "OVQAttention"]
 
 
 @dataclasses.dataclass
-class OVQState(MixerState):
+class OVQState(StreamState):
     """State of :class:`OVQAttention` after ``next_pos`` tokens.
 
     Attributes:
@@ -47,8 +47,6 @@ class OVQState(MixerState):
     counts: torch.Tensor
     buf_k: torch.Tensor
     buf_v: torch.Tensor
-    next_pos: int
-    shift: tuple | None = None
 
     @property
     def dict_size(self) -> int:
@@ -165,9 +163,13 @@ class OVQAttention(Mixer):
                 shared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """``q (B, H, T, D)`` unit norm times ``beta * sqrt(D)``, ``k (B, H_kv, T, D)`` unit norm, ``v``, shift."""
         q, k, v, shift = self.qkv(x, positions, shift, shared)
+        q, k = self.normalize_qk(q, k)
+        return q, k, v, shift
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit-norm keys; unit-norm queries times the learned ``beta * sqrt(D)`` (per head)."""
         scale = (self.beta * math.sqrt(self.qkv.head_dim)).to(q.dtype)
-        q = F.normalize(q, dim=-1) * scale[None, :, None, None]
-        return q, F.normalize(k, dim=-1), v, shift
+        return F.normalize(q, dim=-1) * scale[None, :, None, None], F.normalize(k, dim=-1)
 
     def empty_state(self, batch: int, device=None, dtype=torch.float32) -> OVQState:
         """The state at the start of a sequence (empty dictionary, empty chunk)."""
@@ -186,8 +188,8 @@ class OVQAttention(Mixer):
         if st.buf_k.shape[2] != p0 % L:
             raise ValueError(f"ovq state holds {st.buf_k.shape[2]} buffered tokens at position {p0}, expected "
                              f"{p0 % L}: was chunk_len changed mid-sequence?")
-        positions = torch.arange(p0, p0 + T, device=x.device)
-        q, k, v, shift = self.project(x, positions, st.shift, shared)
+        q, k, v, _, shift = self.qkv.stream(x, st, shared)
+        q, k = self.normalize_qk(q, k)
         attend = reference.chunk_attention_reference if self.use_reference else ops.chunk_attention
         update = reference.update_dictionary_reference if self.use_reference else ops.update_dictionary
         dk, dv, counts = st.dk.to(k.dtype), st.dv.to(v.dtype), st.counts

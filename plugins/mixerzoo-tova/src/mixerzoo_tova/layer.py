@@ -105,8 +105,7 @@ class TOVAAttention(Attention):
                             f"{type(state).__name__}; start from state=None in eval mode")
         B, T, _ = x.shape
         p0 = 0 if state is None else state.next_pos
-        positions = torch.arange(p0, p0 + T, device=x.device)
-        q, k, v, shift = self.qkv(x, positions, None if state is None else state.shift, shared)
+        q, k, v, positions, shift = self.qkv.stream(x, state, shared)
         cache = state if state is not None else empty_cache(B, k.shape[1], k.shape[-1], self.policy, k)
         if self.policy.name == "window" and self.eval_mode == "decode":  # exact, closed form (static mask)
             o, cache = attend_window_static(q, k, v, positions, cache, self.policy)

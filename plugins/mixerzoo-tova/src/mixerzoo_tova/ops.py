@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mixerzoo.protocol import MixerState
+from mixerzoo.mixers.qkv import StreamState
 
 from .policies import EvictionPolicy
 
@@ -22,7 +22,7 @@ __all__ = ["EvictionCache", "empty_cache", "attend_and_evict", "attend_window_st
 
 
 @dataclasses.dataclass
-class EvictionCache(MixerState):
+class EvictionCache(StreamState):
     """State of :class:`TOVAAttention` in eval mode: a KV cache of at most ``multi_state`` entries per KV head.
 
     Attributes:
@@ -39,8 +39,6 @@ class EvictionCache(MixerState):
     v: torch.Tensor
     pos: torch.Tensor
     acc: torch.Tensor | None
-    next_pos: int
-    shift: tuple | None = None
 
     @property
     def size(self) -> int:
