@@ -102,3 +102,34 @@ def test_the_check_can_fail(tmp_path):
     assert RANK["hf"] > RANK["hub"]  # so that import would be reported
     with pytest.raises(ValueError):
         unit_of(tmp_path / "y.py")
+
+
+def sibling_imports(path: Path) -> set[str]:
+    """Modules of the same package that ``path`` imports (``from .x import``, ``from . import x``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            out |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+    return out
+
+
+PLUGIN_PACKAGES = sorted(p for p in (REPO / "plugins").glob("*/src/*") if (p / "__init__.py").is_file())
+# file roles (docs/plugin-tutorial.md): ops and state import no other role; the reference and the fast path share
+# ops/state and never import each other or the layer
+FORBIDDEN = {"ops": {"layer", "reference", "packed", "chunked"}, "state": {"layer", "reference", "packed", "ops"},
+             "reference": {"layer", "packed", "chunked"}, "packed": {"layer", "reference"},
+             "chunked": {"layer", "reference"}}
+
+
+@pytest.mark.parametrize("package", PLUGIN_PACKAGES, ids=lambda p: p.name)
+def test_plugin_file_roles(package):
+    bad = [f"{package.name}/{role}.py imports {sorted(sibling_imports(package / f'{role}.py') & banned)}"
+           for role, banned in FORBIDDEN.items()
+           if (package / f"{role}.py").is_file() and sibling_imports(package / f"{role}.py") & banned]
+    assert not bad, bad
+
+
+def test_plugin_role_check_sees_relative_imports(tmp_path):
+    f = tmp_path / "packed.py"
+    f.write_text("from .reference import fold\nfrom . import ops\n")
+    assert sibling_imports(f) == {"reference", "ops"}

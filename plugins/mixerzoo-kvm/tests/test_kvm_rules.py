@@ -62,7 +62,7 @@ def test_hand_checked_append_and_merge(impl, protect):
     k_new = torch.tensor([[[[1.0, 0, 0, 1]]]])
     v_new = torch.tensor([[[[0.0, 0, 5, 0]]]])
     with torch.no_grad():
-        o, state = impl(layer, q, k_new, v_new, torch.ones(1, 1, 1), hand_state())
+        o, state = impl(layer.spec, layer.params, q, k_new, v_new, torch.ones(1, 1, 1), hand_state())
     expected = EXPECTED_PROTECTED if protect else EXPECTED_UNPROTECTED
     torch.testing.assert_close(state.s_k[0, 0], torch.tensor(expected["s_k"]))  # raw sums, never normalised
     torch.testing.assert_close(state.s_v[0, 0], torch.tensor(expected["s_v"]))

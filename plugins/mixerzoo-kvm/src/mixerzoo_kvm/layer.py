@@ -11,7 +11,7 @@ from mixerzoo.mixers import QKVProjection
 from mixerzoo.protocol import Mixer
 from mixerzoo.schedules import FixedSchedule, build_schedule
 
-from .ops import merge_gate
+from .ops import KVMParams, KVMSpec, merge_gate
 from .packed import kvm_packed, kvm_step
 from .reference import kvm_chunk_loop
 from .state import KVMState
@@ -111,6 +111,18 @@ class KVMAttention(Mixer):
         return self.sink_len if self.protect_sinks else 0
 
     @property
+    def spec(self) -> KVMSpec:
+        """The options the ops read (a frozen snapshot; the ops never see the layer)."""
+        return KVMSpec(chunk_len=self.chunk_len, n_bswa_chunks=self.n_bswa_chunks, rotary_dim=self.rotary_dim,
+                       n_protected=self.n_protected, schedule=self.schedule, value_norm=self.value_norm,
+                       eps=self.eps, gate_appends=self.gate_appends, routing=self.routing)
+
+    @property
+    def params(self) -> KVMParams:
+        """The learned pieces the ops use: ``LN_s`` and the two temperature vectors."""
+        return KVMParams(ln_s=self.ln_s, tau_state=self.tau_state, tau_bswa=self.tau_bswa)
+
+    @property
     def min_seq_len(self) -> int:
         """``(n_bswa_chunks + 1) * chunk_len + 1``: the shortest sequence whose last chunk sees a state that has
         absorbed a merge, so every parameter (the merge gate and ``LN_s`` included) is trained."""
@@ -125,7 +137,7 @@ class KVMAttention(Mixer):
         if state is None:
             state = KVMState.empty(k, with_count=self.value_norm == "mean", with_gate=g is not None)
         impl = kvm_chunk_loop if self.use_reference else kvm_step if T == 1 else kvm_packed
-        o, new_state = impl(self, q, k, v, g, state)
+        o, new_state = impl(self.spec, self.params, q, k, v, g, state)
         new_state.shift = shift
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), new_state
 

@@ -8,19 +8,52 @@ rows, ``r`` rotary channels. Every function is written for all heads at once; ``
 - :func:`read_values`   readout of the value state (JIT norm to the stored radius, or the mean ablation).
 - :func:`state_budget`  ``M* = max(m, min(B(e), m + |Omega|))`` (section 4, "Merge", last paragraph).
 - :func:`route_overflow` the append / merge decisions of one overflow block (no gradient).
+- :func:`fold`          one overflow block folded into the state (initialise / append / merge), used by the
+  reference loop, the packed path's decode step and nothing else.
+- :func:`keep_from`     the window positions a state must keep.
+
+Every function takes tensors plus a frozen :class:`KVMSpec` (and :class:`KVMParams`), never the layer object,
+so ``reference.py`` and ``packed.py`` depend on this module and ``state.py`` only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["memory_keys", "merge_gate", "read_values", "state_budget", "Routing", "route_overflow"]
+__all__ = ["KVMSpec", "KVMParams", "memory_keys", "merge_gate", "read_values", "state_budget", "Routing",
+           "route_overflow", "fold", "keep_from"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVMSpec:
+    """The options of one KVM layer that the ops read (see :class:`mixerzoo_kvm.KVMAttention` for each):
+    ``chunk_len`` (C), ``n_bswa_chunks``, ``rotary_dim`` (r), ``n_protected`` (sink rows out of merges),
+    ``schedule`` (``B(t)``), ``value_norm``, ``eps``, ``gate_appends``, ``routing``."""
+
+    chunk_len: int
+    n_bswa_chunks: int
+    rotary_dim: int
+    n_protected: int
+    schedule: Callable[[int], int]
+    value_norm: str = "radius"
+    eps: float = 1e-6
+    gate_appends: bool = False
+    routing: str = "hard"
+
+
+class KVMParams(NamedTuple):
+    """The learned pieces the ops use: ``ln_s`` (the state's LayerNorm, a function of tensors) and the per-head
+    inverse temperatures ``tau_state``, ``tau_bswa`` ``(H,)``."""
+
+    ln_s: Callable[[torch.Tensor], torch.Tensor]
+    tau_state: torch.Tensor
+    tau_bswa: torch.Tensor
 
 
 def memory_keys(k: torch.Tensor, rotary_dim: int, ln_s: nn.Module) -> torch.Tensor:
@@ -172,3 +205,63 @@ def route_overflow(keys_hat: torch.Tensor, kbar: torch.Tensor, append_rows: torc
         probs = (logits / math.sqrt(D)).softmax(dim=-1)
         probs = torch.where(appended[..., None], F.one_hot(target, m_grown).float(), probs)
     return Routing(append_idx=append_idx, appended=appended, target=target, probs=probs)
+
+
+def keep_from(next_pos: int, chunk_len: int, n_bswa_chunks: int) -> int:
+    """First absolute position the state must keep in its window after ``next_pos`` tokens.
+
+    Future queries see at most ``n_bswa_chunks`` chunks back, and the chunk that leaves the window when the
+    next chunk starts is folded lazily at that moment, so it is kept too.
+    """
+    next_chunk = -(-next_pos // chunk_len)  # the next chunk whose start is still to come
+    return max((next_chunk - n_bswa_chunks) * chunk_len, 0)
+
+
+def fold(spec: KVMSpec, params: KVMParams, s_k: torch.Tensor, s_v: torch.Tensor, rho: torch.Tensor,
+                   count: torch.Tensor | None, k_o: torch.Tensor, v_o: torch.Tensor, g_o: torch.Tensor | None,
+                   tokens_seen: int):
+    """Fold one overflow block ``Omega`` (one chunk) into the state (section 4, "KVM Recurrence").
+
+    Args:
+        spec: the layer's options; params: its ``LN_s`` (and temperatures, unused here).
+        s_k, s_v: stored sums ``(B, H, m, D)``; rho, count: ``(B, H, m)``.
+        k_o, v_o: the block's keys (after q/k norm and RoPE) and values ``(B, H, C, D)``.
+        g_o: the block's merge gates ``(B, H, C)`` or None (gate off).
+        tokens_seen: context length ``e`` at the fold, for the budget ``B(e)``.
+
+    Returns:
+        new ``(s_k, s_v, rho, count)`` with ``m' >= m`` rows.
+    """
+    kbar = memory_keys(k_o, spec.rotary_dim, params.ln_s)
+    m = s_k.shape[2]
+    if m == 0:  # the first chunk becomes the state: s_k = k_bar, s_v = v, rho = ||v|| (ungated)
+        ones = torch.ones(kbar.shape[:3], dtype=torch.float32, device=kbar.device)
+        return kbar, v_o, v_o.float().norm(dim=-1), ones if count is not None else None
+    n_append = state_budget(m, spec.schedule, tokens_seen, spec.chunk_len) - m
+    gk = kbar if g_o is None else g_o[..., None] * kbar  # eq. (3)
+    gv = v_o if g_o is None else g_o[..., None] * v_o  # eq. (4)
+    rows_k, rows_v = (gk, gv) if spec.gate_appends else (kbar, v_o)
+    route = route_overflow(params.ln_s(s_k), kbar, rows_k, n_append, params.ln_s, spec.n_protected,
+                           soft=spec.routing == "soft")
+
+    # Append: the least redundant tokens become new rows; their radius is fixed now.
+    def take(t: torch.Tensor) -> torch.Tensor:
+        idx = route.append_idx
+        return torch.gather(t, 2, idx[..., None].expand(-1, -1, -1, t.shape[-1]) if t.dim() == 4 else idx)
+
+    s_k = torch.cat([s_k, take(rows_k)], dim=2)
+    s_v = torch.cat([s_v, take(rows_v)], dim=2)
+    rho = torch.cat([rho, take(v_o).float().norm(dim=-1)], dim=2)
+    if count is not None:
+        count = torch.cat([count, torch.ones_like(route.append_idx, dtype=count.dtype)], dim=2)
+
+    # Merge: "scores" (B, H, C, m') is one-hot at each merged token's target (or its soft weights);
+    # appended tokens are not merged again.
+    m_grown = s_k.shape[2]
+    scores = route.probs if route.probs is not None else F.one_hot(route.target, m_grown).float()
+    scores = scores * (~route.appended)[..., None]
+    s_k = s_k + scores.transpose(-1, -2).to(gk.dtype) @ gk
+    s_v = s_v + scores.transpose(-1, -2).to(gv.dtype) @ gv
+    if count is not None:
+        count = count + scores.sum(dim=2)
+    return s_k, s_v, rho, count

@@ -20,23 +20,17 @@ was 4.4x faster than full causal SDPA at 8k tokens (docs/mechanisms/kvm.md). Sin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-from .ops import Routing, memory_keys, read_values, route_overflow, state_budget
-from .reference import fold_reference, keep_from
+from .ops import KVMParams, KVMSpec, Routing, fold, keep_from, memory_keys, read_values, route_overflow, state_budget
 from .state import KVMState
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .layer import KVMAttention
 
 __all__ = ["kvm_packed", "kvm_step"]
 
 
 @torch.no_grad()
-def _route_all(layer: "KVMAttention", s_k0: torch.Tensor, kbar: torch.Tensor, g: torch.Tensor | None,
+def _route_all(spec: KVMSpec, params: KVMParams, s_k0: torch.Tensor, kbar: torch.Tensor, g: torch.Tensor | None,
                sizes: list[int]) -> list[Routing]:
     """Routing of ``F`` consecutive overflow blocks ``kbar (B, H, F, C, D)``; ``sizes[f]`` rows before fold ``f``."""
     B, H, n_folds, C, D = kbar.shape
@@ -53,9 +47,9 @@ def _route_all(layer: "KVMAttention", s_k0: torch.Tensor, kbar: torch.Tensor, g:
                             target=idx)
             buf[:, :, :C] += kb
         else:
-            rows = gk if layer.gate_appends else kb
-            route = route_overflow(layer.ln_s(buf[:, :, :m]), kb, rows, m_new - m, layer.ln_s, layer.n_protected,
-                                   soft=layer.routing == "soft")
+            rows = gk if spec.gate_appends else kb
+            route = route_overflow(params.ln_s(buf[:, :, :m]), kb, rows, m_new - m, params.ln_s, spec.n_protected,
+                                   soft=spec.routing == "soft")
             src = torch.where(route.appended[..., None], rows, gk)  # what each token adds to its row
             if route.probs is None:
                 buf.scatter_add_(2, route.target[..., None].expand(-1, -1, -1, D), src)
@@ -98,7 +92,7 @@ class _FoldScan(torch.autograd.Function):
         return acc, grad_src, None
 
 
-def _snapshots(layer: "KVMAttention", state: KVMState, kbar: torch.Tensor, v_o: torch.Tensor,
+def _snapshots(spec: KVMSpec, params: KVMParams, state: KVMState, kbar: torch.Tensor, v_o: torch.Tensor,
                g: torch.Tensor | None, routes: list[Routing], sizes: list[int]):
     """Stored sums after every fold, with gradient; entry 0 is the incoming state, entry ``f + 1`` the state
     after fold ``f``.
@@ -116,10 +110,10 @@ def _snapshots(layer: "KVMAttention", state: KVMState, kbar: torch.Tensor, v_o: 
     initial = torch.tensor([s == 0 for s in sizes[:-1]], device=kbar.device)[:, None]  # folds that initialise
     xs = [kbar, v_o.to(kbar.dtype)]
     if g is not None:  # merged tokens and (with gate_appends) appended tokens are gated; initial rows never are
-        ungated = initial | (appended & (not layer.gate_appends))
+        ungated = initial | (appended & (not spec.gate_appends))
         w = torch.where(ungated, torch.ones_like(g), g)[..., None].to(kbar.dtype)
         xs = [x * w for x in xs]
-    if layer.routing == "hard":
+    if spec.routing == "hard":
         target = torch.stack([r.target for r in routes], dim=2)  # (B, H, F, C)
         s_k, s_v = (_FoldScan.apply(s0, x, target) for s0, x in zip((s_k0, s_v0), xs))
     else:  # soft routing (an ablation): dense weights, a plain running sum
@@ -184,7 +178,7 @@ def _split_by_group(t: torch.Tensor, entry: list[int], groups: list[tuple[int, i
     return out
 
 
-def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                g: torch.Tensor | None, state: KVMState) -> tuple[torch.Tensor, KVMState]:
     """KVM attention over new tokens: all state snapshots first, then batched attention over all chunks.
     Same contract as :func:`mixerzoo_kvm.reference.kvm_chunk_loop` (which it equals to fp32 rounding).
@@ -193,7 +187,7 @@ def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch
     ``scaled_dot_product_attention`` call per group.
 
     Args:
-        layer: the KVM layer.
+        spec, params: the layer's options and learned pieces (``KVMAttention.spec`` / ``.params``).
         q: ``(B, H_q, T, D)``; k, v: ``(B, H, T, D)`` after q/k norm and RoPE; g: gates ``(B, H, T)`` or None.
         state: the state before these tokens.
 
@@ -203,7 +197,7 @@ def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch
     Raises:
         ValueError: the state's window does not hold the chunk that must be folded next.
     """
-    C, nb = layer.chunk_len, layer.n_bswa_chunks
+    C, nb = spec.chunk_len, spec.n_bswa_chunks
     B, Hq, T, D = q.shape
     H = k.shape[1]
     G = Hq // H
@@ -219,7 +213,7 @@ def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch
     n_folds = max((p1 - 1) // C - cf0 + 1, 0)
     sizes = [state.n_rows]
     for f in range(n_folds):
-        sizes.append(state_budget(sizes[-1], layer.schedule, (cf0 + f) * C, C))
+        sizes.append(state_budget(sizes[-1], spec.schedule, (cf0 + f) * C, C))
     lo = (cf0 - nb) * C - kpos0 if n_folds else 0  # first overflow token in K
     if lo < 0:
         raise ValueError(f"KVM state window starts at position {kpos0} but the chunk leaving the window starts at "
@@ -227,10 +221,10 @@ def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch
     k_o = K[:, :, lo:lo + n_folds * C].reshape(B, H, n_folds, C, D)
     v_o = V[:, :, lo:lo + n_folds * C].reshape(B, H, n_folds, C, D)
     g_o = None if Gt is None else Gt[:, :, lo:lo + n_folds * C].reshape(B, H, n_folds, C)
-    kbar = memory_keys(k_o, layer.rotary_dim, layer.ln_s)
-    routes = _route_all(layer, state.s_k, kbar.detach(), None if g_o is None else g_o.detach(), sizes) \
+    kbar = memory_keys(k_o, spec.rotary_dim, params.ln_s)
+    routes = _route_all(spec, params, state.s_k, kbar.detach(), None if g_o is None else g_o.detach(), sizes) \
         if n_folds else []
-    s_k, s_v, rho, count = _snapshots(layer, state, kbar, v_o, g_o, routes, sizes)
+    s_k, s_v, rho, count = _snapshots(spec, params, state, kbar, v_o, g_o, routes, sizes)
 
     # -- 3: query chunks, each with its state snapshot and its window ------------------------------------
     cq0, cq1 = p0 // C, (p1 - 1) // C
@@ -238,7 +232,7 @@ def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch
     # snapshot of every query chunk: the incoming state until the first fold here, then one fold per chunk
     entry = [0] * (n_q - n_folds) + list(range(1, n_folds + 1))
     rows = [sizes[e] for e in entry]
-    Kw = K * layer.tau_bswa[None, :, None, None]
+    Kw = K * params.tau_bswa[None, :, None, None]
     if n_q == 1:  # one (partial) chunk, e.g. a short continuation: no padding of queries or window
         qb = q[:, :, None]
         q_pos = torch.arange(p0, p1, device=dev)[None]
@@ -259,7 +253,7 @@ def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch
         k_pos = torch.cat([grid_pos[j:j + n_q] for j in range(nb)], dim=1)  # (n_q, L)
     win_mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & ((k_pos >= max(kpos0, 0)) & (k_pos < p1))[:, None, :]
     Cq = q_pos.shape[1]
-    tau_s = layer.tau_state[None, :, None, None, None]
+    tau_s = params.tau_state[None, :, None, None, None]
     groups = _group_chunks(rows)
     snaps = zip(*(_split_by_group(t, entry, groups) if t is not None else [None] * len(groups)
                   for t in (s_k, s_v, count)))
@@ -271,9 +265,9 @@ def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch
             wk, wv = win_k, win_v
         else:  # window j of chunk c is grid chunk c + j
             wk, wv = ([torch.stack(chunks[a + j:b + j], dim=2) for j in range(nb)] for chunks in win_chunks)
-        keys = torch.cat([layer.ln_s(sk[:, :, :, :R]) * tau_s] + wk, dim=3)
+        keys = torch.cat([params.ln_s(sk[:, :, :, :R]) * tau_s] + wk, dim=3)
         vals = read_values(sv[:, :, :, :R], rho[:, :, None, :R], None if cnt is None else cnt[..., :R],
-                           layer.value_norm, layer.eps)
+                           spec.value_norm, spec.eps)
         values = torch.cat([vals] + wv, dim=3)
         rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
         mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask[a:b]], dim=2)  # (n, Cq, S)
@@ -295,15 +289,15 @@ def kvm_packed(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch
     return o, new_state
 
 
-def kvm_step(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def kvm_step(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              g: torch.Tensor | None, state: KVMState) -> tuple[torch.Tensor, KVMState]:
     """One decoding step (``T = 1``), with as few tensor operations as possible.
 
     A single query sees every state row and every window token, so no mask is needed; when the token starts
-    a chunk, the chunk leaving the window is first folded with :func:`mixerzoo_kvm.reference.fold_reference`.
+    a chunk, the chunk leaving the window is first folded with :func:`mixerzoo_kvm.ops.fold`.
     Same contract as :func:`kvm_packed` (``q (B, H_q, 1, D)``, ``k, v (B, H, 1, D)``, ``g (B, H, 1)``).
     """
-    C, nb = layer.chunk_len, layer.n_bswa_chunks
+    C, nb = spec.chunk_len, spec.n_bswa_chunks
     B, Hq, _, D = q.shape
     H = k.shape[1]
     p0 = state.next_pos
@@ -315,12 +309,12 @@ def kvm_step(layer: "KVMAttention", q: torch.Tensor, k: torch.Tensor, v: torch.T
     c = p0 // C
     if p0 == c * C and c >= nb:  # this token starts chunk c: chunk c - nb leaves the window
         lo = (c - nb) * C - kpos0
-        s_k, s_v, rho, count = fold_reference(layer, s_k, s_v, rho, count, K[:, :, lo:lo + C], V[:, :, lo:lo + C],
+        s_k, s_v, rho, count = fold(spec, params, s_k, s_v, rho, count, K[:, :, lo:lo + C], V[:, :, lo:lo + C],
                                               None if Gt is None else Gt[:, :, lo:lo + C], p0)
     w0 = max((c - nb + 1) * C, 0) - kpos0
-    keys = torch.cat([layer.ln_s(s_k) * layer.tau_state[None, :, None, None],
-                      K[:, :, w0:] * layer.tau_bswa[None, :, None, None]], dim=2)
-    values = torch.cat([read_values(s_v, rho, count, layer.value_norm, layer.eps), V[:, :, w0:]], dim=2)
+    keys = torch.cat([params.ln_s(s_k) * params.tau_state[None, :, None, None],
+                      K[:, :, w0:] * params.tau_bswa[None, :, None, None]], dim=2)
+    values = torch.cat([read_values(s_v, rho, count, spec.value_norm, spec.eps), V[:, :, w0:]], dim=2)
     o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, D), keys, values)  # G query heads as G queries
     keep = keep_from(p0 + 1, C, nb) - kpos0
     return o.reshape(B, Hq, 1, D), KVMState(s_k=s_k, s_v=s_v, rho=rho, count=count, win_k=K[:, :, keep:],
