@@ -135,14 +135,14 @@ def accepted_parameters(factory: Any) -> tuple[set[str], bool]:
     return names, True
 
 
-def build_mixer(spec: LayerSpec, layer_idx: int, config: LMConfig):
-    """Instantiate a layer's mixer from the registry with its options.
-
-    ``d_model`` always comes from the LM; ``n_heads``, ``layer_idx`` and ``n_layers`` are supplied as defaults
-    to factories that accept them.
+def check_mixer_options(spec: LayerSpec):
+    """The registered factory of ``spec.mixer`` and the keyword names it accepts, after checking that it takes every
+    option given (without building anything, so mistakes surface before data or weights are prepared).
 
     Raises:
-        ConfigError: an option the mixer does not take, or a bad option value (names the field).
+        UnknownNameError: the mixer is not installed (lists the installed ones).
+        ConfigError: ``d_model`` among the options, or an option the mixer does not take (names it and lists the
+            ones it takes).
     """
     factory = registry.get(spec.mixer, "mixer")
     accepted, open_ended = accepted_parameters(factory)
@@ -153,6 +153,20 @@ def build_mixer(spec: LayerSpec, layer_idx: int, config: LMConfig):
     if unknown and not open_ended:
         raise ConfigError(f"{where}: mixer {spec.mixer!r} does not take option(s) {unknown}; it takes "
                           f"{sorted(accepted - {'d_model', 'layer_idx', 'n_layers'})}")
+    return factory, accepted
+
+
+def build_mixer(spec: LayerSpec, layer_idx: int, config: LMConfig):
+    """Instantiate a layer's mixer from the registry with its options.
+
+    ``d_model`` always comes from the LM; ``n_heads``, ``layer_idx`` and ``n_layers`` are supplied as defaults
+    to factories that accept them.
+
+    Raises:
+        ConfigError: an option the mixer does not take, or a bad option value (names the field).
+    """
+    factory, accepted = check_mixer_options(spec)
+    where = f"model.mixers.{spec.name}"
     kwargs = dict(spec.options)
     for key, value in (("n_heads", config.n_heads), ("layer_idx", layer_idx), ("n_layers", config.n_layers)):
         if key in accepted and key not in kwargs:

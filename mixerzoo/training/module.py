@@ -12,9 +12,8 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from .. import registry
 from ..model import LanguageModel, LMConfig
-from ..model.config import ConfigError, accepted_parameters
+from ..model.config import ConfigError, check_mixer_options
 from .checkpoints import collect_rng_states, set_rng_states
 from .optim import build_optimizer, lr_lambda
 
@@ -162,12 +161,7 @@ class LMModule(L.LightningModule):
         """Check names and options without allocating weights, so mistakes surface before data is prepared."""
         config = self.lm_config(vocab_size=self.hparams.vocab_size or 1)
         for spec in config.layer_specs():
-            factory = registry.get(spec.mixer, "mixer")
-            accepted, open_ended = accepted_parameters(factory)
-            unknown = sorted(set(spec.options) - accepted)
-            if unknown and not open_ended:
-                raise ConfigError(f"model.mixers.{spec.name}: mixer {spec.mixer!r} does not take option(s) "
-                                  f"{unknown}; it takes {sorted(accepted - {'d_model', 'layer_idx', 'n_layers'})}")
+            check_mixer_options(spec)
 
     def configure_model(self) -> None:
         """Build the LM once the vocabulary is known (from ``vocab_size`` or the datamodule's tokenizer)."""
