@@ -8,8 +8,14 @@ broke and where to look. ``run_conformance`` runs all of them::
         run_conformance(lambda: MyMixer(d_model=32, n_heads=2), d_model=32, seq_len=48, splits=(1, 17, 32))
 
 Tolerances (fp32 on CPU): ``atol + rtol * max|reference|`` with ``atol=1e-4``, ``rtol=1e-4`` by default;
-chunked or reordered computations differ from one pass by float rounding only, well inside that. The bf16
-CUDA check (run only when CUDA is available) uses ``atol=rtol=3e-2``.
+chunked or reordered computations differ from one pass by float rounding only, well inside that.
+
+bf16: :func:`check_autocast_bf16` runs on every machine (CPU autocast, and CUDA autocast where available): one
+pass under ``torch.autocast(dtype=torch.bfloat16)`` against the fp32 pass, continuation and token-by-token decode
+against the bf16 one pass, and finite gradients. Its tolerance is ``bf16_atol + bf16_rtol * max|reference|``
+(default ``5e-2`` each; bf16 keeps 8 bits of mantissa, so a chunked and a token-by-token order differ by a few
+units in the last place over a long sum); a mixer whose state accumulates many terms states its own. The pure
+bf16 CUDA check (weights cast to bf16, run only when CUDA is available) uses ``atol=rtol=3e-2``.
 """
 
 from __future__ import annotations
@@ -23,19 +29,23 @@ from torch import nn
 from .protocol import state_nbytes
 
 __all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
-           "check_state", "check_cuda_bf16", "run_conformance", "decode_stepwise", "FP32_ATOL", "FP32_RTOL"]
+           "check_state", "check_cuda_bf16", "check_autocast_bf16", "run_conformance", "decode_stepwise",
+           "FP32_ATOL", "FP32_RTOL", "AUTOCAST_BF16_ATOL", "AUTOCAST_BF16_RTOL"]
 
 FP32_ATOL = 1e-4
 FP32_RTOL = 1e-4
 BF16_ATOL = 3e-2
 BF16_RTOL = 3e-2
+AUTOCAST_BF16_ATOL = 5e-2
+AUTOCAST_BF16_RTOL = 5e-2
 
 
 class ConformanceError(AssertionError):
     """A mixer broke the protocol; the message says which check, where, by how much, and what to look at.
 
     ``check`` names the failed check (``causality``, ``continuation``, ``decode``, ``decode-after-prefill``,
-    ``state``, ``gradients``, ``cuda-bf16``) when raised from :func:`run_conformance`, else None.
+    ``state``, ``gradients``, ``autocast-bf16``, ``cuda-bf16``) when raised from :func:`run_conformance`, else
+    None.
     """
 
     check: str | None = None
@@ -204,6 +214,76 @@ def check_cuda_bf16(factory: Callable[[], nn.Module], d_model: int, seq_len: int
     return True
 
 
+def check_autocast_bf16(mixer: nn.Module, d_model: int, seq_len: int = 48, split: int | None = None,
+                        batch: int = 2, seed: int = 0, device: str = "cpu", atol: float = AUTOCAST_BF16_ATOL,
+                        rtol: float = AUTOCAST_BF16_RTOL, against_fp32: bool = True) -> None:
+    """The protocol under bf16 autocast (mixed precision as Lightning's ``precision: bf16-mixed`` runs it).
+
+    1. One pass under autocast equals the fp32 pass within the bf16 tolerance (a state or running statistic
+       kept in bf16 where it must stay fp32 shows up here, growing along the sequence).
+    2. Continuation at ``split`` and token-by-token decode under autocast equal the autocast one pass.
+    3. The state after the autocast pass has only finite tensors, and training under autocast gives finite
+       gradients to every parameter that gets one.
+
+    Args:
+        mixer: in fp32 (its weights stay fp32, as with autocast). device: ``cpu`` or ``cuda``.
+        atol, rtol: the bf16 tolerance (see the module docstring).
+        against_fp32: do step 1. A mixer that makes discrete decisions from scores (TOVA's eviction, KVM's
+            winner-take-all routing, OVQ's nearest-centroid assignment) takes a different branch when bf16
+            rounding reorders two close scores, so its bf16 and fp32 outputs part by design past that token;
+            such a mixer turns step 1 off and keeps steps 2-3, which must hold exactly as in fp32.
+
+    Raises:
+        ConformanceError: names the step, the first position and the difference.
+    """
+    mixer = mixer.to(device)
+    x = _inputs(d_model, seq_len, batch, seed, device=device)
+    split = split if split is not None else seq_len // 2 + 1
+    autocast = lambda: torch.autocast(device_type=device, dtype=torch.bfloat16)  # noqa: E731
+    was_training = mixer.training
+    mixer.eval()
+    with torch.no_grad():
+        y32, _ = _call(mixer, x)
+        with autocast():
+            y16, state = _call(mixer, x)
+            y1, s = _call(mixer, x[:, :split])
+            y2, _ = _call(mixer, x[:, split:], s)
+            stepped, _ = decode_stepwise(lambda xt, st: _call(mixer, xt, st), x)
+    ok, err, first = _compare(y32, y16, atol, rtol) if against_fp32 else (True, 0.0, -1)
+    if not ok:
+        raise ConformanceError(f"autocast-bf16: the bf16 pass differs from fp32 from position {first} on (max abs "
+                               f"diff {err:.3g}). Keep states and running statistics in fp32 (sums, counts, "
+                               f"normalisers), and softmax/normalisation inputs in fp32")
+    bad = [t for t in _state_tensors(state) if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise ConformanceError("autocast-bf16: the state after a bf16 pass holds non-finite values")
+    for name, out in (("continuation", torch.cat([y1, y2], dim=1)), ("decode", stepped)):
+        ok, err, first = _compare(y16, out, atol, rtol)
+        if not ok:
+            raise ConformanceError(f"autocast-bf16: {name} differs from the bf16 one pass at position {first} "
+                                   f"(max abs diff {err:.3g}); does the state change dtype between calls?")
+    mixer.train()
+    mixer.zero_grad(set_to_none=True)
+    with autocast():
+        y, _ = _call(mixer, x.clone().requires_grad_(True))
+        loss = (y.float() * _inputs(d_model, seq_len, batch, seed + 99, device=device)).sum()
+    loss.backward()
+    for name, p in mixer.named_parameters():
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            raise ConformanceError(f"autocast-bf16: parameter {name!r} has a non-finite gradient under bf16 autocast")
+    mixer.zero_grad(set_to_none=True)
+    mixer.train(was_training)
+    mixer.cpu()
+
+
+def _state_tensors(state: Any) -> list[torch.Tensor]:
+    from .protocol import map_state_tensors
+
+    found: list[torch.Tensor] = []
+    map_state_tensors(state, lambda t: found.append(t) or t)
+    return found
+
+
 @dataclasses.dataclass
 class ConformanceReport:
     checks: list[str]
@@ -212,9 +292,12 @@ class ConformanceReport:
 
 def run_conformance(factory: Callable[[], nn.Module], d_model: int, seq_len: int = 48,
                     splits: Iterable[int] = (1, 7, 16, 33), decode_len: int | None = None, seed: int = 0,
-                    allow_zero_grad: Iterable[str] = (), atol: float = FP32_ATOL, rtol: float = FP32_RTOL
-                    ) -> ConformanceReport:
-    """Run every check on a fresh mixer from ``factory`` (fp32 CPU; bf16 CUDA when available).
+                    allow_zero_grad: Iterable[str] = (), atol: float = FP32_ATOL, rtol: float = FP32_RTOL,
+                    bf16_atol: float = AUTOCAST_BF16_ATOL, bf16_rtol: float = AUTOCAST_BF16_RTOL,
+                    bf16_against_fp32: bool = True) -> ConformanceReport:
+    """Run every check on a fresh mixer from ``factory``: fp32 CPU, bf16 autocast on CPU (and on CUDA when
+    available, with the pure-bf16 CUDA check too). ``bf16_atol``/``bf16_rtol``: the mixer's bf16 tolerance;
+    ``bf16_against_fp32=False`` for mixers with discrete decisions (see :func:`check_autocast_bf16`).
 
     Raises:
         ConformanceError: the first check that fails, with a message naming it.
@@ -238,6 +321,14 @@ def run_conformance(factory: Callable[[], nn.Module], d_model: int, seq_len: int
     mixer.train()
     named("gradients", check_gradients, mixer, d_model, seq_len, seed=seed, allow_zero=allow_zero_grad)
     checks = ["causality", "continuation", "decode", "decode-after-prefill", "state", "gradients"]
+    mixer.zero_grad(set_to_none=True)
+    named("autocast-bf16", check_autocast_bf16, mixer, d_model, seq_len, seed=seed, atol=bf16_atol, rtol=bf16_rtol,
+          against_fp32=bf16_against_fp32)
+    checks.append("autocast-bf16")
+    if torch.cuda.is_available():
+        named("autocast-bf16", check_autocast_bf16, mixer, d_model, seq_len, seed=seed, device="cuda",
+              atol=bf16_atol, rtol=bf16_rtol, against_fp32=bf16_against_fp32)
+        checks.append("autocast-bf16-cuda")
     if named("cuda-bf16", check_cuda_bf16, factory, d_model, seq_len):
         checks.append("cuda-bf16")
     return ConformanceReport(checks, sizes)

@@ -116,13 +116,16 @@ def test_gradients_through_a_carried_state(name):
 
 @pytest.mark.parametrize("name", ["default", "power_law", "nope", "gqa_token_shift"])
 def test_conformance(name):
-    report = run_conformance(lambda: make(**CONFIGS[name]), D_MODEL, seq_len=48, splits=(1, 5, 7, 13, 30, 33))
+    # winner-take-all routing is a discrete decision: under bf16 two close scores may swap, so the bf16 outputs are
+    # checked for continuation/decode/gradients, not against fp32 (mixerzoo.testing.check_autocast_bf16)
+    report = run_conformance(lambda: make(**CONFIGS[name]), D_MODEL, seq_len=48, splits=(1, 5, 7, 13, 30, 33),
+                             bf16_against_fp32=False)
     assert "gradients" in report.checks
 
 
 def test_conformance_value_residual_and_ablations():
     run_conformance(lambda: make(value_residual=True, value_norm="mean", protect_sinks=False, schedule=GROW),
-                    D_MODEL, seq_len=40, splits=(3, 9, 22), allow_zero_grad=("v_lambda",))
+                    D_MODEL, seq_len=40, splits=(3, 9, 22), allow_zero_grad=("v_lambda",), bf16_against_fp32=False)
 
 
 def test_append_everything_equals_full_attention():
