@@ -160,6 +160,10 @@ def test_bad_sources_are_one_clear_line_and_write_nothing(tmp_path, capsys):
     assert main(["import", str(tmp_path / "bad.gguf"), str(out), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "transformers cannot read" in err and not out.exists()
+    # a Hub id goes to transformers (offline here): one line saying transformers could not read it
+    assert main(["import", "HuggingFaceTB/SmolLM2-135M", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "transformers cannot read the config of 'HuggingFaceTB/SmolLM2-135M'" in err and not out.exists()
     # an architecture outside the family: refused before any weight is read, naming the model_type
     gpt2 = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)
     gpt2.save_pretrained(tmp_path / "gpt2")
