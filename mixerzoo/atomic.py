@@ -48,11 +48,11 @@ def atomic_write(path: str | os.PathLike, write: Callable) -> Path:
 
 
 def atomic_folder(out_dir: str | os.PathLike, write: Callable[[Path], None],
-                  may_replace: Callable[[Path], bool] = lambda p: False) -> Path:
+                  may_replace: Callable[[Path], bool] = lambda p: False, what: str = "folder mixerzoo wrote") -> Path:
     """Create ``out_dir`` by calling ``write(tmp_folder)`` on a temporary folder next to it, then renaming.
 
     An existing ``out_dir`` is replaced only after ``write`` returned, and only when it is empty or
-    ``may_replace(out_dir)`` says so (moved aside, the new folder renamed in, the old one deleted); if anything
+    ``may_replace(out_dir)`` says so (``what`` names such a folder in the error; moved aside, the new folder renamed in, the old one deleted); if anything
     fails the temporary folder is removed and ``out_dir`` is as it was.
 
     Raises:
@@ -60,8 +60,8 @@ def atomic_folder(out_dir: str | os.PathLike, write: Callable[[Path], None],
     """
     out = Path(os.path.expanduser(os.fspath(out_dir))).resolve()
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or may_replace(out))):
-        raise FileExistsError(f"{out} exists and is not a folder mixerzoo wrote; choose another output folder (a "
-                              f"previous export is replaced, anything else is left alone)")
+        raise FileExistsError(f"{out} exists and is not a {what}; choose another output folder (a previous "
+                              f"{what} is replaced, anything else is left alone)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:

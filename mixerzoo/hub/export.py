@@ -112,7 +112,7 @@ def write_folder_atomic(out_dir: str | os.PathLike, write) -> Path:
     Raises:
         FileExistsError: ``out_dir`` exists, is not empty and is not a mixerzoo export (never overwritten).
     """
-    return atomic_folder(out_dir, write, may_replace=_is_export)
+    return atomic_folder(out_dir, write, may_replace=_is_export, what="mixerzoo export")
 
 
 def export_trained(trained: TrainedModel, out_dir: str | os.PathLike, *, repo_id: str | None = None,

@@ -34,21 +34,31 @@ class LayerSpec:
 
 @dataclasses.dataclass
 class LMConfig:
-    """Every field of the backbone (all serialisable to JSON/YAML).
+    """Every field of the backbone (all serialisable to JSON/YAML): the one place each is declared and described.
+    :class:`mixerzoo.training.LMModule` takes exactly these fields (its ``__init__`` is generated from them) and
+    the recipe reference (docs/recipes.md) is generated from this docstring.
 
-    Attributes:
-        vocab_size: tokenizer vocabulary; the embedding is padded up to ``pad_vocab_multiple``.
-        d_model: model width. n_layers: number of blocks. n_heads: default heads handed to every mixer
-            that takes ``n_heads`` (a layer's own options override it).
-        layer_types: layer names cycled over ``n_layers`` (or exactly one per layer).
-        mixers: options per layer name (see module docstring).
-        channel_mixer: ``swiglu``, ``relu2`` or ``none``; d_ff: its hidden width (default by kind).
-        channel_token_shift: token shift in the ReLU² channel mixer (KVM backbone).
-        norm: ``rmsnorm`` or ``layernorm``; norm_eps.
-        tie_embeddings: share the embedding matrix with the output head.
-        init_std: std of the normal init of Linear/Embedding weights (biases zero).
-        out_init: residual output projections (``o_proj``, ``down_proj``): ``scaled`` (std
+    Args:
+        vocab_size: Token vocabulary; the embedding and head rows are padded up to a multiple of
+            ``pad_vocab_multiple``. In a recipe, null takes it from the data module's tokenizer at setup (and it
+            is saved in the checkpoint).
+        d_model: Model width (every mixer gets it).
+        n_layers: Number of blocks (``x + mixer(norm(x))``, ``x + channel(norm(x))``).
+        n_heads: Heads given to every mixer that takes ``n_heads`` (a layer's own options override it).
+        layer_types: Layer names cycled over ``n_layers`` (or one per layer), e.g. ``[swa, swa, attention]``.
+        mixers: Options per layer name: ``{name: {mixer: <registered name>, **options}}``; ``mixer`` defaults to
+            the layer name. In a recipe, null gives ``{name: {}}`` for every layer name.
+        channel_mixer: ``swiglu``, ``relu2`` (ReLU², optional token shift) or ``none``.
+        d_ff: Hidden width of the channel mixer. null: 8/3 d_model rounded up to 64 (swiglu), 4 d_model (relu2).
+        channel_token_shift: Token shift in the ReLU² channel mixer (KVM backbone).
+        norm: ``rmsnorm`` or ``layernorm`` (pre-norm blocks and the final norm).
+        norm_eps: Epsilon of the norms.
+        tie_embeddings: Share the embedding matrix with the output head.
+        init_std: Std of the normal init of Linear/Embedding weights (biases zero).
+        out_init: Residual output projections (``o_proj``, ``down_proj``): ``scaled`` (std
             ``init_std / sqrt(2 n_layers)``, GPT-2) or ``zero`` (KVM paper, appendix B).
+        pad_vocab_multiple: The embedding/head rows are padded to a multiple of this (1: no padding, as for
+            imported pretrained models whose logits must equal transformers').
     """
 
     vocab_size: int

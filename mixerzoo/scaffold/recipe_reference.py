@@ -8,7 +8,7 @@ Where each column comes from, so the page cannot drift from the code:
   ``ModelCheckpoint``);
 - defaults: what ``mixerzoo fit --print_config`` resolves (so mixerzoo's own defaults for ``trainer.*`` and
   ``checkpoint.*`` show), the signatures for ``data.*`` and mixer options;
-- meanings: Google-style ``Args:`` sections of the docstrings; ``model.*`` from :data:`MODEL_FIELDS` below
+- meanings: Google-style ``Args:`` sections of the docstrings; ``model.*`` from LMConfig's and LMModule's
   (``tests/test_scaffold_docs.py`` fails when a field of ``LMModule`` has no entry there or the page is stale).
 """
 
@@ -24,40 +24,15 @@ import typing
 import warnings
 from typing import Any, Callable
 
-__all__ = ["MODEL_FIELDS", "TRAINER_FIELDS", "sections", "render", "main"]
+__all__ = ["TRAINER_FIELDS", "sections", "render", "main"]
 
-# model.* (LMModule's init arguments: the backbone fields of LMConfig plus the optimizer's)
-MODEL_FIELDS: dict[str, str] = {
-    "vocab_size": "Token vocabulary. null: taken from the data module's tokenizer at setup (and saved in the "
-                  "checkpoint); the embedding is padded up to a multiple of `pad_vocab_multiple`.",
-    "d_model": "Model width (every mixer gets it).",
-    "n_layers": "Number of blocks (`x + mixer(norm(x))`, `x + channel(norm(x))`).",
-    "n_heads": "Heads given to every mixer that takes `n_heads` (a layer's own options override it).",
-    "layer_types": "Layer names cycled over `n_layers` (or one per layer), e.g. `[swa, swa, attention]`.",
-    "mixers": "Options per layer name: `{name: {mixer: <registered name>, **options}}`; `mixer` defaults to the "
-              "layer name. null: `{name: {}}` for every layer name. See \"Mixer options\" below.",
-    "channel_mixer": "`swiglu`, `relu2` (ReLU², optional token shift) or `none`.",
-    "d_ff": "Hidden width of the channel mixer. null: 8/3 d_model rounded to 64 (swiglu), 4 d_model (relu2).",
-    "channel_token_shift": "Token shift in the ReLU² channel mixer (KVM backbone).",
-    "norm": "`rmsnorm` or `layernorm` (pre-norm blocks and the final norm).",
-    "norm_eps": "Epsilon of the norms.",
-    "tie_embeddings": "Share the embedding matrix with the output head.",
-    "init_std": "Std of the normal init of Linear/Embedding weights (biases zero).",
-    "out_init": "Residual output projections (`o_proj`, `down_proj`): `scaled` (std init_std / sqrt(2 n_layers)) "
-                "or `zero`.",
-    "pad_vocab_multiple": "The embedding/head rows are padded to a multiple of this.",
-    "lr": "Peak learning rate of AdamW.",
-    "weight_decay": "AdamW weight decay (not applied to norms, biases, embeddings and scalars).",
-    "betas": "AdamW betas.",
-    "warmup_steps": "Linear warmup steps from 0 to `lr`.",
-    "lr_schedule": "After warmup: `cosine`, `linear` (both down to `min_lr_ratio * lr`) or `constant`.",
-    "min_lr_ratio": "Final learning rate as a fraction of `lr` (0: decay to zero).",
-    "compile": "`torch.compile` each block (parameter names unchanged).",
-    "max_bad_steps": "A step with a non-finite loss is skipped; this many in a row stop the run.",
-    "init_from": "Start from another model's weights (a `mixerzoo import` folder, an export, a checkpoint, a .gguf). "
-                 "Its backbone fields fill every field left at its default; `mixers` given are merged into its "
-                 "layers' options. Weights that fit are loaded; new and unused ones are listed at the start.",
-}
+# model.* (LMModule's init arguments: LMConfig's fields plus the optimizer's), described once, in the docstrings of
+# LMConfig and LMModule (LMModule's is generated to include LMConfig's)
+def _model_fields() -> dict[str, str]:
+    from ..training import LMModule
+
+    return parse_args_section(LMModule.__doc__)
+
 
 # trainer.*: the most used of Lightning's Trainer arguments (`--help` lists all)
 TRAINER_FIELDS = ["max_steps", "max_epochs", "max_time", "val_check_interval", "check_val_every_n_epoch",
@@ -205,7 +180,7 @@ def sections() -> dict[str, str]:
     ``trainer``, ``checkpoint``, ``throughput``, ``top-level``).
 
     Raises:
-        KeyError: a field of ``LMModule`` without an entry in :data:`MODEL_FIELDS`.
+        KeyError: a field of ``LMModule`` without an entry in the ``Args:`` of LMConfig or LMModule.
     """
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -215,14 +190,15 @@ def sections() -> dict[str, str]:
     from ..training import LMModule
 
     params = _params(LMModule.__init__)
-    missing = sorted(set(params) - set(MODEL_FIELDS))
+    model_fields = _model_fields()
+    missing = sorted(set(params) - set(model_fields))
     if missing:
-        raise KeyError(f"LMModule fields {missing} have no description in "
-                       f"mixerzoo.scaffold.recipe_reference.MODEL_FIELDS; add one and regenerate docs/recipes.md")
+        raise KeyError(f"LMModule fields {missing} have no description in the Args: section of LMConfig (backbone "
+                       f"fields) or LMModule (its own); add one and regenerate docs/recipes.md")
     cfg = print_config_defaults()
     out: dict[str, str] = {}
     out["model"] = _table([(f"model.{n}", format_type(p.annotation), _value(cfg["model"].get(n, p.default)),
-                            _clean(MODEL_FIELDS[n])) for n, p in params.items()])
+                            model_fields[n]) for n, p in params.items()])
 
     docs = parse_args_section(Attention.__doc__)
     rows = [("mixer", "str", "the layer name", "Registered mixer to build (`mixerzoo plugins` lists them).")]

@@ -4,6 +4,9 @@ optimizer's, so recipes and the command line set them directly (``--model.layer_
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import typing
 from typing import Any
 
 import lightning as L
@@ -71,16 +74,22 @@ class NonFiniteLossError(RuntimeError):
 class LMModule(L.LightningModule):
     """Causal language modelling over a hybrid stack of mixers.
 
-    Backbone arguments are :class:`mixerzoo.model.LMConfig`'s fields (see it for their meaning); when
-    ``vocab_size`` is None it is taken from the datamodule's tokenizer at setup and saved in the checkpoint.
+    Its first arguments are exactly :class:`mixerzoo.model.LMConfig`'s fields, with LMConfig's types, defaults and
+    descriptions: ``__init__`` is generated from the dataclass (see :func:`_generate_init`), so a backbone field
+    is declared once. Two defaults differ, as a recipe needs: ``vocab_size`` None takes the datamodule tokenizer's
+    size at setup (saved in the checkpoint) and ``mixers`` None gives every layer name its mixer's defaults.
 
     Args:
-        lr: peak learning rate of AdamW. betas, weight_decay: AdamW's (no decay on norms, biases,
-            embeddings, scalars). warmup_steps: linear warmup. lr_schedule: ``cosine``, ``linear``
-            (to ``min_lr_ratio``; 0 = linear-to-zero) or ``constant``.
+{backbone_args}
+        lr: Peak learning rate of AdamW.
+        weight_decay: AdamW weight decay (not applied to norms, biases, embeddings and scalars).
+        betas: AdamW betas.
+        warmup_steps: Linear warmup steps from 0 to ``lr``.
+        lr_schedule: After warmup: ``cosine``, ``linear`` (both down to ``min_lr_ratio * lr``) or ``constant``.
+        min_lr_ratio: Final learning rate as a fraction of ``lr`` (0: decay to zero).
         compile: ``torch.compile`` each block (in place, parameter names unchanged).
-        max_bad_steps: a step whose loss is not finite is skipped and counted; this many in a row stop the run.
-        init_from: start from the weights of another model (any source :func:`mixerzoo.hub.load_model` opens:
+        max_bad_steps: A step with a non-finite loss is skipped and counted; this many in a row stop the run.
+        init_from: Start from the weights of another model (any source :func:`mixerzoo.hub.load_model` opens:
             a ``mixerzoo import`` folder, an export, a checkpoint, a ``.gguf``). Its backbone fields are used
             wherever this module's are left at their defaults; ``mixers`` given here are merged into its layers'
             options key by key, so ``{attention: {mixer: tova}}`` or ``{attention: {mixer: kvm}}`` changes the
@@ -96,58 +105,29 @@ class LMModule(L.LightningModule):
             mixer does not take, a tokenizer larger than ``vocab_size``, or a ``seq_len`` too short.
     """
 
-    def __init__(
-        self,
-        vocab_size: int | None = None,
-        d_model: int = 256,
-        n_layers: int = 4,
-        n_heads: int = 4,
-        layer_types: list[str] = ("attention",),
-        mixers: dict[str, dict[str, Any]] | None = None,
-        channel_mixer: str = "swiglu",
-        d_ff: int | None = None,
-        channel_token_shift: bool = False,
-        norm: str = "rmsnorm",
-        norm_eps: float = 1e-5,
-        tie_embeddings: bool = True,
-        init_std: float = 0.02,
-        out_init: str = "scaled",
-        pad_vocab_multiple: int = 64,
-        lr: float = 1e-3,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 100,
-        lr_schedule: str = "cosine",
-        min_lr_ratio: float = 0.1,
-        compile: bool = False,
-        max_bad_steps: int = 10,
-        init_from: str | None = None,
-    ) -> None:
-        super().__init__()
-        resolved = None
-        if init_from is not None:
-            resolved = _fields_from(init_from, {k: v for k, v in locals().items() if k in LMConfig.__dataclass_fields__})
-            layer_types, mixers = resolved["layer_types"], resolved["mixers"]
-        if mixers is None:
-            mixers = {name: {} for name in layer_types}
-        self.save_hyperparameters()
-        if resolved is not None:  # LightningCLI hands save_hyperparameters the given values: record the resolved
-            self.hparams.update(resolved)
+    def _configure(self) -> None:
+        """The body of the generated ``__init__``, run after the hyper-parameters are saved: resolve
+        ``init_from``, default the mixers, check every field, and build the model when the vocabulary is known."""
+        hp = self.hparams
+        if hp.get("init_from") is not None:
+            resolved = _fields_from(hp.init_from, {k: hp[k] for k in LMConfig.__dataclass_fields__})
+            hp.update(resolved)  # LightningCLI hands save_hyperparameters the given values: record the resolved
             if getattr(self, "_hparams_initial", None) is not None:
                 self._hparams_initial.update(resolved)
-        self.hparams["layer_types"] = list(layer_types)
-        self.hparams["mixers"] = mixers
-        if lr <= 0:
-            raise ConfigError(f"model.lr must be > 0, got {lr}")
-        if isinstance(max_bad_steps, bool) or not isinstance(max_bad_steps, int) or max_bad_steps < 1:
+        hp["layer_types"] = list(hp.layer_types)
+        if hp.mixers is None:
+            hp["mixers"] = {name: {} for name in hp.layer_types}
+        if hp.lr <= 0:
+            raise ConfigError(f"model.lr must be > 0, got {hp.lr}")
+        if isinstance(hp.max_bad_steps, bool) or not isinstance(hp.max_bad_steps, int) or hp.max_bad_steps < 1:
             raise ConfigError(f"model.max_bad_steps must be an integer >= 1 (consecutive non-finite steps that stop "
-                              f"the run), got {max_bad_steps!r}")
-        lr_lambda(0, warmup_steps, 1, lr_schedule, min_lr_ratio)  # validates lr_schedule
+                              f"the run), got {hp.max_bad_steps!r}")
+        lr_lambda(0, hp.warmup_steps, 1, hp.lr_schedule, hp.min_lr_ratio)  # validates lr_schedule
         self._validate_backbone()
         self.model: LanguageModel | None = None
         self._bad_steps = 0
         self._rng_to_restore: dict | None = None
-        if vocab_size is not None:
+        if hp.vocab_size is not None:
             self.configure_model()
         self.val_loss = MeanMetric()
 
@@ -303,3 +283,63 @@ class LMModule(L.LightningModule):
             raise ConfigError(f"the checkpoint does not fit this model configuration ({detail}). Use the config "
                               f"it was trained with (config.yaml next to its logs) or drop --ckpt_path to start "
                               f"fresh.")
+
+
+def _module_options(lr: float = 1e-3, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
+                    warmup_steps: int = 100, lr_schedule: str = "cosine", min_lr_ratio: float = 0.1,
+                    compile: bool = False, max_bad_steps: int = 10, init_from: str | None = None) -> None:
+    """LMModule's own arguments (after LMConfig's fields); only its signature is used."""
+
+
+# Where a recipe needs another default than LMConfig: (type, default)
+_RECIPE_DEFAULTS = {"vocab_size": (int | None, None), "mixers": (dict[str, dict[str, Any]] | None, None)}
+
+
+def _generate_init(cls: type) -> type:
+    """Give ``cls`` an ``__init__(self, <LMConfig fields>, <_module_options>)`` with real names, types and
+    defaults, generated as ``dataclasses`` generates its own: LightningCLI/jsonargparse read the signature (so
+    ``--model.d_model`` exists, typed and documented), Lightning's ``save_hyperparameters`` reads the arguments
+    from the frame, and nothing about a backbone field is written twice. The body saves the hyper-parameters
+    and calls ``_configure``."""
+    hints = typing.get_type_hints(LMConfig)
+    params, defaults, annotations = [], {}, {}
+    for f in dataclasses.fields(LMConfig):
+        kind, default = _RECIPE_DEFAULTS.get(f.name, (hints[f.name], None))
+        if f.name not in _RECIPE_DEFAULTS:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        params.append(f.name)
+        defaults[f.name], annotations[f.name] = default, kind
+    own = inspect.signature(_module_options).parameters
+    own_hints = typing.get_type_hints(_module_options)
+    for name, p in own.items():
+        params.append(name)
+        defaults[name], annotations[name] = p.default, own_hints[name]
+    source = (f"def __init__(self, {', '.join(f'{n}=_defaults[{n!r}]' for n in params)}):\n"
+              f"    __class__ = _cls  # Lightning's save_hyperparameters finds the arguments through it\n"
+              f"    super(_cls, self).__init__()\n"
+              f"    self.save_hyperparameters(frame=_currentframe())\n"
+              f"    self._configure()\n")
+    namespace = {"_defaults": defaults, "_cls": cls, "_currentframe": inspect.currentframe}
+    exec(compile(source, f"<generated {cls.__qualname__}.__init__>", "exec"), namespace)  # noqa: S102
+    init = namespace["__init__"]
+    init.__annotations__ = {**annotations, "return": None}
+    init.__qualname__, init.__module__ = f"{cls.__qualname__}.__init__", cls.__module__
+    cls.__init__ = init
+    backbone = _args_section(LMConfig.__doc__)
+    cls.__doc__ = cls.__doc__.replace("{backbone_args}", backbone)
+    return cls
+
+
+def _args_section(doc: str) -> str:
+    """The entries of a docstring's ``Args:`` section, indented for another class's ``Args:`` section."""
+    lines = inspect.cleandoc(doc).splitlines()
+    start = lines.index("Args:") + 1
+    out = []
+    for line in lines[start:]:
+        if line.strip() and not line.startswith(" "):
+            break
+        out.append("    " + line if line.strip() else "")
+    return "\n".join(out).rstrip()
+
+
+_generate_init(LMModule)
