@@ -141,3 +141,81 @@ def test_recall_datamodule_from_yaml_config():
                                                       "train_examples": 10, "val_examples": 5}}})
     dm = parser.instantiate(cfg).data
     assert isinstance(dm, RecallDataModule) and dm.num_kv_pairs == 8 and dm.num_queries == 8
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Zoology's MQAR (format: zoology)
+# --------------------------------------------------------------------------------------------------------------
+from mixerzoo.data.recall import make_mqar_zoology, power_law_gap_probs  # noqa: E402
+
+
+def test_zoology_layout_matches_the_paper():
+    V, T, K = 64, 96, 8
+    x, y = make_mqar_zoology(500, V, T, K, random_non_queries=False, generator=torch.Generator().manual_seed(0))
+    keys, values = x[:, 0:2 * K:2], x[:, 1:2 * K:2]
+    assert bool((keys >= 1).all() and (keys < V // 2).all() and (values >= V // 2).all() and (values < V).all())
+    assert all(len(set(r.tolist())) == K for r in keys), "no key repeated in an example"
+    assert all(len(set(r.tolist())) == K for r in values)
+    for row in range(x.shape[0]):
+        labelled = (y[row] != -100).nonzero().flatten()
+        assert len(labelled) == K and bool((labelled >= 2 * K).all()) and bool((labelled % 2 == 0).all())
+        kv = dict(zip(keys[row].tolist(), values[row].tolist()))
+        queried = x[row, labelled].tolist()
+        assert sorted(queried) == sorted(kv), "every key is queried exactly once"
+        assert y[row, labelled].tolist() == [kv[k] for k in queried], "the label of a query key is its value"
+        assert x[row, labelled + 1].tolist() == [0] * K, "the value is not echoed after its key"
+        others = torch.ones(T, dtype=torch.bool)
+        others[: 2 * K] = False
+        others[labelled] = False
+        assert bool((x[row, others] == 0).all())
+
+
+def test_zoology_gaps_follow_the_power_law():
+    """One query per example: its slot is drawn from p_i ∝ a i^(a-1); the empirical frequencies of the first
+    slots match within 4 standard errors, and with many queries short gaps still dominate."""
+    n, V, T = 20000, 16, 2 + 2 * 64  # one kv pair, 64 slots
+    x, y = make_mqar_zoology(n, V, T, 1, power_a=0.01, random_non_queries=False,
+                             generator=torch.Generator().manual_seed(1))
+    slot = ((y != -100).nonzero()[:, 1] - 2) // 2
+    freq = torch.bincount(slot, minlength=64).double() / n
+    p = power_law_gap_probs(64, 0.01)
+    for i in range(8):
+        se = (p[i] * (1 - p[i]) / n).sqrt()
+        assert abs(freq[i] - p[i]) < 4 * se + 1e-3, (i, float(freq[i]), float(p[i]))
+    assert p[0] > 5 * p[-1]  # the power law really favours short gaps
+    x, y = make_mqar_zoology(2000, 64, 8 * 2 + 2 * 64, 8, generator=torch.Generator().manual_seed(2))
+    slots = ((y != -100).nonzero()[:, 1] - 16) // 2
+    counts = torch.bincount(slots, minlength=64)
+    assert counts[:8].sum() > counts[-8:].sum() * 3
+
+
+def test_zoology_random_non_queries_and_jrt_passes():
+    V, T, K = 64, 96, 6
+    x, y = make_mqar_zoology(300, V, T, K, num_passes=2, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(x[:, : 2 * K], x[:, 2 * K: 4 * K]), "num_passes repeats the kv section"
+    query = y != -100
+    noise = x[:, 4 * K:][~query[:, 4 * K:]]
+    assert noise.float().mean().item() == pytest.approx((V - 1) / 2, rel=0.1), "filler is uniform random tokens"
+    assert (noise == 0).float().mean().item() < 0.05
+
+
+def test_zoology_bad_sizes_name_the_field():
+    with pytest.raises(ConfigError, match="num_kv_pairs=40 is too many for vocab_size=64"):
+        make_mqar_zoology(1, 64, 512, 40)
+    with pytest.raises(ConfigError, match="num_kv_pairs=16 is too many for seq_len=60"):
+        make_mqar_zoology(1, 256, 60, 16)  # 32 kv tokens leave 14 two-token query slots for 16 queries
+    make_mqar_zoology(1, 256, 64, 16)  # 16 slots: fits exactly
+    with pytest.raises(ConfigError, match=r"data\.num_queries must be null with format: zoology"):
+        RecallDataModule(format="zoology", num_queries=4)
+    with pytest.raises(ConfigError, match=r"data\.format='zoo'"):
+        RecallDataModule(format="zoo")
+    with pytest.raises(ConfigError, match=r"data\.num_kv_pairs=16 is too many for seq_len=40"):
+        RecallDataModule(format="zoology", seq_len=40, num_kv_pairs=16)
+
+
+def test_zoology_datamodule_batches():
+    dm = RecallDataModule(format="zoology", vocab_size=64, seq_len=64, num_kv_pairs=8, train_examples=32,
+                          val_examples=16, batch_size=8)
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape == (8, 64) and int((batch["labels"] != -100).sum()) == 8 * 8

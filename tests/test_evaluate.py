@@ -290,6 +290,21 @@ def test_recall_scoring_with_oracle_and_na(tokenizer):
     assert "exceeds the model's 300 ids" in big["lengths"]["64"]["na"]
 
 
+def test_mqar_sweep_in_zoology_format(tokenizer):
+    """--mqar_format zoology scores on Zoology's MQAR: the value is never echoed, so a copying oracle must find it
+    in the kv section (it does, without noise); the options record the format and its defaults."""
+    from mixerzoo.evaluation.recall import mqar_options
+
+    em = EvalModel("oracle", Oracle(300), tokenizer)
+    opts = mqar_options(em, vocab_size=300, num_kv_pairs=4, format="zoology")
+    assert opts["format"] == "zoology" and opts["power_a"] == 0.01 and opts["random_non_queries"] is True
+    quiet = {**opts, "random_non_queries": False}
+    r = mqar_sweep(em, [64], samples=4, batch_size=2, chunk=16, options=quiet)
+    assert r["lengths"]["64"]["accuracy"] == 1.0 and r["lengths"]["64"]["queries"] == 4 * 4
+    tight = mqar_sweep(em, [12], samples=2, options=quiet)  # 8 kv tokens leave 2 query slots for 4 keys
+    assert "too many for seq_len=12" in tight["lengths"]["12"]["na"]
+
+
 # ------------------------------------------------------------------------------------------------------------
 # cost
 # ------------------------------------------------------------------------------------------------------------

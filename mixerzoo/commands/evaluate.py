@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cost: rows decoded together (tokens/s count every row; state bytes are for all rows)")
     p.add_argument("--mqar_vocab", type=int, default=None,
                    help="MQAR vocabulary (default: the training value of an MQAR checkpoint, else the model's)")
+    p.add_argument("--mqar_format", choices=["mixerzoo", "zoology"], default=None,
+                   help="MQAR generator: zoology = exactly the Zoology paper's (power-law gaps, random non-query "
+                        "tokens, no echoed value), comparable with its figures (default: the checkpoint's, else "
+                        "mixerzoo)")
     p.add_argument("--mqar_kv_pairs", type=int, default=None,
                    help="MQAR key-value pairs (default: the training value of an MQAR checkpoint, else 16)")
     p.add_argument("--icr_vocab", type=int, default=None,
@@ -130,7 +134,8 @@ def main(argv: list[str], out: IO[str] | None = None) -> int:
             chunk=args.chunk, segments=args.segments, max_docs=args.max_docs, data=args.data, split=args.split,
             samples=args.samples, batch_size=args.batch_size, seed=args.seed, niah_depths=args.niah_depths,
             niah_trials=args.niah_trials, niah_needles=args.niah_needles, decode_tokens=args.decode_tokens,
-            cost_batch=args.cost_batch, mqar_vocab=args.mqar_vocab, mqar_kv_pairs=args.mqar_kv_pairs, icr_vocab=args.icr_vocab,
+            cost_batch=args.cost_batch, mqar_vocab=args.mqar_vocab, mqar_kv_pairs=args.mqar_kv_pairs,
+            mqar_format=args.mqar_format, icr_vocab=args.icr_vocab,
             icr_key_len=args.icr_key_len, icr_value_len=args.icr_value_len)
         settings.check()
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -17,9 +17,10 @@ Keys come from ``1 .. V//2 - 1`` and values from ``V//2 .. V-1`` (disjoint halve
 are distinct within an example (values too, as in Zoology), the ``Q`` queried keys are distinct pairs of the
 kv section in random order, at positions drawn uniformly among all non-overlapping placements. Each queried
 key is followed by its value, so with teacher forcing the input at ``t + 1`` equals the label at ``t``.
-Differences from Zoology's generator (``zoology/data/associative_recall.py``): Zoology places query keys at
-power-law distributed gaps, leaves the token after a query key as filler (or random noise), and queries every
-key; here positions are uniform, the value follows its key, and ``num_queries`` may be below ``K``.
+Differences from Zoology's MQAR: Zoology places query keys at power-law distributed gaps, leaves the token after
+a query key as filler (random noise by default), and queries every key; here positions are uniform, the value
+follows its key, and ``num_queries`` may be below ``K``. ``format: zoology`` (:func:`make_mqar_zoology`) generates
+Zoology's version, for numbers comparable with its paper.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ import torch
 from ..model.config import ConfigError
 from .base import IGNORE_INDEX, LMDataModule, TensorPairDataset, check_int
 
-__all__ = ["RecallDataModule", "make_mqar", "mqar_max_kv_pairs"]
+__all__ = ["RecallDataModule", "make_mqar", "make_mqar_zoology", "mqar_max_kv_pairs", "power_law_gap_probs",
+           "MQAR_FORMATS"]
+
+MQAR_FORMATS = ("mixerzoo", "zoology")
 
 FILLER = 0
 
@@ -155,6 +159,86 @@ def make_mqar(
     return input_ids, labels
 
 
+def power_law_gap_probs(slots: int, power_a: float) -> torch.Tensor:
+    """Probability of each query slot ``i = 1 .. slots`` in Zoology's MQAR: ``p_i ∝ a * i^(a - 1)`` (a power law
+    with exponent ``a - 1``; ``a = 0.01`` puts most queries right after the kv section, so short gaps dominate and
+    a few queries sit far away). Returns ``(slots,)`` float64 summing to 1."""
+    i = torch.arange(1, slots + 1, dtype=torch.float64)
+    p = power_a * i ** (power_a - 1)
+    return p / p.sum()
+
+
+def make_mqar_zoology(
+    n: int,
+    vocab_size: int,
+    seq_len: int,
+    num_kv_pairs: int,
+    power_a: float = 0.01,
+    random_non_queries: bool = True,
+    num_passes: int = 1,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQAR as the Zoology paper specifies it (Arora et al. 2023, section 3 and appendix; its ``multiquery_ar``
+    parameters), written from that description.
+
+    Layout of each row (``K = num_kv_pairs``, ``P = num_passes``, ``V = vocab_size``, ``T = seq_len``):
+
+    - the kv section ``k_1 v_1 ... k_K v_K``, written ``P`` times (``P > 1`` is the JRT variant: the context
+      repeated before the questions); keys distinct from ``[1, V//2)``, values distinct from ``[V//2, V)``;
+    - the query region, ``T - 2KP`` positions cut into ``(T - 2KP) // 2`` two-token slots; every key is queried
+      once, at the first position of a slot drawn without replacement with probability
+      :func:`power_law_gap_probs` (``power_a``), keys assigned to slots in random order;
+    - the value is **not** written after its queried key: the position after it is filler, like every position
+      that is not a query key. Filler is 0, or with ``random_non_queries`` a uniformly random token of
+      ``[0, V)`` (noise the model must ignore; Zoology's default).
+    - ``labels`` is -100 except at each query key, where it is that key's value (already shifted: the target
+      of position ``t``).
+
+    Args:
+        n: examples. vocab_size, seq_len, num_kv_pairs: ``V``, ``T``, ``K``. power_a: the power law's ``a`` (> 0).
+        random_non_queries: random filler instead of 0. num_passes: repetitions of the kv section (>= 1).
+        generator: a seeded ``torch.Generator``.
+
+    Returns:
+        ``(input_ids, labels)``, both ``(n, seq_len)`` int64.
+
+    Raises:
+        ConfigError: sizes that do not fit (keys need ``K <= V//2 - 1``; the kv sections plus ``K`` query slots
+            need ``2KP + 2K <= T``), ``power_a <= 0`` or ``num_passes < 1``; the message names the field.
+    """
+    check_int("n", n, 0)
+    check_int("vocab_size", vocab_size, 4, "MQAR needs keys and values from two halves of the vocabulary")
+    check_int("num_kv_pairs", num_kv_pairs, 1)
+    check_int("num_passes", num_passes, 1, "1 is plain MQAR, more repeats the kv section (JRT)")
+    if not power_a > 0:
+        raise ConfigError(f"power_a={power_a!r} must be > 0 (Zoology uses 0.01)")
+    k, half = num_kv_pairs, vocab_size // 2
+    if k > half - 1:
+        raise ConfigError(f"num_kv_pairs={k} is too many for vocab_size={vocab_size}: distinct keys come from ids "
+                          f"1..{half - 1}; lower num_kv_pairs or raise vocab_size")
+    slots = (seq_len - 2 * k * num_passes) // 2
+    if slots < k:
+        raise ConfigError(f"num_kv_pairs={k} is too many for seq_len={seq_len} with num_passes={num_passes}: the kv "
+                          f"section{'s' if num_passes > 1 else ''} ({2 * k * num_passes} tokens) leave {max(slots, 0)} "
+                          f"query slots of 2 tokens for {k} queries; lower num_kv_pairs or raise seq_len")
+    keys = 1 + _sample_distinct(n, half - 1, k, generator)
+    values = half + _sample_distinct(n, vocab_size - half, k, generator)
+    if random_non_queries:
+        input_ids = torch.randint(0, vocab_size, (n, seq_len), generator=generator)
+    else:
+        input_ids = torch.full((n, seq_len), FILLER, dtype=torch.long)
+    labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)
+    kv = torch.stack([keys, values], dim=2).reshape(n, 2 * k)
+    for p in range(num_passes):
+        input_ids[:, 2 * k * p: 2 * k * (p + 1)] = kv
+    probs = power_law_gap_probs(slots, power_a).float().expand(n, slots)
+    slot = torch.multinomial(probs, k, replacement=False, generator=generator)  # (n, K), key j -> slot[:, j]
+    pos = 2 * k * num_passes + 2 * slot
+    input_ids.scatter_(1, pos, keys)
+    labels.scatter_(1, pos, values)
+    return input_ids, labels
+
+
 class RecallDataModule(LMDataModule):
     """Multi-query associative recall (MQAR, Zoology section 3) as a Lightning data module.
 
@@ -179,6 +263,10 @@ class RecallDataModule(LMDataModule):
         batch_size: int = 64,
         seed: int = 0,
         num_workers: int = 0,
+        format: str = "mixerzoo",
+        power_a: float = 0.01,
+        random_non_queries: bool = True,
+        num_passes: int = 1,
     ) -> None:
         """
         Args:
@@ -193,9 +281,28 @@ class RecallDataModule(LMDataModule):
             batch_size: examples per batch.
             seed: seed of the generators (train uses ``2*seed``, val ``2*seed + 1``) and of the train shuffle.
             num_workers: DataLoader worker processes.
+            format: ``mixerzoo`` (:func:`make_mqar`: uniform query positions, the value echoed after its key) or
+                ``zoology`` (:func:`make_mqar_zoology`: exactly the Zoology paper's MQAR, comparable with its
+                figures and with papers that use it).
+            power_a: ``zoology`` only: the power law of the query gaps.
+            random_non_queries: ``zoology`` only: random tokens instead of 0 at every non-query position.
+            num_passes: ``zoology`` only: repetitions of the kv section (JRT).
         """
         super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed)
-        self.num_queries = _check_mqar(vocab_size, seq_len, num_kv_pairs, num_queries)
+        if format not in MQAR_FORMATS:
+            raise ConfigError(f"data.format={format!r} is not an MQAR format; use one of {list(MQAR_FORMATS)}")
+        self.format, self.power_a = format, power_a
+        self.random_non_queries, self.num_passes = random_non_queries, num_passes
+        if format == "zoology":
+            if num_queries is not None:
+                raise ConfigError("data.num_queries must be null with format: zoology (every key is queried once)")
+            try:  # the same checks as generation, on one throwaway example
+                make_mqar_zoology(1, vocab_size, seq_len, num_kv_pairs, power_a, random_non_queries, num_passes,
+                                  torch.Generator().manual_seed(0))
+            except ConfigError as e:
+                raise ConfigError(f"data.{e}") from None
+        self.num_queries = num_kv_pairs if format == "zoology" else _check_mqar(vocab_size, seq_len, num_kv_pairs,
+                                                                                 num_queries)
         self.vocab_size = vocab_size
         self.num_kv_pairs = num_kv_pairs
         self.train_examples = check_int("data.train_examples", train_examples, 1)
@@ -204,6 +311,10 @@ class RecallDataModule(LMDataModule):
 
     def _generate(self, n: int, seed: int) -> TensorPairDataset:
         generator = torch.Generator().manual_seed(seed)
+        if self.format == "zoology":
+            return TensorPairDataset(*make_mqar_zoology(n, self.vocab_size, self.seq_len, self.num_kv_pairs,
+                                                        self.power_a, self.random_non_queries, self.num_passes,
+                                                        generator))
         return TensorPairDataset(*make_mqar(n, self.vocab_size, self.seq_len, self.num_kv_pairs, self.num_queries,
                                             generator))
 

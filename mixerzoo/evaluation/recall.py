@@ -20,7 +20,7 @@ import torch
 
 from ..data.base import IGNORE_INDEX
 from ..data.icr import ICRSpec, icr_batch
-from ..data.recall import make_mqar
+from ..data.recall import make_mqar, make_mqar_zoology
 from ..model.config import ConfigError
 from .models import EvalModel, model_vocab, stream_logits
 
@@ -45,13 +45,31 @@ def teacher_forced_hits(model, input_ids: torch.Tensor, labels: torch.Tensor, ch
 
 
 def mqar_options(em: EvalModel, vocab_size: int | None = None, num_kv_pairs: int | None = None,
-                 num_queries: int | None = None) -> dict:
+                 num_queries: int | None = None, format: str | None = None) -> dict:
     """MQAR options for ``em``: explicit values win; else the training values of a RecallDataModule checkpoint;
-    else the model's vocabulary and :data:`MQAR_DEFAULT_KV_PAIRS` pairs, every key queried."""
+    else the model's vocabulary and :data:`MQAR_DEFAULT_KV_PAIRS` pairs, every key queried. ``format``:
+    ``mixerzoo`` or ``zoology`` (Zoology's MQAR with its defaults ``power_a`` 0.01 and random non-query tokens,
+    or the checkpoint's own Zoology settings)."""
     trained = em.data_args if em.trained_on("RecallDataModule") else {}
-    return {"vocab_size": int(vocab_size or trained.get("vocab_size") or model_vocab(em.model)),
+    fmt = format or trained.get("format") or "mixerzoo"
+    opts = {"format": fmt, "vocab_size": int(vocab_size or trained.get("vocab_size") or model_vocab(em.model)),
             "num_kv_pairs": int(num_kv_pairs or trained.get("num_kv_pairs") or MQAR_DEFAULT_KV_PAIRS),
             "num_queries": num_queries if num_queries is not None else trained.get("num_queries")}
+    if fmt == "zoology":
+        zoo = trained if trained.get("format") == "zoology" else {}
+        opts.update(num_queries=None, power_a=float(zoo.get("power_a", 0.01)),
+                    random_non_queries=bool(zoo.get("random_non_queries", True)),
+                    num_passes=int(zoo.get("num_passes", 1)))
+    return opts
+
+
+def make_mqar_examples(samples: int, seq_len: int, opts: dict, generator: torch.Generator):
+    """``(input_ids, labels)`` of ``samples`` MQAR examples in the format and with the options of ``opts``
+    (:func:`mqar_options`)."""
+    if opts.get("format") == "zoology":
+        return make_mqar_zoology(samples, opts["vocab_size"], seq_len, opts["num_kv_pairs"], opts["power_a"],
+                                 opts["random_non_queries"], opts["num_passes"], generator)
+    return make_mqar(samples, opts["vocab_size"], seq_len, opts["num_kv_pairs"], opts["num_queries"], generator)
 
 
 def icr_options(em: EvalModel, task: str, vocab_size: int | None = None, key_len: int | None = None,
@@ -96,8 +114,7 @@ def mqar_sweep(em: EvalModel, lengths: Sequence[int], samples: int = 64, batch_s
         reason = _vocab_check(em, opts["vocab_size"])
         if reason is None:
             try:
-                ids, labels = make_mqar(samples, opts["vocab_size"], L, opts["num_kv_pairs"], opts["num_queries"],
-                                        torch.Generator().manual_seed(seed * 1000 + L))
+                ids, labels = make_mqar_examples(samples, L, opts, torch.Generator().manual_seed(seed * 1000 + L))
             except ConfigError as e:
                 reason = str(e)
         if reason is not None:

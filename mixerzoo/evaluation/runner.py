@@ -75,6 +75,7 @@ class EvalSettings:
     cost_batch: int = 1
     mqar_vocab: int | None = None
     mqar_kv_pairs: int | None = None
+    mqar_format: str | None = None
     icr_vocab: int | None = None
     icr_key_len: int | None = None
     icr_value_len: int | None = None
@@ -174,7 +175,7 @@ def run_evaluation(models: Sequence[EvalModel], settings: EvalSettings, console=
                 bar = progress.add_task(f"{task} {em.name}", total=settings.samples * sum(lengths))
                 tick = _ticker(progress, bar, settings.batch_size, settings.samples)
                 if task == "mqar":
-                    opts = mqar_options(em, settings.mqar_vocab, settings.mqar_kv_pairs)
+                    opts = mqar_options(em, settings.mqar_vocab, settings.mqar_kv_pairs, format=settings.mqar_format)
                     res[em.name] = mqar_sweep(em, lengths, settings.samples, settings.batch_size, settings.chunk,
                                               settings.seed, opts, tick)
                 else:
