@@ -150,7 +150,7 @@ def plot(results: dict, sizes: list[int], full: float, path: str, title: str, ma
         ax.set_yscale("log")
     ax.set_xticks(sizes, [str(s) for s in sizes])
     ax.set_xlabel("multi-state size (KV entries kept per layer)")
-    ax.set_ylabel("perplexity (held-out books)")
+    ax.set_ylabel("perplexity")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
@@ -261,7 +261,8 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write(meta + "\n\n" + table + "\n")
         stem = os.path.splitext(args.out)[0]
-        title = (f"attention LM (d_model {model.config.d_model}, {model.config.n_layers} layers) on held-out books, "
+        where = "book windows (--data)" if args.data else "held-out books"
+        title = (f"attention LM (d_model {model.config.d_model}, {model.config.n_layers} layers) on {where}, "
                  f"{args.windows}x{length} tokens")
         with open(stem + ".json", "w") as f:
             json.dump({"args": vars(args), "title": title, "length": length, "full": full, "results": results, "data": info,
