@@ -121,6 +121,10 @@ def test_native_export_of_mistral_keeps_its_window_and_refuses_other_mixers(tmp_
     x = ids(T=40)
     with torch.no_grad():
         assert (back(x).logits - hf(x).logits).abs().max().item() < 1e-5
+    # --dtype reaches the saved weights
+    export_native(tmp_path / "hf", tmp_path / "native16", dtype="bfloat16")
+    half = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "native16", dtype="auto")
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
     # a TOVA layer has no native form: refused with the layer named, nothing written
     from mixerzoo.hub.native import native_architecture
     from mixerzoo.hub.source import with_mixers
@@ -157,6 +161,10 @@ def test_bad_sources_are_one_clear_line_and_write_nothing(tmp_path, capsys):
     assert main(["import", str(tmp_path / "x.bin"), str(out), "--quiet"]) == 2
     assert "not a .gguf" in capsys.readouterr().err and not out.exists()
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 64)
+    from mixerzoo.hub.source import source_kind
+
+    assert source_kind(tmp_path) == "transformers"  # a folder holding a .gguf and no config.json
+    assert source_kind(tmp_path / "x.bin") == "checkpoint"
     assert main(["import", str(tmp_path / "bad.gguf"), str(out), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "transformers cannot read" in err and not out.exists()

@@ -9,7 +9,6 @@ checkpoint's data-module state), an exported folder, or a Hub repository id.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import IO
@@ -159,8 +158,7 @@ def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None
         load_s = time.perf_counter() - t0
         prompt = args.prompt
         if args.chat:
-            settings = loaded.trained.tokenizer_settings
-            prompt = chat_prompt(settings.get("chat_template"), prompt, settings.get("bos_token"))
+            prompt = chat_prompt(loaded.chat_template, prompt, loaded.trained.tokenizer_settings.get("bos_token"))
         prompt_ids = tok.encode(prompt).ids if prompt else []
         if not prompt_ids:
             if eos_id is None:

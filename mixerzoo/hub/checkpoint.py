@@ -94,6 +94,15 @@ def load_checkpoint(path: str) -> dict:
     return ckpt
 
 
+def _tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
+    """``{name: every name bound to the same tensor}`` for the model's parameters and buffers: in a freshly built
+    model, loading one name of a tied group (``embed.weight``) fills the others (``head.weight``)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(p), []).append(name)
+    return {n: names for names in groups.values() for n in names}
+
+
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
     """Copy ``weights`` into ``model`` exactly: every parameter/buffer is loaded, except names that the model
     itself ties to a loaded one (e.g. ``head.weight`` tied to ``embed.weight``), and nothing is left over.
@@ -101,15 +110,10 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], where
     Raises:
         ConfigError: missing, unexpected or mis-shaped tensors (names the first few).
     """
-    # Names that share one tensor in the freshly built model: loading one of them fills the others.
-    groups: dict[int, list[str]] = {}
-    for name, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        groups.setdefault(id(p), []).append(name)
-    alias_of = {n: names for names in groups.values() for n in names}
-    expected = set(model.state_dict())
-    missing = [k for k in expected if k not in weights and not any(a in weights for a in alias_of.get(k, []))]
-    unexpected = [k for k in weights if k not in expected]
+    alias_of = _tied_names(model)
     own = model.state_dict()
+    missing = [k for k in own if k not in weights and not any(a in weights for a in alias_of.get(k, []))]
+    unexpected = [k for k in weights if k not in own]
     shapes = [f"{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in weights.items()
               if k in own and tuple(v.shape) != tuple(own[k].shape)]
     if missing or unexpected or shapes:
@@ -132,10 +136,7 @@ def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tenso
 
     Names the model ties to a loaded one (``head.weight`` tied to ``embed.weight``) count as loaded.
     """
-    groups: dict[int, list[str]] = {}
-    for name, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        groups.setdefault(id(p), []).append(name)
-    alias_of = {n: names for names in groups.values() for n in names}
+    alias_of = _tied_names(model)
     own = model.state_dict()
     fit, unused = {}, []
     for name, tensor in weights.items():

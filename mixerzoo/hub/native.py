@@ -167,13 +167,12 @@ def export_native(source: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
         hf_config = hf_config_from_lm(trained.config, arch, eos_id=trained.eos_id, bos_id=bos,
                                       max_position_embeddings=origin.get("max_position_embeddings"))
         step()
-        want = _dtype(dtype)
         state = {}
         for name, tensor in trained.state_dict.items():
             mapped = mixerzoo_name_to_hf(name)
             if mapped is None:
                 raise NativeExportError(f"weight {name!r} has no place in {_CLASSES[arch]}")
-            state[mapped] = tensor.to(want) if want is not None and tensor.is_floating_point() else tensor
+            state[mapped] = tensor
         model = getattr(transformers, _CLASSES[arch])(hf_config)
         if hf_config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -182,6 +181,9 @@ def export_native(source: str | os.PathLike, out_dir: str | os.PathLike, *, dtyp
         if missing or result.unexpected_keys:
             raise NativeExportError(f"{_CLASSES[arch]} and the model's weights differ: missing {missing[:3]}, "
                                     f"unexpected {result.unexpected_keys[:3]}")
+        want = _dtype(dtype)
+        if want is not None:  # after loading: load_state_dict copies into the fp32 parameters of the new model
+            model.to(dtype=want)
         model.eval()
         step()
 

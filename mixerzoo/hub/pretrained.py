@@ -34,7 +34,7 @@ from ..model import LMConfig
 from ..model.config import ConfigError
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "UnsupportedArchitectureError", "PretrainedSource", "lm_config_from_hf",
-           "weights_from_hf", "read_transformers", "trained_from_transformers", "import_pretrained",
+           "weights_from_hf", "read_hf_config", "read_transformers", "trained_from_transformers", "import_pretrained",
            "is_transformers_source"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -188,7 +188,8 @@ def weights_from_hf(hf_state: dict[str, torch.Tensor], config: LMConfig) -> dict
 
 
 def is_transformers_source(source: str | os.PathLike) -> bool:
-    """A ``.gguf`` file, or a folder with a transformers config.json (not a mixerzoo export)."""
+    """A ``.gguf`` file, a folder with a transformers config.json (not a mixerzoo export), or a folder with no
+    config.json that holds ``.gguf`` files (the cases :func:`read_hf_config` reads)."""
     import json
 
     p = Path(os.path.expanduser(os.fspath(source)))
@@ -199,7 +200,7 @@ def is_transformers_source(source: str | os.PathLike) -> bool:
             return "lm_config" not in json.loads((p / "config.json").read_text())
         except (OSError, ValueError):
             return False
-    return False
+    return p.is_dir() and any(p.glob("*.gguf"))
 
 
 @dataclasses.dataclass
@@ -212,30 +213,21 @@ class PretrainedSource:
     gguf_file: str | None
 
 
-def read_transformers(source: str | os.PathLike, *, gguf_file: str | None = None, revision: str | None = None,
-                      trust_remote_code: bool = False, quiet: bool = True) -> PretrainedSource:
-    """Load a transformers causal LM and its tokenizer in fp32 on the CPU.
+def read_hf_config(source: str | os.PathLike, *, gguf_file: str | None = None, revision: str | None = None,
+                   trust_remote_code: bool = False):
+    """Where a transformers model is and its config: ``(hf_config, folder or Hub id, gguf_file)``.
 
-    Args:
-        source: a local folder (``config.json`` + weights), a ``.gguf`` file (de-quantized by transformers; needs
-            the ``gguf`` package), or a Hub id ``owner/name`` (downloaded by transformers; needs network).
-        gguf_file: the GGUF file inside ``source`` when ``source`` is a folder or Hub id holding one.
-        quiet: silence transformers' own progress bars (they are shown only on a terminal otherwise).
+    ``source`` is a folder (``config.json``, or exactly one ``.gguf`` inside), a ``.gguf`` file, or a Hub id
+    ``owner/name``; ``gguf_file`` names the GGUF inside a folder or Hub id.
 
     Raises:
-        FileNotFoundError: a local path that does not exist. UnsupportedArchitectureError: a model type outside
-            :data:`SUPPORTED_ARCHITECTURES` (checked on the config before any weight is read). ConfigError: a file
-            transformers cannot read (e.g. a GGUF quantization it does not de-quantize), with its reason.
+        FileNotFoundError: a local path that does not exist, or a folder that is not a model. ConfigError: a file
+            that is not ``.gguf``, or a config transformers cannot read (with its reason).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig
 
-    from ..progress import show_progress
     from .load import _REPO_ID
 
-    if not show_progress(quiet):
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
     s = os.path.expanduser(os.fspath(source))
     p = Path(s)
     if p.is_file():
@@ -263,7 +255,37 @@ def read_transformers(source: str | os.PathLike, *, gguf_file: str | None = None
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ConfigError(f"transformers cannot read the config of {s!r}{f' ({gguf_file})' if gguf_file else ''}: "
                           f"{_first_line(e)}") from e
+    return hf_config, folder, gguf_file
+
+
+def read_transformers(source: str | os.PathLike, *, gguf_file: str | None = None, revision: str | None = None,
+                      trust_remote_code: bool = False, quiet: bool = True) -> PretrainedSource:
+    """Load a transformers causal LM and its tokenizer in fp32 on the CPU.
+
+    Args:
+        source: a local folder (``config.json`` + weights), a ``.gguf`` file (de-quantized by transformers; needs
+            the ``gguf`` package), or a Hub id ``owner/name`` (downloaded by transformers; needs network).
+        gguf_file: the GGUF file inside ``source`` when ``source`` is a folder or Hub id holding one.
+        quiet: silence transformers' own progress bars (they are shown only on a terminal otherwise).
+
+    Raises:
+        FileNotFoundError: a local path that does not exist. UnsupportedArchitectureError: a model type outside
+            :data:`SUPPORTED_ARCHITECTURES` (checked on the config before any weight is read). ConfigError: a file
+            transformers cannot read (e.g. a GGUF quantization it does not de-quantize), with its reason.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..progress import show_progress
+
+    if not show_progress(quiet):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    hf_config, folder, gguf_file = read_hf_config(source, gguf_file=gguf_file, revision=revision,
+                                                  trust_remote_code=trust_remote_code)
+    s = os.path.expanduser(os.fspath(source))
     lm_config_from_hf(hf_config)  # refuse an unsupported architecture before reading any weight
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, revision=revision, dtype=torch.float32,
                                                      trust_remote_code=trust_remote_code, **kwargs)
@@ -350,11 +372,12 @@ def import_pretrained(source: str | os.PathLike, out_dir: str | os.PathLike, *, 
     from ..progress import stages
     from .export import export_trained
 
+    # export_trained builds the model and loads every tensor exactly (load_weights raises on a mismatch) before
+    # anything is written
     with stages("import", ["read with transformers", "map weights", "write folder"], quiet=quiet) as step:
         src = read_transformers(source, gguf_file=gguf_file, revision=revision, quiet=quiet)
         step()
         trained = trained_from_transformers(src)
-        trained.build_model()  # every tensor placed exactly (load_weights raises on a mismatch)
         step()
         folder = export_trained(trained, out_dir, dtype=dtype)
         step()

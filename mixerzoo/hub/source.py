@@ -127,18 +127,16 @@ def load_model(source: str | os.PathLike, *, tokenizer: str | None = None, mixer
         FileNotFoundError, ConfigError, MissingPluginError, HubDownloadError: see :func:`open_source`;
         ConfigError also when the overridden layers' parameters do not fit the weights (names them).
     """
-    from .checkpoint import load_weights
     from .load import _dtype
 
     trained, kind = open_source(source, tokenizer=tokenizer, quiet=quiet)
     trained.config = with_mixers(trained.config, mixers)
-    model = LanguageModel(trained.config)
-    load_weights(model, trained.state_dict, where=trained.source)
+    model = trained.build_model()
     want = _dtype(dtype) if dtype not in (None, "auto") else next(
         (t.dtype for t in trained.state_dict.values() if t.is_floating_point()), None)
     if want is not None or device is not None:
         model.to(device=device, dtype=want)
-    return LoadedModel(model=model.eval(), tokenizer=trained.tokenizer, eos_id=trained.eos_id, trained=trained,
+    return LoadedModel(model=model, tokenizer=trained.tokenizer, eos_id=trained.eos_id, trained=trained,
                        kind=kind)
 
 
@@ -152,13 +150,9 @@ def read_lm_config(source: str | os.PathLike) -> LMConfig:
     kind = source_kind(source)
     path = os.path.expanduser(os.fspath(source))
     if kind == "transformers":
-        from transformers import AutoConfig
+        from .pretrained import lm_config_from_hf, read_hf_config
 
-        from .pretrained import lm_config_from_hf
-
-        p = Path(path)
-        kwargs = {"gguf_file": p.name} if p.is_file() else {}
-        return lm_config_from_hf(AutoConfig.from_pretrained(str(p.parent if p.is_file() else p), **kwargs))
+        return lm_config_from_hf(read_hf_config(path)[0])
     if kind == "export":
         from .load import read_config, resolve_folder
 
