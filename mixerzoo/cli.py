@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 import warnings
@@ -139,14 +138,13 @@ def _lightning_cli(args: list[str] | None):
     from .data import LMDataModule
     from .model.config import apply_mixer_overrides, split_mixer_overrides
     from .training import LMModule, ThroughputLogger
+    from .training.module import explicit_fields
     from .training.checkpoints import AtomicCheckpointIO, check_ckpt_path
 
     # Lightning 2.6 deprecation noise about torch's pytree internals, printed on every run; nothing a user can act on.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     from_shell = args is None
     args, mixer_overrides, print_config = split_mixer_overrides(list(sys.argv[1:] if from_shell else args))
-    MODEL_DEFAULTS = {name: p.default for name, p in inspect.signature(LMModule.__init__).parameters.items()
-                      if p.default is not inspect.Parameter.empty}
 
     class MixerzooCLI(LightningCLI):
         """LightningCLI with mixerzoo's defaults: a last.ckpt checkpoint, throughput logging, CSV logs."""
@@ -198,7 +196,7 @@ def _lightning_cli(args: list[str] | None):
             # `validate --ckpt_path X --model.mixers '{attention: {mixer: tova, multi_state: 256}}'` switches
             # layers without retraining; an incompatible change is refused when the weights are loaded.
             given = self.config[sub].get("model")
-            explicit = {k: v for k, v in (given or {}).items() if k in MODEL_DEFAULTS and v != MODEL_DEFAULTS[k]}
+            explicit = explicit_fields(given or {})
             super()._parse_ckpt_path()
             for k, v in explicit.items():
                 self.config[sub].model[k] = v

@@ -30,7 +30,7 @@ import torch
 from ..model.config import ConfigError
 from .base import IGNORE_INDEX, LMDataModule, TensorPairDataset, check_int
 
-__all__ = ["RecallDataModule", "make_mqar", "make_mqar_zoology", "mqar_max_kv_pairs", "power_law_gap_probs",
+__all__ = ["RecallDataModule", "make_mqar", "make_mqar_zoology", "make_mqar_in_format", "mqar_max_kv_pairs", "power_law_gap_probs",
            "MQAR_FORMATS"]
 
 MQAR_FORMATS = ("mixerzoo", "zoology")
@@ -239,6 +239,25 @@ def make_mqar_zoology(
     return input_ids, labels
 
 
+def make_mqar_in_format(n: int, vocab_size: int, seq_len: int, num_kv_pairs: int, format: str = "mixerzoo",
+                        num_queries: int | None = None, power_a: float = 0.01, random_non_queries: bool = True,
+                        num_passes: int = 1, generator: torch.Generator | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQAR examples in ``format``: ``mixerzoo`` (:func:`make_mqar`, takes ``num_queries``) or ``zoology``
+    (:func:`make_mqar_zoology`, takes ``power_a``, ``random_non_queries``, ``num_passes``). The one place that
+    picks the generator, for training data and evaluation sweeps alike.
+
+    Raises:
+        ConfigError: an unknown format, or sizes that do not fit (see the generators).
+    """
+    if format == "zoology":
+        return make_mqar_zoology(n, vocab_size, seq_len, num_kv_pairs, power_a, random_non_queries, num_passes,
+                                 generator)
+    if format == "mixerzoo":
+        return make_mqar(n, vocab_size, seq_len, num_kv_pairs, num_queries, generator)
+    raise ConfigError(f"format={format!r} is not an MQAR format; use one of {list(MQAR_FORMATS)}")
+
+
 class RecallDataModule(LMDataModule):
     """Multi-query associative recall (MQAR, Zoology section 3) as a Lightning data module.
 
@@ -310,13 +329,9 @@ class RecallDataModule(LMDataModule):
         self.save_hyperparameters()
 
     def _generate(self, n: int, seed: int) -> TensorPairDataset:
-        generator = torch.Generator().manual_seed(seed)
-        if self.format == "zoology":
-            return TensorPairDataset(*make_mqar_zoology(n, self.vocab_size, self.seq_len, self.num_kv_pairs,
-                                                        self.power_a, self.random_non_queries, self.num_passes,
-                                                        generator))
-        return TensorPairDataset(*make_mqar(n, self.vocab_size, self.seq_len, self.num_kv_pairs, self.num_queries,
-                                            generator))
+        return TensorPairDataset(*make_mqar_in_format(
+            n, self.vocab_size, self.seq_len, self.num_kv_pairs, self.format, self.num_queries, self.power_a,
+            self.random_non_queries, self.num_passes, torch.Generator().manual_seed(seed)))
 
     def setup(self, stage: str | None = None) -> None:
         """Generate the train and val sets (once; later calls are no-ops)."""

@@ -20,7 +20,7 @@ import torch
 
 from ..data.base import IGNORE_INDEX
 from ..data.icr import ICRSpec, icr_batch
-from ..data.recall import make_mqar, make_mqar_zoology
+from ..data.recall import make_mqar_in_format
 from ..model.config import ConfigError
 from .models import EvalModel, model_vocab, stream_logits
 
@@ -61,15 +61,6 @@ def mqar_options(em: EvalModel, vocab_size: int | None = None, num_kv_pairs: int
                     random_non_queries=bool(zoo.get("random_non_queries", True)),
                     num_passes=int(zoo.get("num_passes", 1)))
     return opts
-
-
-def make_mqar_examples(samples: int, seq_len: int, opts: dict, generator: torch.Generator):
-    """``(input_ids, labels)`` of ``samples`` MQAR examples in the format and with the options of ``opts``
-    (:func:`mqar_options`)."""
-    if opts.get("format") == "zoology":
-        return make_mqar_zoology(samples, opts["vocab_size"], seq_len, opts["num_kv_pairs"], opts["power_a"],
-                                 opts["random_non_queries"], opts["num_passes"], generator)
-    return make_mqar(samples, opts["vocab_size"], seq_len, opts["num_kv_pairs"], opts["num_queries"], generator)
 
 
 def icr_options(em: EvalModel, task: str, vocab_size: int | None = None, key_len: int | None = None,
@@ -114,7 +105,10 @@ def mqar_sweep(em: EvalModel, lengths: Sequence[int], samples: int = 64, batch_s
         reason = _vocab_check(em, opts["vocab_size"])
         if reason is None:
             try:
-                ids, labels = make_mqar_examples(samples, L, opts, torch.Generator().manual_seed(seed * 1000 + L))
+                zoology = {k: opts[k] for k in ("power_a", "random_non_queries", "num_passes") if k in opts}
+                ids, labels = make_mqar_in_format(samples, opts["vocab_size"], L, opts["num_kv_pairs"],
+                                                  opts.get("format", "mixerzoo"), opts["num_queries"],
+                                                  generator=torch.Generator().manual_seed(seed * 1000 + L), **zoology)
             except ConfigError as e:
                 reason = str(e)
         if reason is not None:

@@ -25,25 +25,26 @@ __all__ = ["LMModule", "NonFiniteLossError"]
 IGNORE_INDEX = -100
 
 
+def explicit_fields(given: Any) -> dict[str, Any]:
+    """The LMModule arguments in ``given`` (a mapping) that differ from their defaults: what the user set. Used
+    where values from elsewhere (a checkpoint's hyper-parameters, an ``init_from`` source) fill the rest."""
+    defaults = {k: p.default for k, p in inspect.signature(LMModule.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return {k: v for k, v in given.items() if k in defaults and v != defaults[k]}
+
+
 def _fields_from(source: str, given: dict[str, Any]) -> dict[str, Any]:
     """Backbone fields for ``init_from``: the source's, except where ``given`` differs from LMModule's default;
     ``mixers`` given are merged into the source's key by key. Ordered as LMConfig's fields."""
-    import inspect
-
     from ..hub.source import read_lm_config, with_mixers
 
-    defaults = {k: p.default for k, p in inspect.signature(LMModule.__init__).parameters.items()}
     config = read_lm_config(source)
     fields = config.to_dict()
-    for key, value in given.items():
-        default = defaults.get(key)
-        if key == "mixers" or value is None or value == default or (
-                isinstance(default, tuple) and list(value) == list(default)):
-            continue
-        fields[key] = list(value) if key == "layer_types" else value
+    for key, value in explicit_fields(given).items():
+        if key != "mixers" and value is not None:
+            fields[key] = list(value) if key == "layer_types" else value
     if given.get("mixers"):
-        fields["mixers"] = with_mixers(LMConfig(**{**config.to_dict(), "layer_types": config.layer_types}),
-                                       given["mixers"]).mixers
+        fields["mixers"] = with_mixers(config, given["mixers"]).mixers
     return {k: fields[k] for k in LMConfig.__dataclass_fields__}
 
 
@@ -304,9 +305,10 @@ def _generate_init(cls: type) -> type:
     hints = typing.get_type_hints(LMConfig)
     params, defaults, annotations = [], {}, {}
     for f in dataclasses.fields(LMConfig):
-        kind, default = _RECIPE_DEFAULTS.get(f.name, (hints[f.name], None))
-        if f.name not in _RECIPE_DEFAULTS:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.name in _RECIPE_DEFAULTS:
+            kind, default = _RECIPE_DEFAULTS[f.name]
+        else:
+            kind, default = hints[f.name], f.default if f.default is not dataclasses.MISSING else f.default_factory()
         params.append(f.name)
         defaults[f.name], annotations[f.name] = default, kind
     own = inspect.signature(_module_options).parameters
