@@ -178,7 +178,10 @@ def test_zoology_gaps_follow_the_power_law():
                              generator=torch.Generator().manual_seed(1))
     slot = ((y != -100).nonzero()[:, 1] - 2) // 2
     freq = torch.bincount(slot, minlength=64).double() / n
-    p = power_law_gap_probs(64, 0.01)
+    a = 0.01  # the paper's law, written here rather than taken from the generator: p_i ∝ a * i^(a - 1)
+    p = torch.tensor([a * i ** (a - 1) for i in range(1, 65)], dtype=torch.float64)
+    p = p / p.sum()
+    assert torch.allclose(power_law_gap_probs(64, a), p)
     for i in range(8):
         se = (p[i] * (1 - p[i]) / n).sqrt()
         assert abs(freq[i] - p[i]) < 4 * se + 1e-3, (i, float(freq[i]), float(p[i]))
