@@ -16,6 +16,8 @@ D = 32
     ("attention", {"token_shift": True, "qk_norm": "rms", "positional": "nope"}),
     ("swa", {"window": 5}),
     ("swa", {"window": 1}),
+    ("swa", {"window": 5, "sink_len": 4}),
+    ("swa", {"window": 1, "sink_len": 1, "n_kv_heads": 2}),
     ("bswa", {"chunk_len": 8, "n_bswa_chunks": 2}),
     ("bswa", {"chunk_len": 5, "n_bswa_chunks": 3, "n_kv_heads": 1}),
 ])
@@ -28,6 +30,7 @@ def test_conformance(name, kw):
 def test_sdpa_matches_reference():
     torch.manual_seed(0)
     for cls, kw in [(Attention, {"n_kv_heads": 2}), (SlidingWindowAttention, {"window": 6}),
+                    (SlidingWindowAttention, {"window": 6, "sink_len": 3}),
                     (BlockSlidingWindowAttention, {"chunk_len": 4})]:
         fast = cls(D, n_heads=4, **kw)
         ref = cls(D, n_heads=4, use_reference=True, **kw)
@@ -92,3 +95,29 @@ def test_bad_options():
         Attention(D, n_heads=4, n_kv_heads=3)
     with pytest.raises(ValueError, match="qk_norm"):
         Attention(D, n_heads=4, qk_norm="batchnorm")
+
+
+def test_sinks_by_hand_and_bounded_cache():
+    """window 3 + 2 sinks: position 7 sees the sinks 0, 1 and its window 5..7; the cache keeps 2 + 2 keys, and
+    with a window that covers the context, sinks change nothing (equal to full attention)."""
+    pos = torch.arange(8)
+    swa = SlidingWindowAttention(D, window=3, sink_len=2)
+    assert swa.visible(pos, pos)[7].nonzero().flatten().tolist() == [0, 1, 5, 6, 7]
+    assert swa.visible(pos, pos)[2].nonzero().flatten().tolist() == [0, 1, 2]
+    x = torch.randn(1, 50, D)
+    _, s = swa(x)
+    assert s.k.shape[2] == 4 and s.next_pos == 50
+    torch.manual_seed(0)
+    full = Attention(D, n_heads=4)
+    wide = SlidingWindowAttention(D, n_heads=4, window=64, sink_len=4)
+    wide.load_state_dict(full.state_dict())
+    torch.testing.assert_close(wide(x)[0], full(x)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_sink_cache_from_another_layer_is_refused():
+    x = torch.randn(1, 20, D)
+    _, s = SlidingWindowAttention(D, window=4)(x)
+    with pytest.raises(ValueError, match="sink_len=2"):
+        SlidingWindowAttention(D, window=4, sink_len=2)(x[:, :1], s)
+    with pytest.raises(ValueError, match="sink_len must be an integer >= 0"):
+        SlidingWindowAttention(D, window=4, sink_len=-1)

@@ -140,7 +140,7 @@ def test_recall_datamodule_from_yaml_config():
                                         "init_args": {"vocab_size": 128, "seq_len": 64, "num_kv_pairs": 8,
                                                       "train_examples": 10, "val_examples": 5}}})
     dm = parser.instantiate(cfg).data
-    assert isinstance(dm, RecallDataModule) and dm.num_kv_pairs == 8 and dm.num_queries == 8
+    assert isinstance(dm, RecallDataModule) and dm.num_kv_pairs == 8 and dm.num_queries is None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -222,3 +222,33 @@ def test_zoology_datamodule_batches():
     dm.setup()
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape == (8, 64) and int((batch["labels"] != -100).sum()) == 8 * 8
+
+
+def test_kv_pairs_mixture_splits_evenly_and_shuffles():
+    """A list of kv-pair counts (Zoology trains one model on several): each example holds one count's pairs,
+    the counts share the examples evenly, and they are interleaved, not in blocks."""
+    dm = RecallDataModule(format="zoology", vocab_size=128, seq_len=64, num_kv_pairs=[4, 8, 16], train_examples=300,
+                          val_examples=30, batch_size=10)
+    dm.setup()
+    labels = dm._datasets["train"].labels
+    per_row = (labels != -100).sum(1)  # every key is queried once: labels per row = that row's kv pairs
+    assert sorted(per_row.unique().tolist()) == [4, 8, 16]
+    assert [(per_row == k).sum().item() for k in (4, 8, 16)] == [100, 100, 100]
+    assert len(set(per_row[:20].tolist())) > 1, "the mixture is shuffled, not one count after the other"
+    val = (dm._datasets["val"].labels != -100).sum(1)
+    assert [(val == k).sum().item() for k in (4, 8, 16)] == [10, 10, 10]
+    mixed = RecallDataModule(vocab_size=128, seq_len=64, num_kv_pairs=[2, 4], num_queries=2, train_examples=7,
+                             val_examples=2)
+    mixed.setup()
+    assert ((mixed._datasets["train"].labels != -100).sum(1) == 2).all() and len(mixed._datasets["train"]) == 7
+
+
+@pytest.mark.parametrize("kv, match", [
+    ([], r"data\.num_kv_pairs is an empty list"),
+    ([4, 4], r"data\.num_kv_pairs=\[4, 4\] repeats a count"),
+    ([4, 0], r"data\.num_kv_pairs must be an integer >= 1"),
+    ([4, 20], r"data\.num_kv_pairs=20 is too many for seq_len=64"),
+])
+def test_kv_pairs_mixture_bad_input_names_the_field(kv, match):
+    with pytest.raises(ConfigError, match=match):
+        RecallDataModule(format="zoology", vocab_size=128, seq_len=64, num_kv_pairs=kv)

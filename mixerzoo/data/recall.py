@@ -31,7 +31,7 @@ from ..model.config import ConfigError
 from .base import IGNORE_INDEX, LMDataModule, TensorPairDataset, check_int
 
 __all__ = ["RecallDataModule", "make_mqar", "make_mqar_zoology", "make_mqar_in_format", "mqar_max_kv_pairs", "power_law_gap_probs",
-           "MQAR_FORMATS"]
+           "MQAR_FORMATS", "kv_pair_counts"]
 
 MQAR_FORMATS = ("mixerzoo", "zoology")
 
@@ -70,6 +70,22 @@ def _check_mqar(vocab_size: int, seq_len: int, num_kv_pairs: int, num_queries: i
                           f"vocab_size={vocab_size}: at most {limit} ({'; '.join(why)}); lower num_kv_pairs or "
                           f"raise seq_len/vocab_size")
     return queries
+
+
+def kv_pair_counts(num_kv_pairs: int | list[int], field: str = "data.num_kv_pairs") -> list[int]:
+    """``num_kv_pairs`` as a non-empty list of distinct positive counts (one int gives a one-element list).
+
+    Raises:
+        ConfigError: an empty list, a repeated count or a count below 1; the message names ``field``.
+    """
+    counts = list(num_kv_pairs) if isinstance(num_kv_pairs, (list, tuple)) else [num_kv_pairs]
+    if not counts:
+        raise ConfigError(f"{field} is an empty list; give a count (e.g. 16) or a list of counts (e.g. [4, 8, 16])")
+    for k in counts:
+        check_int(field, k, 1)
+    if len(set(counts)) != len(counts):
+        raise ConfigError(f"{field}={counts} repeats a count; list each kv-pair count once")
+    return counts
 
 
 def _sample_distinct(n: int, population: int, k: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -275,7 +291,7 @@ class RecallDataModule(LMDataModule):
         self,
         vocab_size: int = 256,
         seq_len: int = 128,
-        num_kv_pairs: int = 16,
+        num_kv_pairs: int | list[int] = 16,
         num_queries: int | None = None,
         train_examples: int = 20000,
         val_examples: int = 1000,
@@ -293,7 +309,8 @@ class RecallDataModule(LMDataModule):
                 the filler.
             seq_len: tokens per example (kv section + query section).
             num_kv_pairs: key-value pairs per example (at most ``min(vocab_size//2 - 1, seq_len//4)`` with the
-                default ``num_queries``).
+                default ``num_queries``), or a list of counts: a mixture, the examples split evenly among them
+                (remainder to the first) and shuffled, as Zoology trains one model on several kv-pair counts.
             num_queries: queried pairs per example, at most ``num_kv_pairs``; null means ``num_kv_pairs``.
             train_examples: number of training examples.
             val_examples: number of validation examples (also used for test and predict).
@@ -312,26 +329,40 @@ class RecallDataModule(LMDataModule):
             raise ConfigError(f"data.format={format!r} is not an MQAR format; use one of {list(MQAR_FORMATS)}")
         self.format, self.power_a = format, power_a
         self.random_non_queries, self.num_passes = random_non_queries, num_passes
+        counts = kv_pair_counts(num_kv_pairs)
         if format == "zoology":
             if num_queries is not None:
                 raise ConfigError("data.num_queries must be null with format: zoology (every key is queried once)")
-            try:  # the same checks as generation, on one throwaway example
-                make_mqar_zoology(1, vocab_size, seq_len, num_kv_pairs, power_a, random_non_queries, num_passes,
-                                  torch.Generator().manual_seed(0))
-            except ConfigError as e:
-                raise ConfigError(f"data.{e}") from None
-        self.num_queries = num_kv_pairs if format == "zoology" else _check_mqar(vocab_size, seq_len, num_kv_pairs,
-                                                                                 num_queries)
+            for k in counts:  # the same checks as generation, on one throwaway example
+                try:
+                    make_mqar_zoology(1, vocab_size, seq_len, k, power_a, random_non_queries, num_passes,
+                                      torch.Generator().manual_seed(0))
+                except ConfigError as e:
+                    raise ConfigError(f"data.{e}") from None
+        else:
+            for k in counts:
+                _check_mqar(vocab_size, seq_len, k, num_queries)
+        self.num_queries = num_queries
         self.vocab_size = vocab_size
-        self.num_kv_pairs = num_kv_pairs
+        self.num_kv_pairs, self.kv_pair_counts = num_kv_pairs, counts
         self.train_examples = check_int("data.train_examples", train_examples, 1)
         self.val_examples = check_int("data.val_examples", val_examples, 1)
         self.save_hyperparameters()
 
     def _generate(self, n: int, seed: int) -> TensorPairDataset:
-        return TensorPairDataset(*make_mqar_in_format(
-            n, self.vocab_size, self.seq_len, self.num_kv_pairs, self.format, self.num_queries, self.power_a,
-            self.random_non_queries, self.num_passes, torch.Generator().manual_seed(seed)))
+        """``n`` examples from one seed: an even split over :attr:`kv_pair_counts` (remainder to the first),
+        concatenated then shuffled by the same generator."""
+        g = torch.Generator().manual_seed(seed)
+        counts = self.kv_pair_counts
+        shares = [n // len(counts) + (i < n % len(counts)) for i in range(len(counts))]
+        parts = [make_mqar_in_format(m, self.vocab_size, self.seq_len, k, self.format, self.num_queries,
+                                     self.power_a, self.random_non_queries, self.num_passes, g)
+                 for k, m in zip(counts, shares)]
+        ids, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        if len(counts) > 1:
+            order = torch.randperm(n, generator=g)
+            ids, labels = ids[order], labels[order]
+        return TensorPairDataset(ids, labels)
 
     def setup(self, stage: str | None = None) -> None:
         """Generate the train and val sets (once; later calls are no-ops)."""

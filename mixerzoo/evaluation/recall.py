@@ -46,14 +46,18 @@ def teacher_forced_hits(model, input_ids: torch.Tensor, labels: torch.Tensor, ch
 
 def mqar_options(em: EvalModel, vocab_size: int | None = None, num_kv_pairs: int | None = None,
                  num_queries: int | None = None, format: str | None = None) -> dict:
-    """MQAR options for ``em``: explicit values win; else the training values of a RecallDataModule checkpoint;
+    """MQAR options for ``em``: explicit values win; else the training values of a RecallDataModule checkpoint
+    (the largest count of a kv-pairs mixture);
     else the model's vocabulary and :data:`MQAR_DEFAULT_KV_PAIRS` pairs, every key queried. ``format``:
     ``mixerzoo`` or ``zoology`` (Zoology's MQAR with its defaults ``power_a`` 0.01 and random non-query tokens,
     or the checkpoint's own Zoology settings)."""
     trained = em.data_args if em.trained_on("RecallDataModule") else {}
     fmt = format or trained.get("format") or "mixerzoo"
+    trained_kv = trained.get("num_kv_pairs")
+    if isinstance(trained_kv, (list, tuple)):  # trained on a mixture: score the hardest count
+        trained_kv = max(trained_kv)
     opts = {"format": fmt, "vocab_size": int(vocab_size or trained.get("vocab_size") or model_vocab(em.model)),
-            "num_kv_pairs": int(num_kv_pairs or trained.get("num_kv_pairs") or MQAR_DEFAULT_KV_PAIRS),
+            "num_kv_pairs": int(num_kv_pairs or trained_kv or MQAR_DEFAULT_KV_PAIRS),
             "num_queries": num_queries if num_queries is not None else trained.get("num_queries")}
     if fmt == "zoology":
         zoo = trained if trained.get("format") == "zoology" else {}

@@ -98,8 +98,11 @@ class Attention(Mixer):
         return k_pos[None, :] <= q_pos[:, None]
 
     def keep_from(self, next_pos: int) -> int:
-        """First absolute position any future query (at ``>= next_pos``) can still see; older keys are dropped."""
+        """First absolute position any future query (at ``>= next_pos``) can still see; older keys are dropped
+        (except the first ``sink_len``)."""
         return 0
+
+    sink_len = 0  # attention sinks kept in the cache forever (windowed variants)
 
     def forward(self, x: torch.Tensor, state: KVCache | None = None, shared: dict | None = None
                 ) -> tuple[torch.Tensor, KVCache]:
@@ -111,7 +114,10 @@ class Attention(Mixer):
             k = torch.cat([state.k.to(k.dtype), k], dim=2)
             v = torch.cat([state.v.to(v.dtype), v], dim=2)
         S = k.shape[2]
-        k_pos = torch.arange(p0 + T - S, p0 + T, device=x.device)
+        if self.sink_len:  # the cache holds the sinks, then a contiguous run of recent keys
+            k_pos = torch.cat([self._cached_positions(p0, S - T, x.device), torch.arange(p0, p0 + T, device=x.device)])
+        else:
+            k_pos = torch.arange(p0 + T - S, p0 + T, device=x.device)
         pure_causal = S == T and type(self).visible is Attention.visible
         if self.use_reference:
             o = attention_reference(q, k, v, self.visible(positions, k_pos))
@@ -121,35 +127,61 @@ class Attention(Mixer):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.visible(positions, k_pos),
                                                enable_gqa=q.shape[1] != k.shape[1])
         y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        if self.sink_len:
+            kept = (k_pos < self.sink_len) | (k_pos >= self.keep_from(p0 + T))
+            if not bool(kept.all()):
+                k, v = k[:, :, kept], v[:, :, kept]
+            return y, KVCache(k=k, v=v, next_pos=p0 + T, shift=shift)
         keep = max(self.keep_from(p0 + T) - (p0 + T - S), 0)
         return y, KVCache(k=k[:, :, keep:], v=v[:, :, keep:], next_pos=p0 + T, shift=shift)
 
+    def _cached_positions(self, next_pos: int, cached: int, device: torch.device) -> torch.Tensor:
+        """Absolute positions of the ``cached`` keys a cache with sinks holds after ``next_pos`` tokens: the
+        first ``sink_len`` positions, then ``[keep_from(next_pos), next_pos)``.
+
+        Raises:
+            ValueError: ``cached`` does not match (the state came from a layer with other sink/window options).
+        """
+        recent = max(self.keep_from(next_pos), min(self.sink_len, next_pos))
+        pos = torch.cat([torch.arange(min(self.sink_len, next_pos), device=device),
+                         torch.arange(recent, next_pos, device=device)])
+        if pos.numel() != cached:
+            raise ValueError(f"the attention state holds {cached} keys after {next_pos} tokens, but this layer keeps "
+                             f"{pos.numel()} (sink_len={self.sink_len}); was the state made by a layer with other "
+                             f"window/sink options?")
+        return pos
+
 
 class SlidingWindowAttention(Attention):
-    """Token sliding-window attention: each query sees itself and the previous ``window - 1`` tokens.
+    """Token sliding-window attention: each query sees itself and the previous ``window - 1`` tokens, plus the
+    first ``sink_len`` tokens of the sequence (attention sinks, StreamingLLM: Xiao et al. 2023, section 3.2;
+    TOVA's "window+4" baseline is ``sink_len: 4``).
 
-    The cache keeps at most ``window - 1`` keys, so decoding memory is bounded. Other options as
-    :class:`Attention`.
+    The cache keeps at most ``sink_len + window - 1`` keys, so decoding memory is bounded. Other options as
+    :class:`Attention`. With ``sink_len`` 0 and a context within ``window`` it equals full attention, which is
+    what converting a pretrained model's attention layer needs.
 
     Raises:
-        ValueError: ``window < 1``.
+        ValueError: ``window < 1`` or ``sink_len < 0``.
     """
 
-    def __init__(self, d_model: int, window: int = 128, **kwargs: Any) -> None:
+    def __init__(self, d_model: int, window: int = 128, sink_len: int = 0, **kwargs: Any) -> None:
         if window < 1:
             raise ValueError(f"swa window must be >= 1 token, got {window}")
+        if not isinstance(sink_len, int) or sink_len < 0:
+            raise ValueError(f"swa sink_len must be an integer >= 0 (tokens always visible), got {sink_len!r}")
         super().__init__(d_model, **kwargs)
-        self.window = window
+        self.window, self.sink_len = window, sink_len
 
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         diff = q_pos[:, None] - k_pos[None, :]
-        return (diff >= 0) & (diff < self.window)
+        return (diff >= 0) & ((diff < self.window) | (k_pos[None, :] < self.sink_len))
 
     def keep_from(self, next_pos: int) -> int:
         return next_pos - self.window + 1
 
     def extra_repr(self) -> str:
-        return f"window={self.window}"
+        return f"window={self.window}, sink_len={self.sink_len}"
 
 
 class BlockSlidingWindowAttention(Attention):

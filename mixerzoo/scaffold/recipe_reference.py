@@ -57,6 +57,8 @@ MIXER_EXTRA = {
                  "blocks.",
     "n_bswa_chunks": "Blocks visible to a query, its own included.",
     "layer_idx": "Set by the LM (index of the layer); not a recipe option.",
+    "sink_len": "The first `sink_len` tokens of the sequence stay visible to every query and in the cache "
+                "(attention sinks, StreamingLLM; TOVA's `window+4` baseline is 4).",
 }
 
 

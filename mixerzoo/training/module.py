@@ -18,6 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from ..model import LanguageModel, LMConfig
 from ..model.config import ConfigError, check_mixer_options
 from .checkpoints import collect_rng_states, set_rng_states
+from .distill import check_distill_options, converted_layers, distillation_loss, freeze_unconverted, load_teacher
 from .optim import build_optimizer, lr_lambda
 
 __all__ = ["LMModule", "NonFiniteLossError"]
@@ -97,9 +98,20 @@ class LMModule(L.LightningModule):
             layers and keeps the rest. Every weight whose name and shape fit is loaded; the parameters it lacks
             (a new mixer's own) keep their initialisation, and both lists are printed at the start of training
             (``init_report``). Ignored when resuming (``--ckpt_path``): the checkpoint has the weights.
+        freeze: ``none`` (train everything) or ``unconverted``: with ``init_from``, train only the mixers of the
+            layers whose mixer or options differ from the source's (the converted ones); embeddings, norms,
+            channel mixers and unchanged layers keep the source's weights.
+        distill_from: A frozen teacher (any source, usually the same as ``init_from``) for a distillation loss:
+            ``(1 - distill_weight) * LM loss + distill_weight * T^2 KL(teacher || student)`` at temperature
+            ``distill_temperature`` over the labelled positions (:mod:`mixerzoo.training.distill`). The teacher
+            runs under ``no_grad`` on each batch; its logits are never stored. Needs the student's tokenizer.
+        distill_weight: Weight ``w`` of the distillation term in ``[0, 1]`` (null: 0.5 with a teacher; setting it
+            without ``distill_from`` is an error).
+        distill_temperature: Softmax temperature ``T`` of both distributions in the distillation term.
 
     Logged: ``train/loss``, ``train/acc``, ``val/loss``, ``val/ppl`` (exp of the token-weighted mean loss),
-    ``val/acc`` (next-token accuracy over labelled positions).
+    ``val/acc`` (next-token accuracy over labelled positions); with a teacher also ``train/lm_loss`` and
+    ``train/distill_loss`` (``train/loss`` is then their weighted sum; ``val/*`` stay the plain LM loss).
 
     Raises:
         ConfigError: before training, for a bad backbone field, a layer name without options, an option a
@@ -124,6 +136,10 @@ class LMModule(L.LightningModule):
             raise ConfigError(f"model.max_bad_steps must be an integer >= 1 (consecutive non-finite steps that stop "
                               f"the run), got {hp.max_bad_steps!r}")
         lr_lambda(0, hp.warmup_steps, 1, hp.lr_schedule, hp.min_lr_ratio)  # validates lr_schedule
+        self._distill_weight = check_distill_options(hp.get("distill_from"), hp.get("distill_weight"),
+                                                     hp.get("distill_temperature", 1.0), hp.get("freeze", "none"),
+                                                     hp.get("init_from"))
+        self._teacher: list[LanguageModel] = []  # a list, so that the teacher is no submodule (not saved, not trained)
         self._validate_backbone()
         self.model: LanguageModel | None = None
         self._bad_steps = 0
@@ -169,6 +185,10 @@ class LMModule(L.LightningModule):
         resuming = self._trainer is not None and getattr(self._trainer, "ckpt_path", None)
         if self.hparams.get("init_from") and not resuming:
             self.init_report = _load_init_weights(self.model, self.hparams.init_from)
+        if self.hparams.get("freeze", "none") == "unconverted":
+            self._freeze_unconverted()
+        if self._distill_weight > 0 and not self._teacher:
+            self._teacher.append(load_teacher(self.hparams.distill_from, self.model.config.vocab_size))
         seq_len = getattr(dm, "seq_len", None)
         if seq_len is not None:
             self.model.check_seq_len(seq_len)
@@ -181,18 +201,46 @@ class LMModule(L.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes=self.model.config.padded_vocab_size, average="micro",
                                             ignore_index=IGNORE_INDEX, dist_sync_on_step=True).to(self.device)
 
+    def _freeze_unconverted(self) -> None:
+        """``freeze: unconverted``: only the mixers of layers that differ from the init_from source train."""
+        from lightning.pytorch.utilities import rank_zero_info
+
+        from ..hub.source import read_lm_config
+
+        converted = converted_layers(self.model.config, read_lm_config(self.hparams.init_from))
+        counts = freeze_unconverted(self.model, converted)
+        rank_zero_info(f"model.freeze=unconverted: training the mixers of layers {converted} "
+                       f"({counts['trainable']:,} parameters); {counts['frozen']:,} frozen")
+
     # -- steps --------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, states: list | None = None):
         return self.model(input_ids, states)
 
-    def _loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits, _ = self.model(batch["input_ids"])
+    def _loss(self, batch: dict, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if logits is None:
+            logits, _ = self.model(batch["input_ids"])
         labels = batch["labels"]
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
         return loss, logits.detach().argmax(-1), labels
 
+    def _distilled_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(1 - w) * LM loss + w * distillation loss`` against the frozen teacher (logged separately)."""
+        teacher = self._teacher[0]
+        if next(teacher.parameters()).device != self.device:
+            teacher.to(self.device)
+        logits, _ = self.model(batch["input_ids"])
+        with torch.no_grad():
+            teacher_logits, _ = teacher(batch["input_ids"])
+        lm, preds, labels = self._loss(batch, logits)
+        kd = distillation_loss(logits, teacher_logits, labels, self.hparams.distill_temperature,
+                               self.model.config.vocab_size)
+        w = self._distill_weight
+        self.log("train/lm_loss", lm, sync_dist=True)
+        self.log("train/distill_loss", kd, sync_dist=True)
+        return (1 - w) * lm + w * kd, preds, labels
+
     def training_step(self, batch: dict, batch_idx: int):
-        loss, preds, labels = self._loss(batch)
+        loss, preds, labels = self._distilled_loss(batch) if self._teacher else self._loss(batch)
         if not torch.isfinite(loss):
             self._bad_steps += 1
             self.log("train/skipped_steps", float(self._bad_steps))
@@ -288,7 +336,9 @@ class LMModule(L.LightningModule):
 
 def _module_options(lr: float = 1e-3, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                     warmup_steps: int = 100, lr_schedule: str = "cosine", min_lr_ratio: float = 0.1,
-                    compile: bool = False, max_bad_steps: int = 10, init_from: str | None = None) -> None:
+                    compile: bool = False, max_bad_steps: int = 10, init_from: str | None = None,
+                    freeze: str = "none", distill_from: str | None = None, distill_weight: float | None = None,
+                    distill_temperature: float = 1.0) -> None:
     """LMModule's own arguments (after LMConfig's fields); only its signature is used."""
 
 

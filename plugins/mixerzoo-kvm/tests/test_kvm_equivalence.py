@@ -27,6 +27,9 @@ CONFIGS = {
     "gqa_token_shift": {"n_heads": 4, "n_kv_heads": 2, "token_shift": True, "schedule": GROW},
     "one_window_chunk": {"n_bswa_chunks": 1, "schedule": GROW},
     "three_window_chunks": {"n_bswa_chunks": 3},
+    "pre_rope": {"positional": "rope", "memory_keys": "pre_rope", "qk_norm": None},
+    "pre_rope_gqa_grow": {"positional": "rope", "memory_keys": "pre_rope", "n_heads": 4, "n_kv_heads": 2,
+                          "schedule": GROW},
 }
 
 
@@ -81,7 +84,8 @@ def _split_run(layer, x, cuts):
         start = end
 
 
-@pytest.mark.parametrize("name", ["default", "power_law", "soft_routing", "gqa_token_shift", "value_mean"])
+@pytest.mark.parametrize("name", ["default", "power_law", "soft_routing", "gqa_token_shift", "value_mean",
+                                  "pre_rope_gqa_grow"])
 def test_gradients_agree(name):
     layer = make(**CONFIGS[name]).train()
     x = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(4))
@@ -114,7 +118,7 @@ def test_gradients_through_a_carried_state(name):
         torch.testing.assert_close(p.grad, want[n], atol=5e-5, rtol=1e-4, msg=n)
 
 
-@pytest.mark.parametrize("name", ["default", "power_law", "nope", "gqa_token_shift"])
+@pytest.mark.parametrize("name", ["default", "power_law", "nope", "gqa_token_shift", "pre_rope"])
 def test_conformance(name):
     # winner-take-all routing is a discrete decision: under bf16 two close scores may swap, so the bf16 outputs are
     # checked for continuation/decode/gradients, not against fp32 (mixerzoo.testing.check_autocast_bf16)
@@ -160,3 +164,55 @@ def test_short_sequences_equal_block_sliding_window():
         with torch.no_grad():
             kvm.tau_bswa.fill_(2.0)
         assert not torch.allclose(kvm(x)[0], bswa(x)[0], atol=1e-3)
+
+
+def test_pre_rope_within_the_window_equals_full_rope_attention():
+    """A converted layer (memory_keys: pre_rope, full RoPE, no q/k norm, as a Llama-family attention layer) with the
+    teacher's q/k/v/o weights equals the teacher's attention while the context fits in its window
+    (T <= n_bswa_chunks * C), whatever its new parameters hold; after that it differs."""
+    torch.manual_seed(0)
+    kvm = make(positional="rope", memory_keys="pre_rope", qk_norm=None, n_bswa_chunks=2)
+    att = Attention(D_MODEL, n_heads=2, positional="rope")
+    att.qkv.load_state_dict(kvm.qkv.state_dict())
+    att.o_proj.load_state_dict(kvm.o_proj.state_dict())
+    x = torch.randn(2, 16, D_MODEL, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        kvm.tau_bswa.fill_(1.0)  # the init value: the window is plain attention
+        torch.testing.assert_close(kvm(x[:, :8])[0], att(x[:, :8])[0], atol=1e-5, rtol=1e-4)
+        assert not torch.allclose(kvm(x)[0][:, 8:], att(x)[0][:, 8:], atol=1e-3)
+
+
+def test_pre_rope_memory_is_scored_before_rope():
+    """Independent check of the deviation's equations: with every overflow token appended (B(t) = t), a fresh
+    LN_s and layernorm q/k norm (so LN_s(k_pre) = k_pre), KVM pre_rope must equal one softmax whose logits are
+    q_pre . k_pre for tokens that left the window (no rotation: relative distance 0) and q_rot . k_rot inside it."""
+    from mixerzoo.mixers import QKVProjection
+
+    torch.manual_seed(0)
+    C, nb, T = 4, 2, 20
+    kvm = KVMAttention(D_MODEL, n_heads=2, chunk_len=C, n_bswa_chunks=nb, positional="rope", qk_norm="layernorm",
+                       memory_keys="pre_rope", schedule={"name": "linear", "rate": 1.0}, merge_gate=False)
+    x = torch.randn(1, T, D_MODEL, generator=torch.Generator().manual_seed(1))
+    plain = QKVProjection(D_MODEL, 2, positional="nope", qk_norm="layernorm")
+    plain.load_state_dict(kvm.qkv.state_dict())
+    pos = torch.arange(T)
+    with torch.no_grad():
+        y, _ = kvm(x)
+        q_rot, k_rot, v, _ = kvm.qkv(x, pos)
+        q_pre, k_pre, _, _ = plain(x, pos)
+        # per query t: keys that left the window (chunks <= c - nb) are scored pre-RoPE, the rest rotated
+        c = pos // C
+        in_window = (c[None, :] > c[:, None] - nb) & (pos[None, :] <= pos[:, None])
+        in_memory = c[None, :] <= c[:, None] - nb
+        logits = torch.where(in_memory, q_pre @ k_pre.transpose(-1, -2), q_rot @ k_rot.transpose(-1, -2))
+        logits = (logits / (D_MODEL // 2) ** 0.5).masked_fill(~(in_window | in_memory), float("-inf"))
+        o = logits.softmax(-1) @ v
+        want = kvm.o_proj(o.transpose(1, 2).reshape(1, T, -1))
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-3)
+
+
+def test_full_rope_needs_pre_rope_memory_keys():
+    with pytest.raises(ValueError, match="memory_keys: pre_rope"):
+        KVMAttention(D_MODEL, n_heads=2, positional="rope")
+    with pytest.raises(ValueError, match="kvm memory_keys must be one of"):
+        KVMAttention(D_MODEL, n_heads=2, memory_keys="post_rope")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,6 +20,13 @@ from .state import KVMState
 __all__ = ["KVMAttention"]
 
 HALF_ROPE = {"name": "rope", "rotary_fraction": 0.5}
+MEMORY_KEYS = ("zero_rotary", "pre_rope")
+
+
+def _unrotate(pos, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The inverse of the positional encoding ``pos`` at ``positions``: RoPE is a rotation by ``p theta``, so
+    rotating by ``-p theta`` gives back the vector before RoPE (exactly, up to rounding)."""
+    return pos.apply(x, -positions)
 
 
 class KVMAttention(Mixer):
@@ -43,6 +51,10 @@ class KVMAttention(Mixer):
             Default: fixed at ``chunk_len`` (the state keeps its initial size).
         positional: positional strategy of q and k (default half RoPE ``{name: rope, rotary_fraction: 0.5}``;
             ``nope`` works too). The rotary channels are zeroed in the memory keys.
+        memory_keys: ``zero_rotary`` (paper, eq. 1: the memory matches on the channels RoPE leaves alone) or
+            ``pre_rope`` (a mixerzoo deviation for pretrained models whose RoPE rotates every channel, e.g. Llama:
+            memory keys ``LN_s(k_pre)`` from the keys before RoPE, and the memory scored by the queries before
+            RoPE, ``q_pre . LN_s(s_k)``; the window keeps RoPE as trained). See docs/mechanisms/kvm.md.
         qk_norm: per-head norm on q and k (default ``layernorm`` with bias, as in the paper).
         token_shift, value_residual, bias: backbone options of :class:`mixerzoo.mixers.QKVProjection`.
         value_norm: ``radius`` (paper: renormalise each value row to its stored radius) or ``mean`` (ablation:
@@ -70,7 +82,8 @@ class KVMAttention(Mixer):
                  positional: Any = None, qk_norm: str | None = "layernorm", token_shift: bool = False,
                  value_residual: bool = False, bias: bool = False, value_norm: str = "radius",
                  protect_sinks: bool = True, merge_gate: bool = True, gate_appends: bool = False,
-                 routing: str = "hard", eps: float = 1e-6, use_reference: bool = False, layer_idx: int = 0) -> None:
+                 routing: str = "hard", eps: float = 1e-6, use_reference: bool = False, layer_idx: int = 0,
+                 memory_keys: str = "zero_rotary") -> None:
         super().__init__()
         if not isinstance(chunk_len, int) or chunk_len < 1:
             raise ValueError(f"kvm chunk_len must be a positive integer, got {chunk_len!r}")
@@ -83,13 +96,18 @@ class KVMAttention(Mixer):
             raise ValueError(f"kvm value_norm must be 'radius' (paper) or 'mean' (ablation), got {value_norm!r}")
         if routing not in ("hard", "soft"):
             raise ValueError(f"kvm routing must be 'hard' (winner-take-all, paper) or 'soft', got {routing!r}")
+        if memory_keys not in MEMORY_KEYS:
+            raise ValueError(f"kvm memory_keys must be one of {list(MEMORY_KEYS)} ('zero_rotary': paper eq. 1; "
+                             f"'pre_rope': for models whose RoPE rotates every channel), got {memory_keys!r}")
         self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim, HALF_ROPE if positional is None else positional,
                                  qk_norm, token_shift, value_residual, bias)
         H, D = self.qkv.n_kv_heads, self.qkv.head_dim
-        if self.rotary_dim >= D:
+        if memory_keys == "zero_rotary" and self.rotary_dim >= D:
             raise ValueError(f"kvm positional rotates all {D} channels of a head; KVM zeroes the rotary channels of "
                              f"its memory keys, so nothing would be left to match on. Use partial RoPE "
-                             f"({{name: rope, rotary_fraction: 0.5}}, the paper's) or nope")
+                             f"({{name: rope, rotary_fraction: 0.5}}, the paper's), nope, or memory_keys: pre_rope "
+                             f"(memory keys and queries before RoPE, for pretrained models with full RoPE)")
+        self.memory_keys = memory_keys
         self.o_proj = nn.Linear(n_heads * D, d_model, bias=bias)
         self.ln_s = nn.LayerNorm(D)  # LN_s of eq. (1) and of the key readout
         self.tau_state = nn.Parameter(torch.ones(H))  # per-head inverse temperatures on the keys
@@ -115,7 +133,8 @@ class KVMAttention(Mixer):
         """The options the ops read (a frozen snapshot; the ops never see the layer)."""
         return KVMSpec(chunk_len=self.chunk_len, n_bswa_chunks=self.n_bswa_chunks, rotary_dim=self.rotary_dim,
                        n_protected=self.n_protected, schedule=self.schedule, value_norm=self.value_norm,
-                       eps=self.eps, gate_appends=self.gate_appends, routing=self.routing)
+                       eps=self.eps, gate_appends=self.gate_appends, routing=self.routing,
+                       unrotate=partial(_unrotate, self.qkv.pos) if self.memory_keys == "pre_rope" else None)
 
     @property
     def params(self) -> KVMParams:
@@ -144,4 +163,4 @@ class KVMAttention(Mixer):
     def extra_repr(self) -> str:
         return (f"chunk_len={self.chunk_len}, n_bswa_chunks={self.n_bswa_chunks}, sink_len={self.sink_len}, "
                 f"schedule={self.schedule!r}, value_norm={self.value_norm}, protect_sinks={self.protect_sinks}, "
-                f"gate_appends={self.gate_appends}, routing={self.routing}")
+                f"gate_appends={self.gate_appends}, routing={self.routing}, memory_keys={self.memory_keys}")

@@ -3,7 +3,9 @@
 Notation (single layer): ``B`` batch, ``H`` key/value heads, ``C`` chunk_len, ``D`` head_dim, ``m`` state
 rows, ``r`` rotary channels. Every function is written for all heads at once; ``(B, H, ...)`` leads.
 
-- :func:`memory_keys`   eq. (1): zero the rotary channels, then ``LN_s``.
+- :func:`memory_keys`   eq. (1): zero the rotary channels, then ``LN_s`` (or, for ``memory_keys: pre_rope``, undo RoPE
+  instead of zeroing it: see :func:`memory_queries`).
+- :func:`memory_queries` the queries that read the state: ``q`` itself (paper), or ``q`` before RoPE.
 - :func:`merge_gate`    eq. (2): ``g = 1 + ELU(x W_g)``.
 - :func:`read_values`   readout of the value state (JIT norm to the stored radius, or the mean ablation).
 - :func:`state_budget`  ``M* = max(m, min(B(e), m + |Omega|))`` (section 4, "Merge", last paragraph).
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["KVMSpec", "KVMParams", "memory_keys", "merge_gate", "read_values", "state_budget", "Routing",
+__all__ = ["KVMSpec", "KVMParams", "memory_keys", "memory_queries", "merge_gate", "read_values", "state_budget", "Routing",
            "route_overflow", "fold", "keep_from"]
 
 
@@ -34,7 +36,9 @@ __all__ = ["KVMSpec", "KVMParams", "memory_keys", "merge_gate", "read_values", "
 class KVMSpec:
     """The options of one KVM layer that the ops read (see :class:`mixerzoo_kvm.KVMAttention` for each):
     ``chunk_len`` (C), ``n_bswa_chunks``, ``rotary_dim`` (r), ``n_protected`` (sink rows out of merges),
-    ``schedule`` (``B(t)``), ``value_norm``, ``eps``, ``gate_appends``, ``routing``."""
+    ``schedule`` (``B(t)``), ``value_norm``, ``eps``, ``gate_appends``, ``routing``, and ``unrotate``: None for
+    the paper's memory keys (eq. 1), or for ``memory_keys: pre_rope`` the inverse of the layer's RoPE,
+    ``unrotate(x (..., T, D), positions (T,)) -> x`` before rotation (RoPE at ``-positions``)."""
 
     chunk_len: int
     n_bswa_chunks: int
@@ -45,6 +49,7 @@ class KVMSpec:
     eps: float = 1e-6
     gate_appends: bool = False
     routing: str = "hard"
+    unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 class KVMParams(NamedTuple):
@@ -56,21 +61,40 @@ class KVMParams(NamedTuple):
     tau_bswa: torch.Tensor
 
 
-def memory_keys(k: torch.Tensor, rotary_dim: int, ln_s: nn.Module) -> torch.Tensor:
-    """Memory keys ``k_bar = LN_s(k * diag(0_r, 1_{D-r}))`` (eq. 1).
+def memory_keys(k: torch.Tensor, rotary_dim: int, ln_s: nn.Module, positions: torch.Tensor | None = None,
+                unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Memory keys ``k_bar = LN_s(k * diag(0_r, 1_{D-r}))`` (eq. 1), or ``k_bar = LN_s(R(-p) k)`` with ``unrotate``.
+
+    The paper's form leaves the rotary channels out of the memory, which suits models trained with partial RoPE.
+    A pretrained Llama-family model rotates every channel, so eq. 1 would zero all of them; with ``unrotate``
+    (``memory_keys: pre_rope``, a mixerzoo deviation) the memory holds the keys as they were before RoPE,
+    ``R(-p) R(p) k_pre = k_pre``, every channel kept, and :func:`memory_queries` reads it with the queries
+    before RoPE, so a query matches a memory row by content alone, as the teacher's attention would at
+    relative distance 0.
 
     Args:
-        k: keys after the per-head q/k norm and (partial) RoPE, ``(..., D)``. RoPE only touches the first
+        k: keys after the per-head q/k norm and (partial) RoPE, ``(..., T, D)``. RoPE only touches the first
             ``rotary_dim`` channels, which are zeroed here, so rotated and unrotated keys give the same result.
         rotary_dim: ``r``, channels rotated by RoPE (0 for NoPE: nothing is zeroed).
         ln_s: the state's LayerNorm over ``D`` (affine weight and bias).
+        positions: ``(T,)`` absolute positions of the keys (needed with ``unrotate``).
+        unrotate: the inverse RoPE (:attr:`KVMSpec.unrotate`), or None for eq. 1.
 
     Returns:
-        ``(..., D)``; after ``LN_s`` the zeroed channels are in general no longer zero (paper behaviour).
+        ``(..., T, D)``; after ``LN_s`` the zeroed channels are in general no longer zero (paper behaviour).
     """
+    if unrotate is not None:
+        return ln_s(unrotate(k, positions))
     if rotary_dim > 0:
         k = torch.cat([torch.zeros_like(k[..., :rotary_dim]), k[..., rotary_dim:]], dim=-1)
     return ln_s(k)
+
+
+def memory_queries(q: torch.Tensor, positions: torch.Tensor, unrotate) -> torch.Tensor:
+    """The queries that score the memory rows: ``q`` itself (paper: the rotary channels of the memory keys are
+    constant, so RoPE on q needs no undoing), or ``R(-p) q`` (before RoPE) for ``memory_keys: pre_rope``.
+    ``q (..., T, D)``, ``positions (T,)``."""
+    return q if unrotate is None else unrotate(q, positions)
 
 
 def merge_gate(x: torch.Tensor, gate_proj: nn.Module | None) -> torch.Tensor | None:
@@ -232,7 +256,9 @@ def fold(spec: KVMSpec, params: KVMParams, s_k: torch.Tensor, s_v: torch.Tensor,
     Returns:
         new ``(s_k, s_v, rho, count)`` with ``m' >= m`` rows.
     """
-    kbar = memory_keys(k_o, spec.rotary_dim, params.ln_s)
+    start = tokens_seen - spec.n_bswa_chunks * spec.chunk_len  # the block's first position
+    kbar = memory_keys(k_o, spec.rotary_dim, params.ln_s, torch.arange(start, start + k_o.shape[2], device=k_o.device),
+                       spec.unrotate)
     m = s_k.shape[2]
     if m == 0:  # the first chunk becomes the state: s_k = k_bar, s_v = v, rho = ||v|| (ungated)
         ones = torch.ones(kbar.shape[:3], dtype=torch.float32, device=kbar.device)

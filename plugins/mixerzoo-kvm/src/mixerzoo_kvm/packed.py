@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .ops import KVMParams, KVMSpec, Routing, fold, keep_from, memory_keys, read_values, route_overflow, state_budget
+from .ops import (KVMParams, KVMSpec, Routing, fold, keep_from, memory_keys, memory_queries, read_values, route_overflow,
+                  state_budget)
 from .state import KVMState
 
 __all__ = ["kvm_packed", "kvm_step"]
@@ -221,7 +222,9 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     k_o = K[:, :, lo:lo + n_folds * C].reshape(B, H, n_folds, C, D)
     v_o = V[:, :, lo:lo + n_folds * C].reshape(B, H, n_folds, C, D)
     g_o = None if Gt is None else Gt[:, :, lo:lo + n_folds * C].reshape(B, H, n_folds, C)
-    kbar = memory_keys(k_o, spec.rotary_dim, params.ln_s)
+    block0 = (cf0 - nb) * C  # absolute position of the first overflow token
+    kbar = memory_keys(k_o.reshape(B, H, n_folds * C, D), spec.rotary_dim, params.ln_s,
+                       torch.arange(block0, block0 + n_folds * C, device=dev), spec.unrotate).view(B, H, n_folds, C, D)
     routes = _route_all(spec, params, state.s_k, kbar.detach(), None if g_o is None else g_o.detach(), sizes) \
         if n_folds else []
     s_k, s_v, rho, count = _snapshots(spec, params, state, kbar, v_o, g_o, routes, sizes)
@@ -233,6 +236,12 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     entry = [0] * (n_q - n_folds) + list(range(1, n_folds + 1))
     rows = [sizes[e] for e in entry]
     Kw = K * params.tau_bswa[None, :, None, None]
+    # pre_rope memory: queries [R(-p) q | q] against keys [memory | 0] and [0 | window], so one SDPA call
+    # computes q_pre . memory + q . window (two_query_attention of the reference)
+    two = spec.unrotate is not None
+    if two:
+        q = torch.cat([memory_queries(q, torch.arange(p0, p1, device=dev), spec.unrotate), q], dim=-1)
+    E = q.shape[-1]
     if n_q == 1:  # one (partial) chunk, e.g. a short continuation: no padding of queries or window
         qb = q[:, :, None]
         q_pos = torch.arange(p0, p1, device=dev)[None]
@@ -242,7 +251,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         q_off = 0
     else:  # chunk-aligned grid: queries padded to whole chunks; window j of chunk c is grid chunk c + j
         q_off = p0 - cq0 * C
-        qb = F.pad(q, (0, 0, q_off, (cq1 + 1) * C - p1)).view(B, Hq, n_q, C, D)
+        qb = F.pad(q, (0, 0, q_off, (cq1 + 1) * C - p1)).view(B, Hq, n_q, C, E)
         q_pos = torch.arange(cq0 * C, (cq1 + 1) * C, device=dev).view(n_q, C)
         gs, ge = (cq0 - nb + 1) * C, (cq1 + 1) * C
         start = max(gs, kpos0)
@@ -265,18 +274,20 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             wk, wv = win_k, win_v
         else:  # window j of chunk c is grid chunk c + j
             wk, wv = ([torch.stack(chunks[a + j:b + j], dim=2) for j in range(nb)] for chunks in win_chunks)
-        keys = torch.cat([params.ln_s(sk[:, :, :, :R]) * tau_s] + wk, dim=3)
+        mem = params.ln_s(sk[:, :, :, :R]) * tau_s
+        keys = torch.cat([F.pad(mem, (0, D))] + [F.pad(w, (D, 0)) for w in wk], dim=3) if two else \
+            torch.cat([mem] + wk, dim=3)
         vals = read_values(sv[:, :, :, :R], rho[:, :, None, :R], None if cnt is None else cnt[..., :R],
                            spec.value_norm, spec.eps)
         values = torch.cat([vals] + wv, dim=3)
         rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
         mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask[a:b]], dim=2)  # (n, Cq, S)
         # grouped-query heads: the G query heads of one key/value head are stacked along the query axis
-        qg = qb[:, :, a:b].reshape(B, H, G, n, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n, G * Cq, D)
+        qg = qb[:, :, a:b].reshape(B, H, G, n, Cq, E).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n, G * Cq, E)
         mask = mask[:, None].expand(-1, G, -1, -1).reshape(1, n, G * Cq, -1)  # 4-D: the CPU flash kernel takes it
         S = keys.shape[3]
-        o = F.scaled_dot_product_attention(qg, keys.reshape(B * H, n, S, D), values.reshape(B * H, n, S, D),
-                                           attn_mask=mask)
+        o = F.scaled_dot_product_attention(qg, keys.reshape(B * H, n, S, E), values.reshape(B * H, n, S, D),
+                                           attn_mask=mask, scale=D ** -0.5)
         outs.append(o.view(B, H, n, G, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * Cq, D))
     o = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))[:, :, q_off:q_off + T]
 
@@ -312,10 +323,16 @@ def kvm_step(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor,
         s_k, s_v, rho, count = fold(spec, params, s_k, s_v, rho, count, K[:, :, lo:lo + C], V[:, :, lo:lo + C],
                                               None if Gt is None else Gt[:, :, lo:lo + C], p0)
     w0 = max((c - nb + 1) * C, 0) - kpos0
-    keys = torch.cat([params.ln_s(s_k) * params.tau_state[None, :, None, None],
-                      K[:, :, w0:] * params.tau_bswa[None, :, None, None]], dim=2)
+    mem = params.ln_s(s_k) * params.tau_state[None, :, None, None]
+    win = K[:, :, w0:] * params.tau_bswa[None, :, None, None]
+    if spec.unrotate is None:
+        keys = torch.cat([mem, win], dim=2)
+    else:  # pre_rope memory, as in kvm_packed: [R(-p) q | q] . ([memory | 0] ; [0 | window])
+        q = torch.cat([memory_queries(q, torch.tensor([p0], device=q.device), spec.unrotate), q], dim=-1)
+        keys = torch.cat([F.pad(mem, (0, D)), F.pad(win, (D, 0))], dim=2)
     values = torch.cat([read_values(s_v, rho, count, spec.value_norm, spec.eps), V[:, :, w0:]], dim=2)
-    o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, D), keys, values)  # G query heads as G queries
+    o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, q.shape[-1]), keys, values,  # G query heads as G queries
+                                       scale=D ** -0.5)
     keep = keep_from(p0 + 1, C, nb) - kpos0
     return o.reshape(B, Hq, 1, D), KVMState(s_k=s_k, s_v=s_v, rho=rho, count=count, win_k=K[:, :, keep:],
                                             win_v=V[:, :, keep:], win_g=None if Gt is None else Gt[:, :, keep:],

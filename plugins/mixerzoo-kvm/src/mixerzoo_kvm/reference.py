@@ -3,21 +3,41 @@
 This is the reference the fast path (:mod:`mixerzoo_kvm.packed`) is tested against. It follows the paper
 step by step: when a chunk starts, the chunk leaving the block sliding window is folded into the state
 (:func:`mixerzoo_kvm.ops.fold`: initialise / append / merge), then the chunk's queries attend with plain softmax
-(:func:`mixerzoo.mixers.attention_reference`) over ``[LN_s(s_k) tau_state ; k_window tau_bswa]``.
+(:func:`mixerzoo.mixers.attention_reference`) over ``[LN_s(s_k) tau_state ; k_window tau_bswa]``; with
+``memory_keys: pre_rope`` the memory part is scored by the queries before RoPE (:func:`two_query_attention`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from mixerzoo.mixers import attention_reference
 
-from .ops import KVMParams, KVMSpec, fold, keep_from, read_values
+from .ops import KVMParams, KVMSpec, fold, keep_from, memory_queries, read_values
 from .state import KVMState
 
-__all__ = ["fold_reference", "kvm_chunk_loop", "keep_from"]
+__all__ = ["fold_reference", "kvm_chunk_loop", "keep_from", "two_query_attention"]
 
 fold_reference = fold  # the fold's former name (it lives in ops.py, shared with the fast path)
+
+
+def two_query_attention(q_mem: torch.Tensor, k_mem: torch.Tensor, q_win: torch.Tensor, k_win: torch.Tensor,
+                        values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One softmax over two key sets scored by two queries: ``softmax([q_mem k_mem^T ; q_win k_win^T] / sqrt(D)
+    + log mask) values``.
+
+    Args:
+        q_mem, q_win: ``(B, H_q, T, D)``; k_mem ``(B, H, m, D)``; k_win ``(B, H, S, D)``; values
+            ``(B, H, m + S, D)`` (GQA: each group of ``H_q / H`` query heads shares a key/value head).
+        mask: ``(T, m + S)`` bool, True where visible.
+    """
+    groups = q_mem.shape[1] // k_mem.shape[1]
+    k_mem, k_win, values = (t.repeat_interleave(groups, dim=1).float() for t in (k_mem, k_win, values))
+    logits = torch.cat([q_mem.float() @ k_mem.transpose(-1, -2), q_win.float() @ k_win.transpose(-1, -2)], dim=-1)
+    logits = (logits / math.sqrt(q_mem.shape[-1])).masked_fill(~mask, float("-inf"))
+    return (logits.softmax(-1) @ values).to(q_win.dtype)
 
 
 def kvm_chunk_loop(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -52,14 +72,20 @@ def kvm_chunk_loop(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.T
             s_k, s_v, rho, count = fold(spec, params, s_k, s_v, rho, count, win_k[:, :, lo:lo + C],
                                                   win_v[:, :, lo:lo + C], g_o, c * C)
         w0 = max((c - nb + 1) * C, 0)  # the window: previous nb - 1 chunks and this chunk, causal
-        keys = torch.cat([params.ln_s(s_k) * tau_s, win_k[:, :, w0 - win_start:b - win_start] * tau_w], dim=2)
         values = torch.cat([read_values(s_v, rho, count, spec.value_norm, spec.eps),
                             win_v[:, :, w0 - win_start:b - win_start]], dim=2)
         q_pos = torch.arange(a, b, device=q.device)
         k_pos = torch.arange(w0, b, device=q.device)
+        q_c = q[:, :, a - p0:b - p0]
+        win_keys = win_k[:, :, w0 - win_start:b - win_start] * tau_w
         mask = torch.cat([torch.ones(b - a, s_k.shape[2], dtype=torch.bool, device=q.device),
                           k_pos[None, :] <= q_pos[:, None]], dim=1)
-        outs.append(attention_reference(q[:, :, a - p0:b - p0], keys, values, mask))
+        if spec.unrotate is None:  # paper: one query for both parts
+            keys = torch.cat([params.ln_s(s_k) * tau_s, win_keys], dim=2)
+            outs.append(attention_reference(q_c, keys, values, mask))
+        else:  # pre_rope memory: the memory logits use the query before RoPE, the window logits the query as is
+            outs.append(two_query_attention(memory_queries(q_c, q_pos, spec.unrotate), params.ln_s(s_k) * tau_s,
+                                            q_c, win_keys, values, mask))
         a = b
     keep = keep_from(p0 + T, C, nb) - win_start
     new_state = KVMState(s_k=s_k, s_v=s_v, rho=rho, count=count, win_k=win_k[:, :, keep:],
