@@ -17,9 +17,12 @@ the mixers installed here (core baselines and every plugin, third-party ones inc
 Runs already scored (``runs/<mixer>-d<d_model>/score.json``) are kept, and a run that crashed resumes from its
 ``last.ckpt`` (``--ckpt_path last``), so the command can simply be started again.
 
-Usage (the CPU grid, about 1.5 hours on 2 cores; the full grid for a GPU is in the recipe's header)::
+Usage (the CPU grid as recorded in docs/results/zoology_fig2/, about 1.5 hours on 2 cores: d_model 64 trains
+longer, as two-layer attention at that width needed more than 800 steps; the full grid for a GPU is in the
+recipe's header)::
 
-    python benchmarks/zoology_fig2.py --out docs/results/zoology_fig2
+    python benchmarks/zoology_fig2.py --mixers attention swa kvm ovq trellis gdn gsa --steps 1200 600 \
+        --out docs/results/zoology_fig2
     python benchmarks/zoology_fig2.py --mixers attention gdn --d-models 64 --steps 100 --out /tmp/fig2   # a quick look
 """
 
@@ -59,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d-models", nargs="+", type=int, default=[64, 128])
     p.add_argument("--train-seq-len", type=int, default=None, help="default: the recipe's data.seq_len")
     p.add_argument("--train-kv-pairs", nargs="+", type=int, default=None, help="default: the recipe's mixture")
-    p.add_argument("--steps", type=int, default=None, help="default: the recipe's trainer.max_steps")
+    p.add_argument("--steps", nargs="+", type=int, default=None,
+                   help="training steps: one value, or one per --d-models value (default: the recipe's max_steps)")
     p.add_argument("--eval-seq-lens", nargs="+", type=int, default=[64, 128])
     p.add_argument("--eval-kv-pairs", nargs="+", type=int, default=[4, 8, 16, 32])
     p.add_argument("--samples", type=int, default=256, help="examples scored per cell")
@@ -89,7 +93,8 @@ def train(run_dir: Path, mixer: str, d_model: int, options: dict, args: argparse
     if args.train_kv_pairs:
         cmd += ["--data.init_args.num_kv_pairs", json.dumps(args.train_kv_pairs)]
     if args.steps:
-        cmd += ["--trainer.max_steps", str(args.steps)]
+        steps = args.steps[0] if len(args.steps) == 1 else args.steps[args.d_models.index(d_model)]
+        cmd += ["--trainer.max_steps", str(steps)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -201,6 +206,10 @@ def write_report(out: Path, results: dict, args: argparse.Namespace) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.steps and len(args.steps) not in (1, len(args.d_models)):
+        print(f"error: --steps takes one value or one per --d-models value ({len(args.d_models)}), got {args.steps}",
+              file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)

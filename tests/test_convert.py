@@ -154,3 +154,24 @@ def test_distillation_gradient_pulls_the_student_to_the_teacher():
         (g,) = torch.autograd.grad(distillation_loss(s, t, labels, 1.0, 8), s)
         s = (s - 2.0 * g).detach().requires_grad_()
     assert distillation_loss(s, t, labels, 1.0, 8).item() < 0.1 * start
+
+
+def test_a_layer_pattern_converts_some_layers_and_new_names_inherit_the_source_layout(tiny_llama):
+    """``layer_types: [kvm, attention]`` over the source's 3 layers: the new name ``kvm`` starts from the source
+    layer's options (heads, key/value heads, RoPE base), so its q/k/v/o weights load; the kept layer is unchanged."""
+    m = LMModule(init_from=str(tiny_llama), layer_types=["kvm", "attention"],
+                 mixers={"kvm": {"mixer": "kvm", "memory_keys": "pre_rope", "qk_norm": None, "chunk_len": 8}})
+    kvm = m.hparams.mixers["kvm"]
+    assert (kvm["n_heads"], kvm["n_kv_heads"], kvm["positional"]["theta"]) == (4, 2, 50000.0)
+    assert [type(b.mixer).__name__ for b in m.model.blocks] == ["KVMAttention", "Attention", "KVMAttention"]
+    assert not m.init_report["unused"]
+    assert all(k.startswith(("blocks.0.mixer.", "blocks.2.mixer.")) for k in m.init_report["new"])
+
+
+def test_a_mixer_that_cannot_take_the_teacher_layout_is_one_line_with_the_fix(tiny_llama):
+    pytest.importorskip("mixerzoo_fla")
+    with pytest.raises(ConfigError, match=r"model\.mixers\.attention: mixer 'gdn' takes no n_kv_heads, positional "
+                                          r".*set them to null"):
+        converted(tiny_llama, {"attention": {"mixer": "gdn"}})
+    m = converted(tiny_llama, {"attention": {"mixer": "gdn", "n_kv_heads": None, "positional": None}})
+    assert m.hparams.mixers["attention"] == {"mixer": "gdn", "n_heads": 4, "head_dim": 16}

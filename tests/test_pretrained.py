@@ -129,7 +129,7 @@ def test_native_export_of_mistral_keeps_its_window_and_refuses_other_mixers(tmp_
     from mixerzoo.hub.native import native_architecture
     from mixerzoo.hub.source import with_mixers
 
-    config = with_mixers(load_model(tmp_path / "hf").trained.config, {"swa": {"mixer": "tova"}})
+    config = with_mixers(load_model(tmp_path / "hf").trained.config, {"swa": {"mixer": "tova", "window": None}})
     with pytest.raises(NativeExportError, match=r"model\.mixers\.swa: mixer 'tova'"):
         native_architecture(config)
 
@@ -238,7 +238,7 @@ def test_fit_starts_from_imported_weights_with_new_layers_reported(tmp_path, cap
         assert torch.equal(same.model.state_dict()[name], p), name
     # kvm layers: q/k/v/o and the rest load, KVM's own parameters are new and reported
     kvm = LMModule(init_from=str(folder), layer_types=["attention", "kvm_layer"],
-                   mixers={"kvm_layer": {"mixer": "kvm", "n_heads": 4, "n_kv_heads": 2, "head_dim": 16}})
+                   mixers={"kvm_layer": {"mixer": "kvm", "memory_keys": "pre_rope", "qk_norm": None}})
     kvm.configure_model()
     report = kvm.init_report
     assert any(k.startswith("blocks.1.mixer.qkv.q_proj") for k in report["loaded"])

@@ -100,14 +100,53 @@ def open_source(source: str | os.PathLike, tokenizer: str | None = None, quiet: 
     return read_export(source, tokenizer=tokenizer), kind
 
 
-def with_mixers(config: LMConfig, mixers: dict | None) -> LMConfig:
-    """``config`` with ``mixers`` merged into ``config.mixers`` key by key (a layer's other options are kept)."""
-    if not mixers:
+def with_mixers(config: LMConfig, mixers: dict | None, layer_types: list[str] | None = None) -> LMConfig:
+    """``config`` with ``mixers`` merged into ``config.mixers`` key by key (a layer's other options are kept),
+    and optionally a new ``layer_types`` pattern over the same depth: converting some layers of a model.
+
+    A layer name the source does not have (e.g. ``kvm`` in ``[kvm, kvm, kvm, attention]``) starts from the options
+    of the source's layer at the same position (its head layout, RoPE base, biases), then takes ``mixers[name]``.
+    When a layer's mixer changes, options inherited from the source that the new mixer does not take must be
+    set to null in ``mixers`` to leave them out (e.g. ``{mixer: gdn, n_kv_heads: null, positional: null}``).
+
+    Raises:
+        ConfigError: an inherited option the new mixer does not take (names the layer, the option and the fix).
+    """
+    if not mixers and layer_types is None:
         return config
+    from ..model.config import ConfigError, accepted_parameters
+    from ..registry import get
+
+    source = config.layer_specs()
     merged = {name: dict(opts or {}) for name, opts in config.mixers.items()}
-    for name, opts in mixers.items():
-        merged.setdefault(name, {}).update(opts or {})
-    return LMConfig(**{**config.to_dict(), "mixers": merged})
+    types = list(layer_types) if layer_types is not None else list(config.layer_types)
+    for i in range(config.n_layers):
+        name = types[i % len(types)]
+        if name not in merged:  # a new layer name: inherit the source layer's options at that position
+            merged[name] = {"mixer": source[i].mixer, **source[i].options}
+    for name, opts in (mixers or {}).items():
+        opts = dict(opts or {})
+        base = merged.setdefault(name, {})
+        old, new = base.get("mixer", name), opts.get("mixer", base.get("mixer", name))
+        base.update(opts)
+        if new == old:
+            continue
+        accepted, open_ended = accepted_parameters(get(new))
+        if open_ended:
+            continue
+        for key in [k for k, v in opts.items() if v is None and k not in accepted]:
+            del base[key]  # null leaves an inherited option out
+        foreign = sorted(k for k in base if k != "mixer" and k not in accepted and k not in opts)
+        if foreign:
+            raise ConfigError(
+                f"model.mixers.{name}: mixer {new!r} takes no {', '.join(foreign)} (inherited from the source's "
+                f"{old!r} layers: {', '.join(f'{k}={base[k]!r}' for k in foreign)}); set "
+                f"{'them' if len(foreign) > 1 else 'it'} to null to leave {'them' if len(foreign) > 1 else 'it'} out, "
+                f"e.g. {name}: {{mixer: {new}, {', '.join(f'{k}: null' for k in foreign)}}}")
+    fields = {**config.to_dict(), "mixers": merged}
+    if layer_types is not None:
+        fields["layer_types"] = types
+    return LMConfig(**fields)
 
 
 def load_model(source: str | os.PathLike, *, tokenizer: str | None = None, mixers: dict | None = None,

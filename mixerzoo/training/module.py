@@ -41,11 +41,14 @@ def _fields_from(source: str, given: dict[str, Any]) -> dict[str, Any]:
 
     config = read_lm_config(source)
     fields = config.to_dict()
-    for key, value in explicit_fields(given).items():
-        if key != "mixers" and value is not None:
-            fields[key] = list(value) if key == "layer_types" else value
-    if given.get("mixers"):
-        fields["mixers"] = with_mixers(config, given["mixers"]).mixers
+    explicit = explicit_fields(given)
+    for key, value in explicit.items():
+        if key not in ("mixers", "layer_types") and value is not None:
+            fields[key] = value
+    layer_types = list(explicit["layer_types"]) if explicit.get("layer_types") else None
+    if given.get("mixers") or layer_types:
+        converted = with_mixers(config, given.get("mixers"), layer_types)
+        fields["mixers"], fields["layer_types"] = converted.mixers, converted.layer_types
     return {k: fields[k] for k in LMConfig.__dataclass_fields__}
 
 
