@@ -27,6 +27,7 @@ CONFIGS = {
     "gqa_token_shift": {"n_heads": 4, "n_kv_heads": 2, "token_shift": True, "schedule": GROW},
     "one_window_chunk": {"n_bswa_chunks": 1, "schedule": GROW},
     "three_window_chunks": {"n_bswa_chunks": 3},
+    "fixed_temperatures": {"learned_temperatures": False, "schedule": GROW},
     "pre_rope": {"positional": "rope", "memory_keys": "pre_rope", "qk_norm": None},
     "pre_rope_gqa_grow": {"positional": "rope", "memory_keys": "pre_rope", "n_heads": 4, "n_kv_heads": 2,
                           "schedule": GROW},
@@ -216,3 +217,21 @@ def test_full_rope_needs_pre_rope_memory_keys():
         KVMAttention(D_MODEL, n_heads=2, positional="rope")
     with pytest.raises(ValueError, match="kvm memory_keys must be one of"):
         KVMAttention(D_MODEL, n_heads=2, memory_keys="post_rope")
+
+
+def test_fixed_temperatures_ablation():
+    """learned_temperatures: false (the authors' ablation): no temperature parameters, both fixed at 1, so the
+    layer equals a learned-temperature layer whose temperatures are still at their init, and training leaves them
+    at 1."""
+    torch.manual_seed(0)
+    learned = KVMAttention(D_MODEL, n_heads=2, chunk_len=4, schedule=GROW)
+    fixed = KVMAttention(D_MODEL, n_heads=2, chunk_len=4, schedule=GROW, learned_temperatures=False)
+    names = {n for n, _ in fixed.named_parameters()}
+    assert "tau_state" not in names and "tau_bswa" not in names
+    fixed.load_state_dict(learned.state_dict())
+    x = torch.randn(2, 30, D_MODEL, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(fixed(x)[0], learned(x)[0])
+    opt = torch.optim.SGD(fixed.parameters(), lr=0.5)
+    fixed(x)[0].square().sum().backward()
+    opt.step()
+    assert torch.equal(fixed.tau_state, torch.ones(2)) and torch.equal(fixed.tau_bswa, torch.ones(2))

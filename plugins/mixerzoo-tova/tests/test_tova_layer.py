@@ -174,3 +174,56 @@ def test_layer_eval_matches_reference_policy(policy, per_head):
         y_ref = tova.o_proj(o.transpose(1, 2).reshape(2, 33, -1))
     torch.testing.assert_close(torch.cat([y, y2], 1), y_ref, atol=1e-5, rtol=1e-5)
     assert st.pos.tolist() == kept
+
+
+def test_compressed_positions_by_hand():
+    """Paper section 7.2: gaps above 10 become ln(ln(gap)); smaller gaps and the first position stay."""
+    from mixerzoo_tova.ops import compressed_positions
+
+    got = compressed_positions(torch.tensor([[[0, 1, 2, 15, 16, 100]]]))
+    ll = lambda g: float(torch.tensor(float(g)).log().log())  # noqa: E731
+    want = torch.tensor([0, 1, 2, 2 + ll(13), 3 + ll(13), 3 + ll(13) + ll(84)])
+    torch.testing.assert_close(got[0, 0], want)
+    same = torch.tensor([[[5, 7, 17, 18]]])  # gaps 2, 10, 1: nothing compressed
+    torch.testing.assert_close(compressed_positions(same), same.float())
+
+
+def test_positional_compression_changes_nothing_without_gaps():
+    """Without overflow the kept positions are contiguous, so compression is the identity."""
+    _, plain = pair(multi_state=64)
+    _, comp = pair(multi_state=64, positional_compression=True)
+    x = torch.randn(2, 40, D_MODEL, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(comp.eval()(x)[0], plain.eval()(x)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["tova+2", "window+2"])  # sinks: a gap above 10 is certain
+def test_positional_compression_step_by_hand(policy):
+    """One decode step with compression, recomputed independently: the cached keys (stored at true positions)
+    are un-rotated and rotated again one by one at their compressed positions, the query at its own."""
+    from mixerzoo_tova.ops import compressed_positions
+
+    _, tova = pair(policy=policy, multi_state=6, positional_compression=True)
+    tova.eval()
+    x = torch.randn(1, 41, D_MODEL, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, state = tova(x[:, :40])
+        y, _ = tova(x[:, 40:], state)
+        q, k, v, _, _ = tova.qkv.stream(x[:, 40:], state, None)
+        keys = torch.cat([state.k, k], dim=2)
+        values = torch.cat([state.v, v], dim=2)
+        pos = torch.cat([state.pos[0, 0], torch.tensor([40])])
+        assert (pos[1:] - pos[:-1]).max() > 10, "the test needs a gap that is compressed"
+        cpos = compressed_positions(pos)
+        rope = tova.qkv.pos
+        keys_c = torch.stack([rope.apply(rope.apply(keys[:, :, j:j + 1], -pos[j:j + 1]), cpos[j:j + 1])[:, :, 0]
+                              for j in range(len(pos))], dim=2)
+        q_c = rope.apply(rope.apply(q, -pos[-1:]), cpos[-1:])
+        o = attention_reference(q_c, keys_c, values, torch.ones(1, len(pos), dtype=torch.bool))
+        want = tova.o_proj(o.transpose(1, 2).reshape(1, 1, -1))
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-4)
+
+
+def test_positional_compression_needs_rope():
+    with pytest.raises(ValueError, match="positional_compression .* needs positional: rope"):
+        TOVAAttention(D_MODEL, n_heads=4, positional="nope", positional_compression=True)

@@ -64,6 +64,8 @@ class KVMAttention(Mixer):
         gate_appends: also gate appended rows (the paper does not; the authors' code had it as a flag).
         routing: ``hard`` (winner-take-all, paper) or ``soft`` (ablation: softmax weights over the rows with
             scale ``1/sqrt(head_dim)``, not differentiated, like the argmax).
+        learned_temperatures: learn the per-head inverse temperatures ``tau_state`` and ``tau_bswa`` (paper); False
+            fixes both at 1 (the authors' ablation: plain softmax over state rows and window keys).
         eps: ``eps_norm`` of the value renormalisation.
         use_reference: compute with the readable chunk loop instead of the packed fast path (for tests).
 
@@ -83,7 +85,7 @@ class KVMAttention(Mixer):
                  value_residual: bool = False, bias: bool = False, value_norm: str = "radius",
                  protect_sinks: bool = True, merge_gate: bool = True, gate_appends: bool = False,
                  routing: str = "hard", eps: float = 1e-6, use_reference: bool = False, layer_idx: int = 0,
-                 memory_keys: str = "zero_rotary") -> None:
+                 memory_keys: str = "zero_rotary", learned_temperatures: bool = True) -> None:
         super().__init__()
         if not isinstance(chunk_len, int) or chunk_len < 1:
             raise ValueError(f"kvm chunk_len must be a positive integer, got {chunk_len!r}")
@@ -110,8 +112,12 @@ class KVMAttention(Mixer):
         self.memory_keys = memory_keys
         self.o_proj = nn.Linear(n_heads * D, d_model, bias=bias)
         self.ln_s = nn.LayerNorm(D)  # LN_s of eq. (1) and of the key readout
-        self.tau_state = nn.Parameter(torch.ones(H))  # per-head inverse temperatures on the keys
-        self.tau_bswa = nn.Parameter(torch.ones(H))
+        if learned_temperatures:  # per-head inverse temperatures on the keys
+            self.tau_state, self.tau_bswa = nn.Parameter(torch.ones(H)), nn.Parameter(torch.ones(H))
+        else:  # ablation: fixed at 1 (buffers, so checkpoints of either kind name the same tensors)
+            self.register_buffer("tau_state", torch.ones(H))
+            self.register_buffer("tau_bswa", torch.ones(H))
+        self.learned_temperatures = learned_temperatures
         self.gate_proj = nn.Linear(d_model, H, bias=False) if merge_gate else None  # W_g of eq. (2)
         self.schedule = FixedSchedule(chunk_len) if schedule is None else build_schedule(schedule)
         self.chunk_len, self.n_bswa_chunks, self.sink_len = chunk_len, n_bswa_chunks, sink_len
@@ -163,4 +169,5 @@ class KVMAttention(Mixer):
     def extra_repr(self) -> str:
         return (f"chunk_len={self.chunk_len}, n_bswa_chunks={self.n_bswa_chunks}, sink_len={self.sink_len}, "
                 f"schedule={self.schedule!r}, value_norm={self.value_norm}, protect_sinks={self.protect_sinks}, "
-                f"gate_appends={self.gate_appends}, routing={self.routing}, memory_keys={self.memory_keys}")
+                f"gate_appends={self.gate_appends}, routing={self.routing}, memory_keys={self.memory_keys}, "
+                f"learned_temperatures={self.learned_temperatures}")

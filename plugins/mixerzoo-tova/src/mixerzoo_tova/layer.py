@@ -62,6 +62,9 @@ class TOVAAttention(Attention):
         protect_current: never evict the newest token (kvpress's variant; the authors' code may evict it).
         eval_mode: ``decode`` (exact) or ``chunked`` (approximation), see above.
         chunk_len: chunk length of ``chunked``.
+        positional_compression: re-rotate the cached keys at compressed positions before each step (paper
+            section 7.2, for reading past the trained context): gaps above 10 positions between kept entries
+            shrink to ``ln(ln(gap))`` (:func:`mixerzoo_tova.ops.compressed_positions`). Needs RoPE. Off by default.
         **attention_options: :class:`Attention`'s (``n_heads``, ``n_kv_heads``, ``head_dim``, ``positional``,
             ``qk_norm``, ``token_shift``, ``value_residual``, ``bias``, ``use_reference``, ``layer_idx``).
 
@@ -71,8 +74,12 @@ class TOVAAttention(Attention):
 
     def __init__(self, d_model: int, policy: str = "tova", multi_state: int | None = 256, n_sinks: int | None = None,
                  per_head: bool | None = None, recent: int | None = None, protect_current: bool = False,
-                 eval_mode: str = "decode", chunk_len: int = 64, **attention_options: Any) -> None:
+                 eval_mode: str = "decode", chunk_len: int = 64, positional_compression: bool = False,
+                 **attention_options: Any) -> None:
         super().__init__(d_model, **attention_options)
+        if positional_compression and getattr(self.qkv.pos, "rotary_dim", 0) == 0:
+            raise ValueError("positional_compression re-rotates cached keys, so it needs positional: rope")
+        self.positional_compression = positional_compression
         if eval_mode not in EVAL_MODES:
             raise ValueError(f"eval_mode must be one of {', '.join(EVAL_MODES)} (decode is exact, chunked an "
                              f"approximation), got {eval_mode!r}")
@@ -107,14 +114,16 @@ class TOVAAttention(Attention):
         p0 = 0 if state is None else state.next_pos
         q, k, v, positions, shift = self.qkv.stream(x, state, shared)
         cache = state if state is not None else empty_cache(B, k.shape[1], k.shape[-1], self.policy, k)
-        if self.policy.name == "window" and self.eval_mode == "decode":  # exact, closed form (static mask)
+        rotate = self.qkv.pos.apply if self.positional_compression else None
+        if self.policy.name == "window" and self.eval_mode == "decode" and rotate is None:  # exact, closed form
             o, cache = attend_window_static(q, k, v, positions, cache, self.policy)
             y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
             cache.next_pos, cache.shift = p0 + T, shift
             return y, cache
         outs = []
         for a, b in self._chunks(p0, T, cache.size):
-            o, cache = attend_and_evict(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], positions[a:b], cache, self.policy)
+            o, cache = attend_and_evict(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], positions[a:b], cache, self.policy,
+                                        rotate=rotate)
             outs.append(o)
         o = torch.cat(outs, dim=2)
         y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
@@ -147,4 +156,6 @@ class TOVAAttention(Attention):
             s += f", recent={p.recent}"
         if self.eval_mode == "chunked":
             s += f", chunk_len={self.chunk_len}"
+        if self.positional_compression:
+            s += ", positional_compression=True"
         return s

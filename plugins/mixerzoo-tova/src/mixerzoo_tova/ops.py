@@ -18,7 +18,10 @@ from mixerzoo.mixers.qkv import StreamState
 
 from .policies import EvictionPolicy
 
-__all__ = ["EvictionCache", "empty_cache", "attend_and_evict", "attend_window_static"]
+__all__ = ["EvictionCache", "empty_cache", "attend_and_evict", "attend_window_static", "compressed_positions",
+           "COMPRESSION_THRESHOLD"]
+
+COMPRESSION_THRESHOLD = 10  # gaps up to this many positions are kept as they are (paper section 7.2)
 
 
 @dataclasses.dataclass
@@ -69,9 +72,33 @@ def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return flat.view(B, H, idx.shape[-1], *x.shape[3:])
 
 
+def compressed_positions(pos: torch.Tensor, threshold: int = COMPRESSION_THRESHOLD) -> torch.Tensor:
+    """TOVA's positional compression for extrapolation (paper section 7.2): walking the kept entries in order,
+    each gap ``g`` to the previous entry becomes ``ln(ln(g))`` when ``g > threshold`` and stays ``g`` otherwise;
+    the first entry keeps its position.
+
+    Args:
+        pos: ``(..., S)`` absolute positions of the kept entries, increasing along the last dim.
+    Returns:
+        ``(..., S)`` float32 compressed positions (equal to ``pos`` where every gap is ``<= threshold``).
+    """
+    p = pos.to(torch.float32)
+    gaps = p[..., 1:] - p[..., :-1]
+    step = torch.where(gaps > threshold, gaps.clamp_min(3.0).log().log(), gaps)  # clamp: log(log(g)) needs g > e
+    return torch.cat([p[..., :1], p[..., :1] + step.cumsum(dim=-1)], dim=-1)
+
+
+def _rerotate(x: torch.Tensor, delta: torch.Tensor, rotate) -> torch.Tensor:
+    """``x (B, H, S, D)`` rotated by a per-entry position offset ``delta (B, G, S)`` (``G`` divides ``H``): RoPE
+    is a rotation by ``p theta``, so a key rotated at ``p`` becomes one at ``p + delta``."""
+    B, H, S, D = x.shape
+    d = delta.repeat_interleave(H // delta.shape[1], dim=1).expand(B, H, S)
+    return rotate(x.reshape(1, B * H * S, D), d.reshape(-1)).view(B, H, S, D)
+
+
 def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     cache: EvictionCache, policy: EvictionPolicy, scale: float | None = None
-                     ) -> tuple[torch.Tensor, EvictionCache]:
+                     cache: EvictionCache, policy: EvictionPolicy, scale: float | None = None,
+                     rotate=None) -> tuple[torch.Tensor, EvictionCache]:
     """New queries attend over ``[cache ; new keys]`` (causal among the new ones); then the policy evicts
     down to ``multi_state`` entries (paper eq. 9 applied ``S + C - multi_state`` times at once).
 
@@ -86,6 +113,9 @@ def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         cache: the state before these tokens (:func:`empty_cache` at the start).
         policy: the eviction policy.
         scale: softmax scale, default ``1 / sqrt(D)``.
+        rotate: positional compression (paper section 7.2): the layer's RoPE ``apply(x, positions)``. Keys stay
+            stored at their true positions; for this step every key and query is re-rotated to its
+            :func:`compressed_positions` (query ``t`` at the compressed position of its own entry). None: off.
 
     Returns:
         ``o (B, H, C, D)`` (dtype of ``q``; computed in float32) and the new cache (``next_pos`` and ``shift``
@@ -101,9 +131,14 @@ def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     pos = torch.cat([cache.pos, positions.to(cache.pos.device).view(1, 1, C).expand(B, G, C)], dim=2)
     S = K.shape[2]
 
+    K_att, q_att = K, q
+    if rotate is not None:  # compressed positions for this step; the stored keys keep their true positions
+        delta = compressed_positions(pos) - pos.to(torch.float32)  # (B, G, S)
+        K_att = _rerotate(K, delta, rotate)
+        q_att = _rerotate(q, delta[..., S - C:], rotate)
     # GQA: the g query heads of a KV head (heads kv*g .. kv*g+g-1) share its keys; one bmm per (batch, KV head)
-    Kf, Vf = K.float().reshape(B * H_kv, S, D), V.float().reshape(B * H_kv, S, D)
-    logits = torch.bmm(q.float().reshape(B * H_kv, g * C, D), Kf.transpose(1, 2)).view(B, H_kv, g, C, S) * scale
+    Kf, Vf = K_att.float().reshape(B * H_kv, S, D), V.float().reshape(B * H_kv, S, D)
+    logits = torch.bmm(q_att.float().reshape(B * H_kv, g * C, D), Kf.transpose(1, 2)).view(B, H_kv, g, C, S) * scale
     if C > 1:  # new queries must not see later new keys; every cached entry is older than every new query
         S0 = S - C
         causal = torch.ones(C, S, dtype=torch.bool, device=q.device).tril(diagonal=S0)
