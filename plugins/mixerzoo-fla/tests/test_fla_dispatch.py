@@ -73,10 +73,13 @@ class FakeFla:
              allow_neg_eigval=False, scale=None, state_v_first=False):
         self.calls.append(name)
         assert output_final_state and not state_v_first
-        assert use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel
+        assert use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel
         q, k = ops.l2_normalize(q), ops.l2_normalize(k)
         beta = beta.float().sigmoid() * (2 if allow_neg_eigval else 1)
-        g = -A_log.exp() * F.softplus(g.float() + dt_bias)
+        if use_gate_in_kernel:
+            g = -A_log.exp() * F.softplus(g.float() + dt_bias)
+        else:  # g is already the log decay (fla's contract without the in-kernel gate)
+            assert A_log is None and dt_bias is None
         return reference.gated_delta_rule_recurrent(q, k, v, g, beta, scale, initial_state)
 
     def chunk_gated_delta_rule(self, **kw):
@@ -124,9 +127,10 @@ def _as_fla(module, monkeypatch):
 @pytest.mark.parametrize("factory", [
     lambda: GatedDeltaNet(D, n_heads=2, n_v_heads=4, chunk_len=8),
     lambda: GatedDeltaNet(D, n_heads=2, allow_neg_eigval=True, use_short_conv=False, use_gate=False),
+    lambda: GatedDeltaNet(D, n_heads=2, use_decay=False, chunk_len=8),
     lambda: GatedSlotAttention(D, n_heads=4, n_kv_heads=2, num_slots=6, use_short_conv=True, chunk_len=8),
     lambda: GatedSlotAttention(D, n_heads=2, num_slots=6),
-], ids=["gdn-gva", "gdn-plain", "gsa-gqa-conv", "gsa"])
+], ids=["gdn-gva", "gdn-plain", "deltanet", "gsa-gqa-conv", "gsa"])
 def test_fla_branch_matches_torch_branch(factory, fake_fla, monkeypatch):
     torch.manual_seed(0)
     ours = factory()

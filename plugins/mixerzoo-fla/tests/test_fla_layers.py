@@ -20,7 +20,8 @@ D = 32
     dict(n_heads=2, n_v_heads=4, expand_v=1.5, use_gate=False, use_short_conv=False, allow_neg_eigval=True,
          chunk_len=16, output_gate_activation="sigmoid"),
     dict(n_heads=1, head_dim=8, conv_bias=True, conv_size=2, output_gate_activation="sigmoid", chunk_len=5),
-], ids=["default", "grouped-values-no-conv-no-gate", "sigmoid-gate-conv-bias"])
+    dict(n_heads=2, chunk_len=8, use_decay=False),
+], ids=["default", "grouped-values-no-conv-no-gate", "sigmoid-gate-conv-bias", "deltanet"])
 def test_gdn_conformance(options):
     report = run_conformance(lambda: GatedDeltaNet(D, **options), d_model=D, seq_len=40, splits=(1, 7, 8, 21))
     assert report.state_bytes[0] == report.state_bytes[1]          # constant-size state
@@ -102,3 +103,20 @@ def test_lm_config_errors_name_the_layer():
     with pytest.raises(ConfigError, match="positional"):
         LanguageModel(dict(vocab_size=64, d_model=D, n_layers=1, n_heads=2, layer_types=["gsa"],
                            mixers={"gsa": {"positional": "rope"}}))
+
+
+def test_deltanet_is_gdn_with_the_decay_pinned_at_one():
+    """use_decay: false (DeltaNet) has no decay parameters and equals a GDN layer whose decay is exactly 1
+    (A_log -> -inf makes log alpha = -exp(A_log) softplus(.) = 0)."""
+    torch.manual_seed(0)
+    delta = GatedDeltaNet(D, n_heads=2, use_decay=False, chunk_len=8)
+    names = {n for n, _ in delta.named_parameters()}
+    assert not names & {"a_proj.weight", "A_log", "dt_bias"}
+    gdn = GatedDeltaNet(D, n_heads=2, chunk_len=8)
+    gdn.load_state_dict(delta.state_dict(), strict=False)
+    with torch.no_grad():
+        gdn.A_log.fill_(-1e4)
+    x = torch.randn(2, 30, D)
+    with torch.no_grad():
+        torch.testing.assert_close(delta(x)[0], gdn(x)[0], atol=1e-5, rtol=1e-4)
+        assert not torch.allclose(delta(x)[0], GatedDeltaNet(D, n_heads=2, chunk_len=8)(x)[0], atol=1e-3)

@@ -63,6 +63,9 @@ class GatedDeltaNet(Mixer):
         n_v_heads: value heads (grouped values, fla: ``num_v_heads``); a multiple of ``n_heads``; default
             ``n_heads``. Value head ``j`` reads q/k head ``j // (n_v_heads / n_heads)``.
         use_gate: output gate ``swish(W_g x)`` inside the norm (fla default True).
+        use_decay: the decay ``alpha_t`` (GDN). False gives DeltaNet (Yang et al. 2024, "Parallelizing Linear
+            Transformers with the Delta Rule"): ``alpha_t = 1``, no ``a_proj``/``A_log``/``dt_bias``, the
+            baseline of the GDN and Trellis papers' ablations.
         use_short_conv, conv_size, conv_bias: the causal depthwise convolution (fla defaults True, 4, False).
         allow_neg_eigval: ``beta`` in ``(0, 2)`` (Grazzi et al. 2024), allowing negative eigenvalues.
         norm_eps: RMSNorm epsilon.
@@ -83,7 +86,8 @@ class GatedDeltaNet(Mixer):
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, expand_v: float = 2.0,
                  n_v_heads: int | None = None, use_gate: bool = True, use_short_conv: bool = True,
                  conv_size: int = 4, conv_bias: bool = False, allow_neg_eigval: bool = False, norm_eps: float = 1e-5,
-                 output_gate_activation: str = "swish", chunk_len: int = 64, backend: str = "auto") -> None:
+                 output_gate_activation: str = "swish", chunk_len: int = 64, backend: str = "auto",
+                 use_decay: bool = True) -> None:
         super().__init__()
         if n_heads < 1:
             raise ValueError(f"n_heads must be >= 1, got {n_heads}")
@@ -112,13 +116,15 @@ class GatedDeltaNet(Mixer):
         self.q_proj = nn.Linear(d_model, self.key_dim, bias=False)
         self.k_proj = nn.Linear(d_model, self.key_dim, bias=False)
         self.v_proj = nn.Linear(d_model, self.value_dim, bias=False)
-        self.a_proj = nn.Linear(d_model, n_v_heads, bias=False)
         self.b_proj = nn.Linear(d_model, n_v_heads, bias=False)
-        self.A_log = nn.Parameter(torch.empty(n_v_heads).uniform_(0, 16).log())
-        dt = torch.exp(torch.rand(n_v_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))   # inverse softplus
-        self.A_log._no_weight_decay = True
-        self.dt_bias._no_weight_decay = True
+        self.use_decay = use_decay
+        if use_decay:
+            self.a_proj = nn.Linear(d_model, n_v_heads, bias=False)
+            self.A_log = nn.Parameter(torch.empty(n_v_heads).uniform_(0, 16).log())
+            dt = torch.exp(torch.rand(n_v_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+            self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))   # inverse softplus
+            self.A_log._no_weight_decay = True
+            self.dt_bias._no_weight_decay = True
         if use_short_conv:
             self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias)
             self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias)
@@ -157,13 +163,15 @@ class GatedDeltaNet(Mixer):
             conv = None
         q, k = q.view(B, T, self.n_heads, self.head_k_dim), k.view(B, T, self.n_heads, self.head_k_dim)
         v = v.view(B, T, self.n_v_heads, self.head_v_dim)
-        a, b = self.a_proj(x), self.b_proj(x)
+        a = self.a_proj(x) if self.use_decay else None
+        b = self.b_proj(x)
         s0 = None if state is None else state.recurrent
         if use_fla:
             o, s = self._fla_delta_rule(q, k, v, a, b, s0)
         else:
             beta = b.float().sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)
-            g = gdn_log_decay(a, self.A_log, self.dt_bias)
+            g = gdn_log_decay(a, self.A_log, self.dt_bias) if self.use_decay else \
+                b.new_zeros(B, T, self.n_v_heads, dtype=torch.float32)  # DeltaNet: log alpha = 0
             o, s = chunk_gated_delta_rule(l2_normalize(q), l2_normalize(k), v, g, beta, initial_state=s0,
                                           chunk_len=self.chunk_len)
         o = o.to(x.dtype)
@@ -179,11 +187,16 @@ class GatedDeltaNet(Mixer):
         kernels = _backend.fla_kernels()
         recurrent = q.shape[1] <= 64 and not torch.is_grad_enabled() and not self.training
         fn = kernels.fused_recurrent_gated_delta_rule if recurrent else kernels.chunk_gated_delta_rule
-        o, s = fn(q=q, k=k, v=v, g=a, beta=b, initial_state=initial_state, output_final_state=True,
-                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
-                  use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval)
+        if self.use_decay:
+            gate = dict(g=a, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
+        else:  # DeltaNet: a zero log decay, no gate computation in the kernel
+            gate = dict(g=b.new_zeros(b.shape, dtype=torch.float32))
+        o, s = fn(q=q, k=k, v=v, beta=b, initial_state=initial_state, output_final_state=True,
+                  use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  allow_neg_eigval=self.allow_neg_eigval, **gate)
         return o, s.float()
 
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, n_v_heads={self.n_v_heads}, head_k_dim={self.head_k_dim}, "
-                f"head_v_dim={self.head_v_dim}, chunk_len={self.chunk_len}, backend={self.backend}")
+                f"head_v_dim={self.head_v_dim}, chunk_len={self.chunk_len}, backend={self.backend}"
+                f"{'' if self.use_decay else ', use_decay=False (DeltaNet)'}")
