@@ -196,9 +196,9 @@ def test_niah_example_has_the_needle_at_the_stated_depth(tokenizer, stream, dept
     ex = make_niah(tokenizer, stream, 600, depth, random.Random(3))
     assert ex.input_ids.shape == ex.labels.shape == (600,)
     ids = ex.input_ids.tolist()
-    needle = tokenizer.encode(NEEDLE.format(key=ex.key, value=ex.value)).ids
+    needle = tokenizer.encode(NEEDLE.format(kind="number", key=ex.key, value=ex.value)).ids
     assert ids[ex.needle_pos:ex.needle_pos + len(needle)] == needle
-    question = tokenizer.encode(QUESTION.format(key=ex.key)).ids
+    question = tokenizer.encode(QUESTION.format(kind="number", key=ex.key)).ids
     answer = tokenizer.encode(f" {ex.value}").ids
     assert ids[-len(answer) - len(question):-len(answer)] == question and ids[-len(answer):] == answer
     hay_len = 600 - len(needle) - len(question) - len(answer)
@@ -272,6 +272,32 @@ def test_niah_oracle_scores_one_and_constant_scores_zero(tokenizer, corpus, n_ne
         em = EvalModel("m", model, tokenizer)
         r = niah_sweep(em, docs, [300], depths=(0.2, 0.8), trials=2, n_needles=n_needles, chunk=64)
         assert r["lengths"]["300"]["accuracy"] == expected and r["lengths"]["300"]["examples"] == 4
+
+
+def test_ruler_s1_and_s3_variants(tokenizer, corpus):
+    """RULER S1: the haystack is the filler repeated, a number needle; S3: book text, a UUID needle asked as a
+    "uuid". A copying oracle recalls both exactly, a constant model neither."""
+    import re
+
+    from mixerzoo.evaluation.documents import read_documents
+    from mixerzoo.evaluation.niah import REPEAT_FILLER, repeat_stream
+
+    s1 = make_niah(tokenizer, repeat_stream(tokenizer, 700), 600, 0.5, random.Random(1))
+    text = tokenizer.decode(s1.input_ids.tolist())
+    assert text.count("The grass is green.") > 5 and "special magic number for" in text
+    assert REPEAT_FILLER.strip() in text and re.fullmatch(r"\d{7}", s1.value)
+    s3 = make_niah(tokenizer, haystack_stream([tokenizer.encode("Once upon a time. " * 300).ids]), 600, 0.5,
+                   random.Random(2), value_kind="uuid")
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", s3.value)
+    assert "special magic uuid for" in tokenizer.decode(s3.input_ids.tolist())
+    docs = [e.ids for e in tokenizer.encode_batch(read_documents([str(corpus)]))]
+    vocab = tokenizer.get_vocab_size()
+    for haystack, kind in (("repeat", "number"), ("text", "uuid")):
+        for model, expected in ((Oracle(vocab), 1.0), (Constant(vocab), 0.0)):
+            r = niah_sweep(EvalModel("m", model, tokenizer), docs, [300], depths=(0.3,), trials=2, chunk=64,
+                           haystack=haystack, value_kind=kind)
+            assert r["lengths"]["300"]["accuracy"] == expected, (haystack, kind)
+            assert r["options"]["haystack"] == haystack and r["options"]["value_kind"] == kind
 
 
 def test_recall_scoring_with_oracle_and_na(tokenizer):

@@ -14,6 +14,14 @@ at ``depth`` (0 = start, 1 = end of the haystack), moved back to the nearest sen
 tokens so it does not split a word. ``multikey``: ``n_needles - 1`` more needles with other keys and values (novel
 distractors) at random depths; only one key is asked.
 
+RULER's three single-needle variants, as the KVM paper reports them (S1 fixed state holds; S2/S3 degrade):
+
+- ``niah_s1``: a repeated-filler haystack (:data:`REPEAT_FILLER`, the same few sentences over and over) and a
+  number value;
+- ``niah_single`` (= RULER S2): the book-text haystack and a number value;
+- ``niah_s3``: the book-text haystack and a UUID value (32 hex digits in 8-4-4-4-12 groups: many more tokens to
+  recall exactly), asked as "the special magic uuid".
+
 Score: exact match of the value's tokens, teacher forced (every answer token is the argmax after the question
 and the previous answer tokens; this is what greedy decoding produces, one token at a time, without decoding).
 """
@@ -30,12 +38,18 @@ from ..data.base import IGNORE_INDEX
 from .models import EvalModel
 from .recall import teacher_forced_hits
 
-__all__ = ["NEEDLE", "QUESTION", "NiahExample", "make_niah", "niah_sweep", "haystack_stream"]
+__all__ = ["NEEDLE", "QUESTION", "NiahExample", "make_niah", "niah_sweep", "haystack_stream", "NIAH_VARIANTS",
+           "REPEAT_FILLER"]
 
-NEEDLE = " The special magic number for {key} is: {value}."
-QUESTION = ("\nWhat is the special magic number for {key} mentioned in the provided text? The special magic number "
+NEEDLE = " The special magic {kind} for {key} is: {value}."
+QUESTION = ("\nWhat is the special magic {kind} for {key} mentioned in the provided text? The special magic {kind} "
             "for {key} is:")
 ANSWER = " {value}"
+# RULER's S1 haystack: the same sentences repeated (noise the model can compress trivially)
+REPEAT_FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+# task -> (haystack, value kind): "text" is book text, "repeat" the filler; values are 7-digit numbers or UUIDs
+NIAH_VARIANTS = {"niah_s1": ("repeat", "number"), "niah_single": ("text", "number"), "niah_s3": ("text", "uuid"),
+                 "niah_multikey": ("text", "number")}
 ADJECTIVES = ("quiet", "amber", "brisk", "hollow", "silver", "crooked", "gentle", "scarlet", "frozen", "ancient",
               "bitter", "lucky", "narrow", "velvet", "rapid", "humble", "golden", "rusty", "sleepy", "wild")
 NOUNS = ("harbor", "lantern", "meadow", "falcon", "compass", "orchard", "violin", "glacier", "kettle", "canyon",
@@ -78,16 +92,25 @@ def _snap(tokenizer, hay: list[int], pos: int) -> int:
     return pos
 
 
-def _key_value(rng: random.Random, used: set[str]) -> tuple[str, str]:
+def _key_value(rng: random.Random, used: set[str], kind: str = "number") -> tuple[str, str]:
     while True:
         key = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
         if key not in used:
             used.add(key)
+            if kind == "uuid":
+                h = f"{rng.getrandbits(128):032x}"
+                return key, f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
             return key, str(rng.randint(1_000_000, 9_999_999))
 
 
+def repeat_stream(tokenizer, n_tokens: int) -> list[int]:
+    """At least ``n_tokens`` tokens of :data:`REPEAT_FILLER` repeated (RULER S1's haystack)."""
+    unit = _encode(tokenizer, REPEAT_FILLER)
+    return unit * (n_tokens // max(len(unit), 1) + 1)
+
+
 def make_niah(tokenizer, stream: Sequence[int], length: int, depth: float, rng: random.Random,
-              n_needles: int = 1) -> NiahExample | str:
+              n_needles: int = 1, value_kind: str = "number") -> NiahExample | str:
     """Build one example of exactly ``length`` tokens, or return the reason it cannot be built.
 
     Args:
@@ -97,12 +120,13 @@ def make_niah(tokenizer, stream: Sequence[int], length: int, depth: float, rng: 
         depth: where the asked needle goes, in ``[0, 1]`` of the haystack.
         rng: a seeded ``random.Random`` (keys, values, haystack offset, distractor depths).
         n_needles: 1 (single) or more (multi-key: the others are distractors with their own keys).
+        value_kind: ``number`` (7 digits) or ``uuid`` (RULER S3), named so in the needle and the question.
     """
     used: set[str] = set()
-    pairs = [_key_value(rng, used) for _ in range(n_needles)]
-    needles = [_encode(tokenizer, NEEDLE.format(key=k, value=v)) for k, v in pairs]
+    pairs = [_key_value(rng, used, value_kind) for _ in range(n_needles)]
+    needles = [_encode(tokenizer, NEEDLE.format(kind=value_kind, key=k, value=v)) for k, v in pairs]
     key, value = pairs[0]
-    question = _encode(tokenizer, QUESTION.format(key=key))
+    question = _encode(tokenizer, QUESTION.format(kind=value_kind, key=key))
     answer = _encode(tokenizer, ANSWER.format(value=value))
     hay_len = length - sum(map(len, needles)) - len(question) - len(answer)
     need = length - hay_len + 16
@@ -137,26 +161,31 @@ def make_niah(tokenizer, stream: Sequence[int], length: int, depth: float, rng: 
 def niah_sweep(em: EvalModel, doc_ids: Sequence[Sequence[int]], lengths: Sequence[int],
                depths: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9), trials: int = 2, n_needles: int = 1,
                batch_size: int = 8, chunk: int = 1024, seed: int = 0,
-               on_chunk: Callable[[int], None] | None = None) -> dict:
+               on_chunk: Callable[[int], None] | None = None, haystack: str = "text",
+               value_kind: str = "number") -> dict:
     """Exact-match accuracy at each length (over ``depths x trials`` examples) and per depth.
+
+    ``haystack``: ``text`` (the documents) or ``repeat`` (:data:`REPEAT_FILLER`, RULER S1); ``value_kind``:
+    ``number`` or ``uuid`` (:data:`NIAH_VARIANTS` names the combinations).
 
     Returns ``{"options": {...}, "lengths": {str(L): {"accuracy", "examples", "by_depth": {str(d): acc}} or
     {"na": reason}}}``.
     """
-    opts = {"n_needles": n_needles, "depths": list(depths), "trials": trials}
+    opts = {"n_needles": n_needles, "depths": list(depths), "trials": trials, "haystack": haystack,
+            "value_kind": value_kind}
     out: dict = {"options": opts, "lengths": {}}
     if em.tokenizer is None:
         for L in lengths:
             out["lengths"][str(L)] = {"na": "the checkpoint has no text tokenizer (a synthetic-task model)"}
         return out
-    stream = haystack_stream(doc_ids)
+    stream = haystack_stream(doc_ids) if haystack == "text" else repeat_stream(em.tokenizer, max(lengths))
     for L in lengths:
         rng = random.Random(seed * 1_000_003 + L * 7 + n_needles)
         examples = []
         reason = None
         for d in depths:
             for _ in range(trials):
-                ex = make_niah(em.tokenizer, stream, L, d, rng, n_needles)
+                ex = make_niah(em.tokenizer, stream, L, d, rng, n_needles, value_kind)
                 if isinstance(ex, str):
                     reason = ex
                     break

@@ -8,7 +8,7 @@ are skipped and the report says so). The same tables are printed to the console 
      "documents": {"split", "count", "indices"},
      "models": {NAME: {path, layer_types, parameters, global_step, train_seq_len, tokenizer, ...}},
      "results": {"loss": {NAME: {block, max_len, windows, block_start: [...], loss: [...], mean_loss, ...}},
-                 "mqar" | "icr_basic" | "icr_positional" | "niah_single" | "niah_multikey":
+                 "mqar" | "icr_basic" | "icr_positional" | "niah_s1" | "niah_single" | "niah_s3" | "niah_multikey":
                      {NAME: {"options": {...}, "lengths": {"1024": {"accuracy": ...} | {"na": reason}}}},
                  "cost": {NAME: {"options": {...}, "lengths": {"1024": {prefill_tokens_per_s, ...}}}}}}
 """
@@ -25,7 +25,8 @@ from ..atomic import atomic_write
 __all__ = ["RECALL_TASKS", "build_tables", "write_json", "write_markdown", "write_figures", "print_tables"]
 
 RECALL_TASKS = {"mqar": "MQAR", "icr_basic": "basic ICR", "icr_positional": "positional ICR",
-                "niah_single": "NIAH single needle", "niah_multikey": "NIAH multi-key"}
+                "niah_s1": "NIAH S1 (repeated filler, number)", "niah_single": "NIAH single needle (S2: text, number)",
+                "niah_s3": "NIAH S3 (text, UUID)", "niah_multikey": "NIAH multi-key"}
 COST_METRICS = (("prefill_tokens_per_s", "prefill tokens/s", "{:,.0f}"),
                 ("decode_ms_per_token", "decode ms/token", "{:.2f}"),
                 ("decode_tokens_per_s", "decode tokens/s", "{:,.1f}"),

@@ -17,14 +17,17 @@ import torch
 from ..model.config import ConfigError
 from .documents import Tokenized, heldout_documents, read_documents
 from .models import EvalModel, model_device
-from .niah import niah_sweep
+from .niah import NIAH_VARIANTS, niah_sweep
 from .per_position import per_position_loss, select_windows
 from .recall import icr_options, icr_sweep, mqar_options, mqar_sweep
 
 __all__ = ["EvalSettings", "TASKS", "TASK_GROUPS", "parse_tasks", "run_evaluation"]
 
-TASKS = ("loss", "mqar", "icr_basic", "icr_positional", "niah_single", "niah_multikey", "cost")
+TASKS = ("loss", "mqar", "icr_basic", "icr_positional", "niah_s1", "niah_single", "niah_s3", "niah_multikey", "cost")
+NIAH_TASKS = ("niah_s1", "niah_single", "niah_s3", "niah_multikey")
+TEXT_TASKS = ("loss", "niah_single", "niah_s3", "niah_multikey")  # need --data documents (niah_s1's haystack is filler)
 TASK_GROUPS = {"icr": ("icr_basic", "icr_positional"), "niah": ("niah_single", "niah_multikey"),
+               "ruler": ("niah_s1", "niah_single", "niah_s3"),
                "recall": ("mqar", "icr_basic", "icr_positional"), "all": TASKS}
 
 
@@ -94,7 +97,7 @@ class EvalSettings:
             raise ConfigError(f"--niah_depths must lie in [0, 1], got {list(self.niah_depths)}")
         if self.niah_needles < 2 and "niah_multikey" in self.tasks:
             raise ConfigError("--niah_needles must be >= 2 for niah_multikey (one asked needle plus distractors)")
-        if ({"loss", "niah_single", "niah_multikey"} & set(self.tasks)) and not self.data:
+        if (set(TEXT_TASKS) & set(self.tasks)) and not self.data:
             raise ConfigError("--data is required for the tasks loss and niah (a folder or files of long "
                               "documents, e.g. --data ../shared/data/books); or drop them from --tasks")
 
@@ -138,7 +141,7 @@ def run_evaluation(models: Sequence[EvalModel], settings: EvalSettings, console=
             warn_if_beyond_context(trained, longest, f"the longest context evaluated for {em.name}")
 
     texts = None
-    if {"loss", "niah_single", "niah_multikey"} & set(tasks):
+    if set(TEXT_TASKS) & set(tasks):
         docs = read_documents(settings.data)
         splits = [(float(em.data_args.get("val_fraction", 0.1)), int(em.data_args.get("seed", 0)))
                   for em in models if em.trained_on("TextDataModule")]
@@ -185,19 +188,21 @@ def run_evaluation(models: Sequence[EvalModel], settings: EvalSettings, console=
                                              settings.chunk, settings.seed, opts, tick)
                 progress.update(bar, completed=progress.tasks[bar].total)
             done(task)
-        for task in ("niah_single", "niah_multikey"):
+        for task in NIAH_TASKS:
             if task not in tasks:
                 continue
             res = results["results"][task] = {}
-            n_needles = 1 if task == "niah_single" else settings.niah_needles
+            n_needles = settings.niah_needles if task == "niah_multikey" else 1
             n_ex = len(settings.niah_depths) * settings.niah_trials
             for em in models:
                 bar = progress.add_task(f"{task} {em.name}", total=n_ex * sum(lengths))
                 tick = _ticker(progress, bar, settings.batch_size, n_ex)
-                docs_ids = texts.ids(em.tokenizer) if _is_text(em) else []
+                docs_ids = texts.ids(em.tokenizer) if _is_text(em) and task in TEXT_TASKS else []
                 model = em if _is_text(em) else dataclasses.replace(em, tokenizer=None)
+                haystack, value_kind = NIAH_VARIANTS[task]
                 res[em.name] = niah_sweep(model, docs_ids, lengths, settings.niah_depths, settings.niah_trials,
-                                          n_needles, settings.batch_size, settings.chunk, settings.seed, tick)
+                                          n_needles, settings.batch_size, settings.chunk, settings.seed, tick,
+                                          haystack, value_kind)
                 progress.update(bar, completed=progress.tasks[bar].total)
             done(task)
         if "cost" in tasks:
