@@ -57,7 +57,7 @@ def test_layer_equals_whole_sequence_reference(name):
         y, state = m(x)
         q, k, v, _ = m.project(x, torch.arange(45))
         o, (dk, dv, counts) = ovq_attention_reference(q, k, v, m.chunk_len, m.schedule, m.new_centroids,
-                                                      m.centroid_lr, m.renormalize, m.seed)
+                                                      m.centroid_lr, m.renormalize, m.seed, m.layer_idx)
         y_ref = m.o_proj(o.transpose(1, 2).reshape(2, 45, -1))
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state.dk, dk, atol=1e-5, rtol=1e-5)
@@ -148,3 +148,32 @@ def test_registered_and_usable_in_an_lm():
 def test_bad_config_is_named(options, match):
     with pytest.raises(ValueError, match=match):
         OVQAttention(D_MODEL, **{"n_heads": 2, **options})
+
+
+def test_random_new_centroids_differ_by_row_and_layer():
+    """The random ablation draws independently per batch row and per layer (the same input in two rows, or in
+    two layers with the same seed, picks different keys), and reproducibly."""
+    from mixerzoo_ovq import OVQAttention
+
+    torch.manual_seed(0)
+    a = OVQAttention(D_MODEL, n_heads=2, chunk_len=8, max_size=64, new_centroids="random", layer_idx=0)
+    b = OVQAttention(D_MODEL, n_heads=2, chunk_len=8, max_size=64, new_centroids="random", layer_idx=1)
+    b.load_state_dict(a.state_dict())
+    row = torch.randn(1, 32, D_MODEL, generator=torch.Generator().manual_seed(1))
+    x = row.expand(2, -1, -1)
+    with torch.no_grad():
+        sa, sb = a(x)[1], b(x)[1]
+        assert not torch.equal(sa.dk[0], sa.dk[1]), "rows draw independently"
+        assert not torch.equal(sa.dk, sb.dk), "layers draw independently"
+        torch.testing.assert_close(a(x)[1].dk, sa.dk)  # reproducible
+
+
+def test_dictionary_stays_float32_under_bf16_autocast():
+    from mixerzoo_ovq import OVQAttention
+
+    m = OVQAttention(D_MODEL, n_heads=2, chunk_len=8, max_size=16)
+    x = torch.randn(2, 40, D_MODEL)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y, state = m(x)
+        y2, state = m(x[:, :9], state)
+    assert y.dtype == torch.bfloat16 and state.dk.dtype == state.dv.dtype == state.counts.dtype == torch.float32

@@ -77,12 +77,14 @@ def test_first_chunk_with_empty_dictionary(fn):
     torch.testing.assert_close(new_c[0, 0], t([2, 2]))
 
 
-def test_renormalize_keeps_key_centroids_unit_norm():
+def test_renormalize_keeps_key_and_value_centroids_unit_norm():
+    """The paper's optional step (appendix 8.3 update_dict, lines 22-23) normalises both dictionaries."""
     dk, dv, counts, kc, vc = tiny_chunk()
     for fn in BOTH:
         new_k, new_v, _ = fn(dk, dv, counts, kc, vc, n_new=1, renormalize=True)
         torch.testing.assert_close(new_k.norm(dim=-1), torch.ones(1, 1, 3))
-        torch.testing.assert_close(new_v[0, 0, 1], t([1.25, 9]))    # values are not renormalised
+        torch.testing.assert_close(new_v.norm(dim=-1), torch.ones(1, 1, 3))
+        torch.testing.assert_close(new_v[0, 0, 1], t([1.25, 9]) / t([1.25, 9]).norm())  # same direction
 
 
 def test_bad_new_centroid_count_is_refused():

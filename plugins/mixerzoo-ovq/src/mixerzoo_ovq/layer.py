@@ -71,7 +71,8 @@ class OVQAttention(Mixer):
             eq. 17: ``N_t = floor(N t / (N + t))``) or the ablation ``{name: linear, rate: r}`` (``N_t =
             min(floor(r t), N)``; the paper spreads N evenly over the training length, ``r = N / seq_len``).
         new_centroids: ``spread`` (default: the keys least similar to their nearest centroid) or ``random``
-            (ablation: random keys of the chunk, a pure function of ``seed`` and the chunk index).
+            (ablation: random keys of the chunk, drawn independently for every batch row, head and layer from
+            ``seed``, ``layer_idx`` and the chunk index).
         centroid_lr: ``None`` (default): centroids move with rate ``1 / count``, the exact running mean (eq. 19);
             a float (ablation, paper 0.25): constant rate, ``mu += lr * sum(x - mu)``.
         renormalize: put key centroids back on the unit sphere after each update (the paper's optional step,
@@ -192,21 +193,24 @@ class OVQAttention(Mixer):
         q, k = self.normalize_qk(q, k)
         attend = reference.chunk_attention_reference if self.use_reference else ops.chunk_attention
         update = reference.update_dictionary_reference if self.use_reference else ops.update_dictionary
-        dk, dv, counts = st.dk.to(k.dtype), st.dv.to(v.dtype), st.counts
+        # the dictionary and its counts stay float32 under autocast (bf16 running means drift ~1.5% after 8k
+        # merges); attention reads them in the compute dtype
+        dk, dv, counts = st.dk.float(), st.dv.float(), st.counts
         buf_k, buf_v = st.buf_k.to(k.dtype), st.buf_v.to(v.dtype)
         outs, t = [], 0
         while t < T:                                      # one step per chunk (or piece of one)
             take = min(L - buf_k.shape[2], T - t)
             kc = torch.cat([buf_k, k[:, :, t:t + take]], dim=2)
             vc = torch.cat([buf_v, v[:, :, t:t + take]], dim=2)
-            outs.append(attend(q[:, :, t:t + take], dk, dv, counts.log(), kc, vc))
+            outs.append(attend(q[:, :, t:t + take], dk.to(q.dtype), dv.to(q.dtype), counts.log(), kc, vc))
             t += take
             if kc.shape[2] == L:                          # the chunk is complete: merge it (eq. 17-19)
                 c = (p0 + t) // L - 1
                 n_new = ops.new_centroid_count(self.schedule, c, L, dk.shape[2])
-                scores = (ops.random_scores(c, kc.shape[1], L, self.seed, kc.device)
+                scores = (ops.random_scores(c, B, kc.shape[1], L, self.seed, self.layer_idx, kc.device)
                           if self.new_centroids == "random" else None)
-                dk, dv, counts = update(dk, dv, counts, kc, vc, n_new, scores, self.centroid_lr, self.renormalize)
+                dk, dv, counts = update(dk, dv, counts, kc.float(), vc.float(), n_new, scores, self.centroid_lr,
+                                        self.renormalize)
                 buf_k, buf_v = kc[:, :, :0], vc[:, :, :0]
             else:
                 buf_k, buf_v = kc, vc

@@ -35,14 +35,16 @@ def new_centroid_count(schedule, chunk_idx: int, chunk_len: int, size: int) -> i
     return max(n_new, 1) if size == 0 else n_new
 
 
-def random_scores(chunk_idx: int, n_kv_heads: int, chunk_len: int, seed: int, device=None) -> torch.Tensor:
-    """Selection scores for the random-new-centroid ablation, ``(H_kv, L)`` uniform in [0, 1).
+def random_scores(chunk_idx: int, batch: int, n_kv_heads: int, chunk_len: int, seed: int, layer_idx: int = 0,
+                  device=None) -> torch.Tensor:
+    """Selection scores for the random-new-centroid ablation, ``(B, H_kv, L)`` uniform in [0, 1).
 
-    A pure function of ``(seed, chunk_idx)``, so one pass, continuation and decode pick the same keys, and a
-    sequence's choice does not depend on its batch slot.
+    Independent draws for every batch row, head and layer (each row picks its own random keys), and a pure
+    function of ``(seed, layer_idx, chunk_idx)`` and the row's batch slot, so one pass, continuation and decode
+    pick the same keys.
     """
-    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(chunk_idx))
-    return torch.rand(n_kv_heads, chunk_len, generator=g).to(device)
+    g = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(layer_idx)) * 1_000_003 + int(chunk_idx))
+    return torch.rand(batch, n_kv_heads, chunk_len, generator=g).to(device)
 
 
 def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_counts: torch.Tensor,
@@ -97,9 +99,10 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
         dk, dv: ``(B, H_kv, n, D)``; counts: ``(B, H_kv, n)`` float.
         kc, vc: ``(B, H_kv, L, D)`` the full chunk's keys (unit norm) and values.
         n_new: centroids to add, ``0 <= n_new <= L`` (``>= 1`` when ``n == 0``).
-        scores: optional ``(H_kv, L)`` or ``(B, H_kv, L)`` selection scores replacing the similarity.
+        scores: optional ``(B, H_kv, L)`` selection scores replacing the similarity.
         centroid_lr: ``None`` for ``1/count``; a float for the constant-rate ablation.
-        renormalize: project the key centroids back to unit norm afterwards (the paper's optional step).
+        renormalize: project the key and the value centroids back to unit norm afterwards (the paper's optional
+            step, appendix 8.3 ``update_dict`` lines 22-23).
 
     Returns:
         ``dk, dv`` of shape ``(B, H_kv, n + n_new, D)`` and ``counts`` ``(B, H_kv, n + n_new)``.
@@ -140,6 +143,6 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
     idx = assign[..., None].expand(B, Hkv, L, D)
     dk_new = dk_ext * keep + torch.zeros_like(dk_ext).scatter_add(2, idx, eta * kc)
     dv_new = dv_ext * keep + torch.zeros_like(dv_ext).scatter_add(2, idx, eta * vc)
-    if renormalize:
-        dk_new = F.normalize(dk_new, dim=-1)
+    if renormalize:  # both dictionaries, as the pseudocode's lines 22-23
+        dk_new, dv_new = F.normalize(dk_new, dim=-1), F.normalize(dv_new, dim=-1)
     return dk_new, dv_new, counts_new

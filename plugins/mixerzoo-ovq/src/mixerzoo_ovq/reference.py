@@ -85,8 +85,9 @@ def update_dictionary_reference(dk: torch.Tensor, dv: torch.Tensor, counts: torc
                     mu_k[a] = mu_k[a] + eta * sum_k[a]
                     mu_v[a] = mu_v[a] + eta * sum_v[a]
             stack_k = torch.stack(mu_k)
+            stack_v = torch.stack(mu_v)
             row_k.append(F.normalize(stack_k, dim=-1) if renormalize else stack_k)
-            row_v.append(torch.stack(mu_v))
+            row_v.append(F.normalize(stack_v, dim=-1) if renormalize else stack_v)
             row_c.append(torch.tensor(count, dtype=counts.dtype))
         out_k.append(torch.stack(row_k))
         out_v.append(torch.stack(row_v))
@@ -96,7 +97,7 @@ def update_dictionary_reference(dk: torch.Tensor, dv: torch.Tensor, counts: torc
 
 def ovq_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_len: int, schedule,
                             new_centroids: str = "spread", centroid_lr: float | None = None,
-                            renormalize: bool = False, seed: int = 0
+                            renormalize: bool = False, seed: int = 0, layer_idx: int = 0
                             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """A whole sequence of OVQ-attention from an empty dictionary (appendix 8.3, ``ovq_attention``).
 
@@ -104,7 +105,7 @@ def ovq_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         q: ``(B, H, T, D)`` unit-norm queries times the precision; k: ``(B, H_kv, T, D)`` unit-norm keys;
             v: ``(B, H_kv, T, D)`` values.
         chunk_len: ``L``. schedule: dictionary size after ``t`` tokens (eq. 17).
-        new_centroids, centroid_lr, renormalize, seed: as :class:`mixerzoo_ovq.OVQAttention`.
+        new_centroids, centroid_lr, renormalize, seed, layer_idx: as :class:`mixerzoo_ovq.OVQAttention`.
 
     Returns:
         ``o (B, H, T, D)`` and the final ``(D_k, D_v, counts)``; a trailing partial chunk is attended but
@@ -119,7 +120,7 @@ def ovq_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         outs.append(chunk_attention_reference(q[:, :, sl], dk, dv, counts.log(), k[:, :, sl], v[:, :, sl]))
         if sl.stop - sl.start == chunk_len:
             n_new = new_centroid_count(schedule, c, chunk_len, dk.shape[2])
-            scores = random_scores(c, Hkv, chunk_len, seed) if new_centroids == "random" else None
+            scores = random_scores(c, B, Hkv, chunk_len, seed, layer_idx) if new_centroids == "random" else None
             dk, dv, counts = update_dictionary_reference(dk, dv, counts, k[:, :, sl], v[:, :, sl], n_new,
                                                          scores, centroid_lr, renormalize)
     return torch.cat(outs, dim=2), (dk, dv, counts)
