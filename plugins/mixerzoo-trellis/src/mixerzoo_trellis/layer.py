@@ -96,8 +96,10 @@ class Trellis(Mixer):
             ``u`` and ``w``); default False (differentiate through it).
         short_conv, conv_size: causal depthwise convolution on q and k (default on, width 4).
         qk_norm: per-head ``rms``/``layernorm`` on q and k before the convolution (default none).
-        write_norm: ``"l2"`` divides the written vectors ``k`` and ``v`` by their L2 norm (after the
-            convolution), as DeltaNet/GDN do for keys; default None (the spec has no such normalisation). The
+        write_norm: ``"l2"`` (default since session 4) divides the written vectors ``k`` and ``v`` by their L2
+            norm (after the convolution), as DeltaNet/GDN do for keys; ``none`` is the paper-literal form (the
+            spec has no such normalisation), which overflows when a trained model reads past its training length
+            (docs/mechanisms/trellis.md, "Stability of the inner step"). The
             chunked inner step is stable while ``gamma * lambda_max(sum_{s in chunk} w_s w_s^T) < 2`` (roughly
             ``gamma * C * |w|^2`` for aligned writes); unit-norm writes keep that bound independent of the scale
             the projections learn.
@@ -117,7 +119,7 @@ class Trellis(Mixer):
                  chunk_len: int = 16, phi: str = "silu", f: str = "layernorm_silu", forget_gate: bool = True,
                  forget_init: float = 0.99, gamma_init: float = 1e-2, detach_inner_grad: bool = False,
                  short_conv: bool = True, conv_size: int = 4, qk_norm: str | None = None,
-                 write_norm: str | None = None, norm_eps: float = 1e-5, bias: bool = False,
+                 write_norm: str | None = "l2", norm_eps: float = 1e-5, bias: bool = False,
                  use_reference: bool = False, layer_idx: int = 0) -> None:
         super().__init__()
         check_choice("phi", phi, PHIS)
