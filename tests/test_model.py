@@ -138,3 +138,41 @@ def test_sampling_filters():
     assert picks <= {2, 3}
     picks = {int(sample_next(logits, 1.0, top_p=0.5, generator=g)) for _ in range(50)}
     assert picks == {3}  # softmax mass of token 3 alone is 0.64 >= 0.5
+
+
+def test_token_shift_first_token_shifts_with_itself():
+    """KVM appendix B eq. 9: a_{-1} = a_0, so the first token is unchanged by the shift (not scaled by 1 - mu),
+    and a carried previous token is used when continuing."""
+    from mixerzoo.mixers.qkv import token_shift
+
+    a = torch.tensor([[[2.0, 4.0], [6.0, 8.0]]])
+    mu = torch.tensor([0.5, 0.25])
+    out, carry = token_shift(a, mu, None)
+    torch.testing.assert_close(out, torch.tensor([[[2.0, 4.0], [4.0, 7.0]]]))  # 6 + .5(2 - 6), 8 + .25(4 - 8)
+    torch.testing.assert_close(carry, a[:, -1])
+    out2, _ = token_shift(a, mu, torch.tensor([[0.0, 0.0]]))
+    torch.testing.assert_close(out2[:, 0], torch.tensor([[1.0, 3.0]]))
+
+
+def test_value_residual_mixes_plain_first_layer_values_before_the_shift():
+    """KVM eq. 8 before eq. 9: the second layer's values are lerp(v, v_first_plain, sigmoid(lambda)), then token
+    shifted; v_first is the first layer's value projection without its shift."""
+    from mixerzoo.mixers import QKVProjection
+    from mixerzoo.mixers.qkv import token_shift
+
+    torch.manual_seed(0)
+    first = QKVProjection(8, 2, positional="nope", token_shift=True, value_residual=True)
+    second = QKVProjection(8, 2, positional="nope", token_shift=True, value_residual=True)
+    with torch.no_grad():
+        second.v_lambda.fill_(0.3)
+        for mu in (*first.shift_mu, *second.shift_mu):
+            mu.uniform_(0.1, 0.9)
+    x1, x2 = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    shared: dict = {}
+    pos = torch.arange(5)
+    first(x1, pos, None, shared)
+    _, _, v, _ = second(x2, pos, None, shared)
+    lam = torch.sigmoid(torch.tensor(0.3))
+    v_mixed = second.v_proj(x2) + (first.v_proj(x1) - second.v_proj(x2)) * lam
+    want, _ = token_shift(v_mixed, second.shift_mu[2], None)
+    torch.testing.assert_close(v, want.view(1, 5, 2, 4).transpose(1, 2))

@@ -15,7 +15,7 @@ from torch import nn
 from ..positional import build_positional
 from ..protocol import MixerState
 
-__all__ = ["QKVProjection", "StreamState", "head_norm"]
+__all__ = ["QKVProjection", "StreamState", "head_norm", "token_shift"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -45,6 +45,22 @@ def head_norm(kind: str | None, head_dim: int, eps: float | None = None) -> nn.M
     if kind == "layernorm":
         return nn.LayerNorm(head_dim, eps=1e-5 if eps is None else eps)
     raise ValueError(f"qk_norm must be one of none, rms, layernorm; got {kind!r}")
+
+
+def token_shift(a: torch.Tensor, mu: torch.Tensor, prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token shift ``a'_t = a_t + mu (a_{t-1} - a_t)`` along time (KVM paper, appendix B eq. 9; RWKV's lerp).
+
+    Args:
+        a: ``(B, T, C)``. mu: ``(C,)`` learned mix. prev: ``(B, C)``, the token before ``a[:, 0]`` carried from
+            the state, or None at sequence start, where the first token shifts with itself (``a_{-1} = a_0``, the
+            paper's convention, so the first token is not scaled by ``1 - mu``).
+
+    Returns:
+        the shifted ``(B, T, C)`` and the carry for the next call, ``a[:, -1]`` ``(B, C)``.
+    """
+    first = a[:, :1] if prev is None else prev[:, None].to(a.dtype)
+    shifted = torch.cat([first, a[:, :-1]], dim=1)
+    return a + mu * (shifted - a), a[:, -1]
 
 
 class QKVProjection(nn.Module):
@@ -94,11 +110,6 @@ class QKVProjection(nn.Module):
         if value_residual:
             self.v_lambda = nn.Parameter(torch.zeros(n_kv_heads * head_dim))
 
-    def _shift(self, a: torch.Tensor, mu: torch.Tensor, prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token shift along time of ``a (B, T, C)``; ``prev (B, C)`` is the token before ``a[:, 0]`` (zeros at start)."""
-        first = torch.zeros_like(a[:, :1]) if prev is None else prev[:, None].to(a.dtype)
-        shifted = torch.cat([first, a[:, :-1]], dim=1)
-        return a + mu * (shifted - a), a[:, -1]
 
     def stream(self, x: torch.Tensor, state: StreamState | None, shared: dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
@@ -131,11 +142,8 @@ class QKVProjection(nn.Module):
         """
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        new_shift = None
-        if self.token_shift:
-            prev = shift_state if shift_state is not None else (None, None, None)
-            (q, pq), (k, pk), (v, pv) = (self._shift(a, mu, p) for a, mu, p in zip((q, k, v), self.shift_mu, prev))
-            new_shift = (pq, pk, pv)
+        # KVM appendix B: the value residual (eq. 8) mixes in the first layer's plain value projection, then the
+        # token shift (eq. 9) acts on the result
         if self.value_residual and shared is not None:
             if "v_first" not in shared:
                 shared["v_first"] = v
@@ -145,6 +153,11 @@ class QKVProjection(nn.Module):
                     raise ValueError(f"value_residual: first layer's values {tuple(v_first.shape)} do not match "
                                      f"this layer's {tuple(v.shape)}; use the same n_kv_heads*head_dim in all layers")
                 v = v + (v_first - v) * torch.sigmoid(self.v_lambda)
+        new_shift = None
+        if self.token_shift:
+            prev = shift_state if shift_state is not None else (None, None, None)
+            (q, pq), (k, pk), (v, pv) = (token_shift(a, mu, p) for a, mu, p in zip((q, k, v), self.shift_mu, prev))
+            new_shift = (pq, pk, pv)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..mixers.qkv import token_shift
+
 __all__ = ["SwiGLU", "ReLUSquared", "CHANNEL_MIXERS", "build_channel_mixer", "default_d_ff"]
 
 
@@ -50,10 +52,7 @@ class ReLUSquared(nn.Module):
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None):
         new_state = None
         if self.token_shift:
-            prev = torch.zeros_like(x[:, :1]) if state is None else state[:, None].to(x.dtype)
-            shifted = torch.cat([prev, x[:, :-1]], dim=1)
-            new_state = x[:, -1]
-            x = x + self.shift_mu * (shifted - x)
+            x, new_state = token_shift(x, self.shift_mu, state)
         return self.down_proj(F.relu(self.up_proj(x)).square()), new_state
 
 
