@@ -175,3 +175,19 @@ def test_a_mixer_that_cannot_take_the_teacher_layout_is_one_line_with_the_fix(ti
         converted(tiny_llama, {"attention": {"mixer": "gdn"}})
     m = converted(tiny_llama, {"attention": {"mixer": "gdn", "n_kv_heads": None, "positional": None}})
     assert m.hparams.mixers["attention"] == {"mixer": "gdn", "n_heads": 4, "head_dim": 16}
+
+
+def test_the_source_is_opened_once_for_weights_freeze_and_teacher(tiny_llama, monkeypatch):
+    """init_from and distill_from naming the same source: one read of its weights serves the student's init, the
+    freeze and the teacher (a GGUF is dequantised once), and the teacher still equals the source."""
+    import mixerzoo.hub.source as source_module
+
+    calls = []
+    real = source_module.open_source
+    monkeypatch.setattr(source_module, "open_source", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    m = converted(tiny_llama, {"attention": KVM_PRE_ROPE}, freeze="unconverted", distill_from=str(tiny_llama))
+    assert len(calls) == 1
+    x = ids(20)
+    with torch.no_grad():
+        torch.testing.assert_close(m._teacher[0](x)[0], load_model(tiny_llama).model(x)[0])
+    assert not any(p.requires_grad for p in m._teacher[0].parameters())

@@ -166,10 +166,21 @@ def load_model(source: str | os.PathLike, *, tokenizer: str | None = None, mixer
         FileNotFoundError, ConfigError, MissingPluginError, HubDownloadError: see :func:`open_source`;
         ConfigError also when the overridden layers' parameters do not fit the weights (names them).
     """
-    from .load import _dtype
-
     trained, kind = open_source(source, tokenizer=tokenizer, quiet=quiet)
     trained.config = with_mixers(trained.config, mixers)
+    return build_loaded(trained, kind, device=device, dtype=dtype)
+
+
+def build_loaded(trained: TrainedModel, kind: str, *, device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """The model of an already opened source (:func:`open_source`), as :func:`load_model` returns it: every weight
+    loaded exactly, eval mode, on ``device`` in ``dtype`` (default: CPU; the dtype of the weights).
+
+    Raises:
+        ConfigError: the weights do not fit ``trained.config``.
+    """
+    from .load import _dtype
+
     model = trained.build_model()
     want = _dtype(dtype) if dtype not in (None, "auto") else next(
         (t.dtype for t in trained.state_dict.values() if t.is_floating_point()), None)

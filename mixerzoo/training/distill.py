@@ -47,17 +47,18 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     return kl * temperature ** 2
 
 
-def load_teacher(source: str, vocab_size: int) -> LanguageModel:
+def load_teacher(source: str, vocab_size: int, opened=None) -> LanguageModel:
     """The frozen teacher for ``model.distill_from``: any source :func:`mixerzoo.hub.load_model` opens, in eval
-    mode, every parameter with ``requires_grad=False``.
+    mode, every parameter with ``requires_grad=False``. ``opened``: the ``(TrainedModel, kind)`` of ``source``
+    when it is already open (``init_from`` is usually the same source), so it is not read twice.
 
     Raises:
         ConfigError: the teacher's vocabulary differs from the student's (``vocab_size``); the message names
             ``model.distill_from``. FileNotFoundError / ConfigError from :func:`~mixerzoo.hub.load_model`.
     """
-    from ..hub.source import load_model
+    from ..hub.source import build_loaded, load_model
 
-    teacher = load_model(source).model.eval()
+    teacher = (build_loaded(*opened) if opened is not None else load_model(source)).model.eval()
     if teacher.config.vocab_size != vocab_size:
         raise ConfigError(f"model.distill_from {source}: the teacher has {teacher.config.vocab_size} tokens but the "
                           f"student {vocab_size}; distillation compares their distributions token by token, so "

@@ -52,14 +52,16 @@ def _fields_from(source: str, given: dict[str, Any]) -> dict[str, Any]:
     return {k: fields[k] for k in LMConfig.__dataclass_fields__}
 
 
-def _load_init_weights(model: LanguageModel, source: str) -> dict:
-    """Load ``source``'s weights into ``model`` where they fit and print what was loaded, new and unused."""
+def _load_init_weights(model: LanguageModel, source: str) -> tuple[dict, tuple]:
+    """Load ``source``'s weights into ``model`` where they fit and print what was loaded, new and unused. Returns
+    the report and the opened source ``(TrainedModel, kind)`` (for a teacher or a freeze that reuse it)."""
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
     from ..hub.checkpoint import load_matching_weights
     from ..hub.source import open_source
 
-    trained, _ = open_source(source)
+    opened = open_source(source)
+    trained = opened[0]
     report = load_matching_weights(model, trained.state_dict)
     n_new = sum(dict(model.named_parameters()).get(k, torch.empty(0)).numel() for k in report["new"])
     rank_zero_info(f"model.init_from {source}: loaded {len(report['loaded'])} tensors; {len(report['new'])} new "
@@ -69,7 +71,7 @@ def _load_init_weights(model: LanguageModel, source: str) -> dict:
         rank_zero_warn(f"model.init_from {source}: {len(report['unused'])} weights of the source have no place in this "
                        f"model and were not loaded: {', '.join(report['unused'][:8])}"
                        f"{' ...' if len(report['unused']) > 8 else ''}")
-    return report
+    return report, opened
 
 
 class NonFiniteLossError(RuntimeError):
@@ -186,12 +188,14 @@ class LMModule(L.LightningModule):
         self.model = LanguageModel(self.lm_config(vocab))
         self.init_report = None
         resuming = self._trainer is not None and getattr(self._trainer, "ckpt_path", None)
+        opened = None  # the init_from source, opened once for the weights, the freeze and a same-source teacher
         if self.hparams.get("init_from") and not resuming:
-            self.init_report = _load_init_weights(self.model, self.hparams.init_from)
+            self.init_report, opened = _load_init_weights(self.model, self.hparams.init_from)
         if self.hparams.get("freeze", "none") == "unconverted":
-            self._freeze_unconverted()
+            self._freeze_unconverted(None if opened is None else opened[0].config)
         if self._distill_weight > 0 and not self._teacher:
-            self._teacher.append(load_teacher(self.hparams.distill_from, self.model.config.vocab_size))
+            same = opened if self.hparams.distill_from == self.hparams.get("init_from") else None
+            self._teacher.append(load_teacher(self.hparams.distill_from, self.model.config.vocab_size, same))
         seq_len = getattr(dm, "seq_len", None)
         if seq_len is not None:
             self.model.check_seq_len(seq_len)
@@ -204,13 +208,14 @@ class LMModule(L.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes=self.model.config.padded_vocab_size, average="micro",
                                             ignore_index=IGNORE_INDEX, dist_sync_on_step=True).to(self.device)
 
-    def _freeze_unconverted(self) -> None:
-        """``freeze: unconverted``: only the mixers of layers that differ from the init_from source train."""
+    def _freeze_unconverted(self, source_config: LMConfig | None) -> None:
+        """``freeze: unconverted``: only the mixers of layers that differ from the init_from source train
+        (``source_config``: its config when already open, else it is read)."""
         from lightning.pytorch.utilities import rank_zero_info
 
         from ..hub.source import read_lm_config
 
-        converted = converted_layers(self.model.config, read_lm_config(self.hparams.init_from))
+        converted = converted_layers(self.model.config, source_config or read_lm_config(self.hparams.init_from))
         counts = freeze_unconverted(self.model, converted)
         rank_zero_info(f"model.freeze=unconverted: training the mixers of layers {converted} "
                        f"({counts['trainable']:,} parameters); {counts['frozen']:,} frozen")
