@@ -95,11 +95,7 @@ def freeze_unconverted(model: LanguageModel, converted: list[int]) -> dict[str, 
                           "with model.mixers (e.g. {attention: {mixer: kvm, ...}}) or set model.freeze none")
     train = {id(p) for i in converted for p in model.blocks[i].mixer.parameters()}
     counts = {"trainable": 0, "frozen": 0}
-    seen: set[int] = set()
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
+    for p in model.parameters():  # each shared (tied) parameter once
         keep = id(p) in train
         p.requires_grad_(keep)
         counts["trainable" if keep else "frozen"] += p.numel()
