@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["KVMSpec", "KVMParams", "memory_keys", "memory_queries", "merge_gate", "read_values", "state_budget", "Routing",
+__all__ = ["KVMSpec", "KVMParams", "memory_keys", "memory_queries", "joint_queries", "joint_keys", "merge_gate", "read_values", "state_budget", "Routing",
            "route_overflow", "fold", "keep_from"]
 
 
@@ -95,6 +95,22 @@ def memory_queries(q: torch.Tensor, positions: torch.Tensor, unrotate) -> torch.
     constant, so RoPE on q needs no undoing), or ``R(-p) q`` (before RoPE) for ``memory_keys: pre_rope``.
     ``q (..., T, D)``, ``positions (T,)``."""
     return q if unrotate is None else unrotate(q, positions)
+
+
+def joint_queries(q: torch.Tensor, positions: torch.Tensor, unrotate) -> torch.Tensor:
+    """The queries of the fast paths' single SDPA call: ``q (..., T, D)`` for the paper's form, else
+    ``[R(-p) q | q]`` ``(..., T, 2D)``, which against :func:`joint_keys` scores the memory with the query before
+    RoPE and the window with ``q`` (the reference's ``two_query_attention``, in one call; scale ``1/sqrt(D)``)."""
+    return q if unrotate is None else torch.cat([memory_queries(q, positions, unrotate), q], dim=-1)
+
+
+def joint_keys(memory: torch.Tensor, windows: list[torch.Tensor], pre_rope: bool, dim: int) -> torch.Tensor:
+    """Memory rows and window keys concatenated along ``dim`` for :func:`joint_queries`: as they are for the
+    paper's form, else ``[memory | 0]`` and ``[0 | window]`` (``2D`` channels)."""
+    if not pre_rope:
+        return torch.cat([memory, *windows], dim=dim)
+    D = memory.shape[-1]
+    return torch.cat([F.pad(memory, (0, D))] + [F.pad(w, (D, 0)) for w in windows], dim=dim)
 
 
 def merge_gate(x: torch.Tensor, gate_proj: nn.Module | None) -> torch.Tensor | None:

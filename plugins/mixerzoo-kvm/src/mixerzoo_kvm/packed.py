@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .ops import (KVMParams, KVMSpec, Routing, fold, keep_from, memory_keys, memory_queries, read_values, route_overflow,
-                  state_budget)
+from .ops import (KVMParams, KVMSpec, Routing, fold, joint_keys, joint_queries, keep_from, memory_keys, read_values,
+                  route_overflow, state_budget)
 from .state import KVMState
 
 __all__ = ["kvm_packed", "kvm_step"]
@@ -236,11 +236,8 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     entry = [0] * (n_q - n_folds) + list(range(1, n_folds + 1))
     rows = [sizes[e] for e in entry]
     Kw = K * params.tau_bswa[None, :, None, None]
-    # pre_rope memory: queries [R(-p) q | q] against keys [memory | 0] and [0 | window], so one SDPA call
-    # computes q_pre . memory + q . window (two_query_attention of the reference)
-    two = spec.unrotate is not None
-    if two:
-        q = torch.cat([memory_queries(q, torch.arange(p0, p1, device=dev), spec.unrotate), q], dim=-1)
+    two = spec.unrotate is not None  # pre_rope memory: 2D-channel queries and keys (ops.joint_queries)
+    q = joint_queries(q, torch.arange(p0, p1, device=dev), spec.unrotate)
     E = q.shape[-1]
     if n_q == 1:  # one (partial) chunk, e.g. a short continuation: no padding of queries or window
         qb = q[:, :, None]
@@ -274,9 +271,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             wk, wv = win_k, win_v
         else:  # window j of chunk c is grid chunk c + j
             wk, wv = ([torch.stack(chunks[a + j:b + j], dim=2) for j in range(nb)] for chunks in win_chunks)
-        mem = params.ln_s(sk[:, :, :, :R]) * tau_s
-        keys = torch.cat([F.pad(mem, (0, D))] + [F.pad(w, (D, 0)) for w in wk], dim=3) if two else \
-            torch.cat([mem] + wk, dim=3)
+        keys = joint_keys(params.ln_s(sk[:, :, :, :R]) * tau_s, wk, two, dim=3)
         vals = read_values(sv[:, :, :, :R], rho[:, :, None, :R], None if cnt is None else cnt[..., :R],
                            spec.value_norm, spec.eps)
         values = torch.cat([vals] + wv, dim=3)
@@ -323,13 +318,9 @@ def kvm_step(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor,
         s_k, s_v, rho, count = fold(spec, params, s_k, s_v, rho, count, K[:, :, lo:lo + C], V[:, :, lo:lo + C],
                                               None if Gt is None else Gt[:, :, lo:lo + C], p0)
     w0 = max((c - nb + 1) * C, 0) - kpos0
-    mem = params.ln_s(s_k) * params.tau_state[None, :, None, None]
-    win = K[:, :, w0:] * params.tau_bswa[None, :, None, None]
-    if spec.unrotate is None:
-        keys = torch.cat([mem, win], dim=2)
-    else:  # pre_rope memory, as in kvm_packed: [R(-p) q | q] . ([memory | 0] ; [0 | window])
-        q = torch.cat([memory_queries(q, torch.tensor([p0], device=q.device), spec.unrotate), q], dim=-1)
-        keys = torch.cat([F.pad(mem, (0, D)), F.pad(win, (D, 0))], dim=2)
+    q = joint_queries(q, torch.tensor([p0], device=q.device), spec.unrotate)
+    keys = joint_keys(params.ln_s(s_k) * params.tau_state[None, :, None, None],
+                      [K[:, :, w0:] * params.tau_bswa[None, :, None, None]], spec.unrotate is not None, dim=2)
     values = torch.cat([read_values(s_v, rho, count, spec.value_norm, spec.eps), V[:, :, w0:]], dim=2)
     o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, q.shape[-1]), keys, values,  # G query heads as G queries
                                        scale=D ** -0.5)
