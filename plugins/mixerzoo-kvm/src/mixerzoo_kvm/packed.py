@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .lean_attention import additive_mask, memory_window_attention
 from .ops import (KVMParams, KVMSpec, Routing, fold, joint_keys, joint_queries, keep_from, memory_keys, read_values,
                   route_overflow, state_budget)
 from .state import KVMState
@@ -142,12 +143,13 @@ def _snapshots(spec: KVMSpec, params: KVMParams, state: KVMState, kbar: torch.Te
     return s_k, s_v, rho, count
 
 
-def _group_chunks(rows: list[int], growth: float = 1.25) -> list[tuple[int, int]]:
+def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) -> list[tuple[int, int]]:
     """Split consecutive query chunks into groups whose state sizes stay within ``growth`` x the group's first
-    (a state only grows), so padding every snapshot of a group to its largest wastes little."""
+    (a state only grows), so padding every snapshot of a group to its largest wastes little, and of at most
+    ``max_chunks`` chunks, so one group's transient key/value lists stay small at any length."""
     groups, start = [], 0
     for i in range(1, len(rows)):
-        if rows[i] > growth * rows[start]:
+        if rows[i] > growth * rows[start] or i - start >= max_chunks:
             groups.append((start, i))
             start = i
     groups.append((start, len(rows)))
@@ -223,11 +225,14 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     v_o = V[:, :, lo:lo + n_folds * C].reshape(B, H, n_folds, C, D)
     g_o = None if Gt is None else Gt[:, :, lo:lo + n_folds * C].reshape(B, H, n_folds, C)
     block0 = (cf0 - nb) * C  # absolute position of the first overflow token
-    kbar = memory_keys(k_o.reshape(B, H, n_folds * C, D), spec.rotary_dim, params.ln_s,
-                       torch.arange(block0, block0 + n_folds * C, device=dev), spec.unrotate).view(B, H, n_folds, C, D)
-    routes = _route_all(spec, params, state.s_k, kbar.detach(), None if g_o is None else g_o.detach(), sizes) \
-        if n_folds else []
-    s_k, s_v, rho, count = _snapshots(spec, params, state, kbar, v_o, g_o, routes, sizes)
+    o_pos = torch.arange(block0, block0 + n_folds * C, device=dev)
+
+    def kbar_of(k_o: torch.Tensor) -> torch.Tensor:
+        return memory_keys(k_o.reshape(B, H, n_folds * C, D), spec.rotary_dim, params.ln_s, o_pos,
+                           spec.unrotate).view(B, H, n_folds, C, D)
+
+    with torch.no_grad():
+        routes = _route_all(spec, params, state.s_k, kbar_of(k_o), g_o, sizes) if n_folds else []
 
     # -- 3: query chunks, each with its state snapshot and its window ------------------------------------
     cq0, cq1 = p0 // C, (p1 - 1) // C
@@ -235,7 +240,6 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     # snapshot of every query chunk: the incoming state until the first fold here, then one fold per chunk
     entry = [0] * (n_q - n_folds) + list(range(1, n_folds + 1))
     rows = [sizes[e] for e in entry]
-    Kw = K * params.tau_bswa[None, :, None, None]
     two = spec.unrotate is not None  # pre_rope memory: 2D-channel queries and keys (ops.joint_queries)
     q = joint_queries(q, torch.arange(p0, p1, device=dev), spec.unrotate)
     E = q.shape[-1]
@@ -243,53 +247,62 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         qb = q[:, :, None]
         q_pos = torch.arange(p0, p1, device=dev)[None]
         w0 = max((cq0 - nb + 1) * C, 0)
-        win_k, win_v = [Kw[:, :, None, w0 - kpos0:]], [V[:, :, None, w0 - kpos0:]]
+        grid_k, grid_v = K[:, :, w0 - kpos0:], V[:, :, w0 - kpos0:]
         k_pos = torch.arange(w0, p1, device=dev)[None]
         q_off = 0
-    else:  # chunk-aligned grid: queries padded to whole chunks; window j of chunk c is grid chunk c + j
+    else:  # chunk-aligned grid: queries padded to whole chunks; the window of chunk c is grid chunks c .. c + nb - 1
         q_off = p0 - cq0 * C
         qb = F.pad(q, (0, 0, q_off, (cq1 + 1) * C - p1)).view(B, Hq, n_q, C, E)
         q_pos = torch.arange(cq0 * C, (cq1 + 1) * C, device=dev).view(n_q, C)
         gs, ge = (cq0 - nb + 1) * C, (cq1 + 1) * C
         start = max(gs, kpos0)
         pad = (0, 0, start - gs, ge - p1)
-        grid_k = F.pad(Kw[:, :, start - kpos0:], pad).view(B, H, n_q + nb - 1, C, D)
-        grid_v = F.pad(V[:, :, start - kpos0:], pad).view(B, H, n_q + nb - 1, C, D)
-        grid_pos = torch.arange(gs, ge, device=dev).view(n_q + nb - 1, C)
-        k_pos = torch.cat([grid_pos[j:j + n_q] for j in range(nb)], dim=1)  # (n_q, L)
+        grid_k, grid_v = F.pad(K[:, :, start - kpos0:], pad), F.pad(V[:, :, start - kpos0:], pad)
+        k_pos = torch.arange(gs, ge, device=dev).unfold(0, nb * C, C)  # (n_q, L)
+    L = k_pos.shape[1]
     win_mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & ((k_pos >= max(kpos0, 0)) & (k_pos < p1))[:, None, :]
     Cq = q_pos.shape[1]
-    tau_s = params.tau_state[None, :, None, None, None]
     groups = _group_chunks(rows)
-    snaps = zip(*(_split_by_group(t, entry, groups) if t is not None else [None] * len(groups)
-                  for t in (s_k, s_v, count)))
-    win_chunks = [list(w.unbind(dim=2)) for w in (grid_k, grid_v)] if n_q > 1 else None
-    outs = []
-    for (a, b), (sk, sv, cnt) in zip(groups, snaps):
+
+    def memory_rows(k_o, v_o, g_o):
+        """Memory keys and values of every group's snapshots, and the final state (see the checkpoint below)."""
+        s_k, s_v, rho, count = _snapshots(spec, params, state, kbar_of(k_o), v_o, g_o, routes, sizes)
+        snaps = zip(*(_split_by_group(t, entry, groups) if t is not None else [None] * len(groups)
+                      for t in (s_k, s_v, count)))
+        tau_s = params.tau_state[None, :, None, None, None]
+        mem = []
+        for (a, b), (sk, sv, cnt) in zip(groups, snaps):
+            n, R = b - a, max(rows[a:b])
+            mem.append((params.ln_s(sk[:, :, :, :R]) * tau_s).reshape(B * H, n, R, D))
+            mem.append(read_values(sv[:, :, :, :R], rho[:, :, None, :R], None if cnt is None else cnt[..., :R],
+                                   spec.value_norm, spec.eps).reshape(B * H, n, R, D))
+        # copies, so that the state does not keep every snapshot alive
+        final = (s_k[:, :, -1].clone(), s_v[:, :, -1].to(state.s_v.dtype, copy=True), rho,
+                 None if count is None else count[:, :, -1].clone())
+        return mem, final
+
+    if torch.is_grad_enabled() and n_folds and any(t is not None and t.requires_grad for t in (k_o, v_o, g_o)):
+        # recomputed in backward (cheap: LayerNorms and a scan): the memory keys, gated sums and every snapshot
+        # are then not kept for the backward pass, only the memory rows the attention reads (issue #17)
+        mem, final = torch.utils.checkpoint.checkpoint(memory_rows, k_o, v_o, g_o, use_reentrant=False)
+    else:
+        mem, final = memory_rows(k_o, v_o, g_o)
+    mem_k, mem_v, masks = mem[0::2], mem[1::2], []
+    for a, b in groups:
         n, R = b - a, max(rows[a:b])
-        if win_chunks is None:
-            wk, wv = win_k, win_v
-        else:  # window j of chunk c is grid chunk c + j
-            wk, wv = ([torch.stack(chunks[a + j:b + j], dim=2) for j in range(nb)] for chunks in win_chunks)
-        keys = joint_keys(params.ln_s(sk[:, :, :, :R]) * tau_s, wk, two, dim=3)
-        vals = read_values(sv[:, :, :, :R], rho[:, :, None, :R], None if cnt is None else cnt[..., :R],
-                           spec.value_norm, spec.eps)
-        values = torch.cat([vals] + wv, dim=3)
         rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
         mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask[a:b]], dim=2)  # (n, Cq, S)
-        # grouped-query heads: the G query heads of one key/value head are stacked along the query axis
-        qg = qb[:, :, a:b].reshape(B, H, G, n, Cq, E).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n, G * Cq, E)
-        mask = mask[:, None].expand(-1, G, -1, -1).reshape(1, n, G * Cq, -1)  # 4-D: the CPU flash kernel takes it
-        S = keys.shape[3]
-        o = F.scaled_dot_product_attention(qg, keys.reshape(B * H, n, S, E), values.reshape(B * H, n, S, D),
-                                           attn_mask=mask, scale=D ** -0.5)
-        outs.append(o.view(B, H, n, G, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * Cq, D))
-    o = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))[:, :, q_off:q_off + T]
+        masks.append(additive_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1), q.dtype))
+    # grouped-query heads: the G query heads of one key/value head are stacked along the query axis
+    qg = qb.reshape(B, H, G, n_q, Cq, E).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n_q, G * Cq, E)
+    o = memory_window_attention(qg, grid_k.reshape(B * H, -1, D).to(q.dtype), grid_v.reshape(B * H, -1, D).to(q.dtype),
+                                params.tau_bswa.repeat(B), groups, mem_k, mem_v, masks, L, C, two, D ** -0.5)
+    o = o.view(B, H, n_q, G, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n_q * Cq, D)[:, :, q_off:q_off + T]
 
     keep = keep_from(p1, C, nb) - kpos0
-    # copies, so that the state does not keep every snapshot or the whole prefill's keys alive
-    new_state = KVMState(s_k=s_k[:, :, -1].clone(), s_v=s_v[:, :, -1].to(state.s_v.dtype, copy=True), rho=rho,
-                         count=None if count is None else count[:, :, -1].clone(), win_k=K[:, :, keep:].clone(),
+    # copies, so that the state does not keep the whole prefill's keys alive
+    s_k, s_v, rho, count = final
+    new_state = KVMState(s_k=s_k, s_v=s_v, rho=rho, count=count, win_k=K[:, :, keep:].clone(),
                          win_v=V[:, :, keep:].clone(), win_g=None if Gt is None else Gt[:, :, keep:].clone(),
                          next_pos=p1)
     return o, new_state

@@ -1,0 +1,213 @@
+"""Efficient mixers against full attention on CPU: training step time and peak memory, decode ms/token (issue #17).
+
+One layer per mixer, d_model 256, 2 heads x 128, batch 1, fp32, built through the registry (so any installed mixer
+can be added with ``--mixers``). Attention and KVM use half RoPE and per-head LayerNorm on q/k (the KVM paper's
+settings), KVM chunk_len 256 with 2 window chunks; OVQ chunk_len 128, N = 2048 (the OVQ paper's); the recurrent
+mixers their defaults.
+
+- **Training step** (forward + backward of ``y.square().mean()``): all mixers of one length in one process,
+  interleaved, ``--repeats`` rounds; the table gives the median time and the median of the per-round ratios to
+  attention (so load swings hit all of them alike).
+- **Peak memory**: a fresh process per mixer and length; one warm-up step at 1,024 tokens first (lazy imports
+  such as ``torch.utils.checkpoint``'s and thread pools are paid once per process, by any training run), then the
+  resident-set high-water mark of one step minus the resident size before it.
+- **Decode**: a fresh process per mixer; prefill ``T`` tokens without gradient in pieces of 4,096, then the mean
+  ms of ``--decode-steps`` single-token steps.
+- ``--profile MIXER T``: a ``torch.profiler`` table of one training step (top ops by self CPU time, and the
+  tracked tensor memory), to commit beside the results.
+
+    python benchmarks/bench_efficiency.py --threads 2 | tee docs/results/efficiency_cpu.md
+    python benchmarks/bench_efficiency.py --lengths 4096 --mixers attention kvm-256 --repeats 1     # quick look
+    python benchmarks/bench_efficiency.py --profile kvm-256 8192 > docs/results/efficiency_profile_kvm.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+D_MODEL, N_HEADS = 256, 2
+HALF_ROPE = {"name": "rope", "rotary_fraction": 0.5}
+KVM = dict(chunk_len=256, n_bswa_chunks=2, positional=HALF_ROPE, qk_norm="layernorm")
+MIXERS = {  # name in the tables: (registry name, options)
+    "attention": ("attention", dict(positional=HALF_ROPE, qk_norm="layernorm")),
+    "kvm-256": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256})),
+    "kvm-sqrt": ("kvm", dict(KVM, schedule={"name": "power_law", "coef": 16, "exponent": 0.5, "min_size": 256})),
+    "ovq": ("ovq", dict(chunk_len=128, max_size=2048)),
+    "trellis": ("trellis", {}),
+    "gdn": ("gdn", {}),
+    "gsa": ("gsa", {}),
+    "swa-512": ("swa", dict(window=512, positional=HALF_ROPE)),
+    "tova-512": ("tova", dict(multi_state=512, positional=HALF_ROPE)),
+}
+TRAINABLE = [m for m in MIXERS if not m.startswith("tova")]  # TOVA is an inference-time policy
+
+
+def build(name: str):
+    import torch
+    from mixerzoo import registry
+
+    torch.manual_seed(0)
+    kind, options = MIXERS[name]
+    return registry.get(kind)(D_MODEL, n_heads=N_HEADS, **options)
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def step(layer, x):
+    y, _ = layer(x)
+    y.square().mean().backward()
+
+
+def worker(task: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(task["threads"])
+    if task["what"] == "time":
+        layers = {name: build(name) for name in task["mixers"]}
+        x = torch.randn(1, task["T"], D_MODEL, requires_grad=True)
+        for layer in layers.values():  # warm-up (lazy initialisation) outside the timed rounds
+            step(layer, x[:, :1024])
+        times = {name: [] for name in layers}
+        for _ in range(task["repeats"]):
+            for name, layer in layers.items():
+                t0 = time.perf_counter()
+                step(layer, x)
+                times[name].append(time.perf_counter() - t0)
+                x.grad = None
+        return times
+    layer = build(task["mixer"])
+    if task["what"] == "memory":
+        step(layer, torch.randn(1, 1024, D_MODEL, requires_grad=True))
+        layer.zero_grad(set_to_none=True)
+        x = torch.randn(1, task["T"], D_MODEL, requires_grad=True)
+        base = rss_mib()
+        step(layer, x)
+        return {"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base}
+    if task["what"] == "decode":
+        layer.eval()
+        T, steps = task["T"], task["steps"]
+        x = torch.randn(1, T + steps, D_MODEL)
+        with torch.no_grad():
+            state = None
+            for a in range(0, T, 4096):
+                _, state = layer(x[:, a:min(a + 4096, T)], state)
+            t0 = time.perf_counter()
+            for t in range(T, T + steps):
+                _, state = layer(x[:, t:t + 1], state)
+        return {"ms_per_token": 1e3 * (time.perf_counter() - t0) / steps}
+    raise ValueError(task)
+
+
+def run(task: dict) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(task)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(task["threads"])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        lines = proc.stderr.strip().splitlines()
+        return {"error": lines[-1] if lines else f"exit code {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def profile(name: str, T: int, threads: int, rows: int = 25) -> None:
+    """Print torch.profiler's top ops (self CPU time) of one training step and its tracked tensor peak."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    torch.set_num_threads(threads)
+    layer = build(name)
+    x = torch.randn(1, T, D_MODEL, requires_grad=True)
+    step(layer, x[:, :1024])
+    with tprofile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(layer, x)
+    print(f"# torch.profiler: {name}, one training step (forward + backward) at T = {T}, {threads} threads")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+def fmt_len(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--mixers", nargs="+", default=TRAINABLE + ["tova-512"], choices=list(MIXERS))
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per length (median reported)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-len", nargs="*", default=["kvm-sqrt=16384", "ovq=16384"], metavar="MIXER=T",
+                    help="longest training length per mixer (a slow cell can be left out)")
+    ap.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 16384])
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--profile", nargs=2, metavar=("MIXER", "T"), help="print a profiler table and exit")
+    ap.add_argument("--json", help="also write every figure here")
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    if args.profile:
+        profile(args.profile[0], int(args.profile[1]), args.threads)
+        return
+    import torch
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"# bench_efficiency.py  {' '.join(sys.argv[1:])}")
+    print(f"# {cpu}, {os.cpu_count()} cores, {args.threads} threads, load avg {os.getloadavg()[0]:.1f} at start; "
+          f"torch {torch.__version__} {platform.machine()}")
+    print(f"# one layer, d_model {D_MODEL}, {N_HEADS} heads x {D_MODEL // N_HEADS}, batch 1, fp32; options: "
+          + "; ".join(f"{n}: {MIXERS[n][0]} {MIXERS[n][1]}" for n in args.mixers))
+    limits = {m: int(t) for m, t in (s.split("=") for s in args.max_len)}
+    trainable = [m for m in args.mixers if m in TRAINABLE]
+    out = {"train": {}, "decode": {}}
+    print(f"\n## Training step (forward + backward), median of {args.repeats} interleaved rounds; peak = extra resident "
+          "memory of one step in a fresh process (after a warm-up step)\n")
+    print("| T | mixer | time s | speed vs attention | peak MiB | memory vs attention |")
+    print("|---|---|---|---|---|---|")
+    for T in args.lengths:
+        mixers = [m for m in trainable if T <= limits.get(m, T)]
+        if "attention" not in mixers:
+            mixers.insert(0, "attention")
+        times = run({"what": "time", "T": T, "mixers": mixers, "repeats": args.repeats, "threads": args.threads})
+        for m in mixers:
+            mem = run({"what": "memory", "mixer": m, "T": T, "threads": args.threads})
+            if "error" in times or "error" in mem:
+                print(f"| {fmt_len(T)} | {m} | error: {times.get('error') or mem.get('error')} | | | |", flush=True)
+                continue
+            out["train"].setdefault(m, {})[T] = {"times_s": times[m], "peak_mib": mem["peak_mib"]}
+            ratio = statistics.median(a / b for a, b in zip(times["attention"], times[m]))
+            a_mem = out["train"].get("attention", {}).get(T, {}).get("peak_mib", float("nan"))
+            print(f"| {fmt_len(T)} | {m} | {statistics.median(times[m]):.2f} | {ratio:.2f}x | {mem['peak_mib']:.0f} "
+                  f"| {mem['peak_mib'] / a_mem:.2f}x |", flush=True)
+    print(f"\n## Decode: ms per token after a prefill of T tokens (mean of {args.decode_steps} steps), "
+          "and the ratio of the longest context to the shortest\n")
+    ctx = args.decode_contexts
+    print("| mixer | " + " | ".join(fmt_len(c) for c in ctx) + f" | {fmt_len(ctx[-1])} / {fmt_len(ctx[0])} |")
+    print("|---" * (len(ctx) + 2) + "|")
+    for m in args.mixers:
+        cells = [run({"what": "decode", "mixer": m, "T": c, "steps": args.decode_steps, "threads": args.threads})
+                 for c in ctx]
+        out["decode"][m] = {c: cell.get("ms_per_token") for c, cell in zip(ctx, cells)}
+        if any("error" in c for c in cells):
+            print(f"| {m} | error: {next(c['error'] for c in cells if 'error' in c)} |", flush=True)
+            continue
+        ms = [c["ms_per_token"] for c in cells]
+        print(f"| {m} | " + " | ".join(f"{v:.2f}" for v in ms) + f" | {ms[-1] / ms[0]:.2f}x |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
