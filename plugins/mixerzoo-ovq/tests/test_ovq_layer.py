@@ -75,6 +75,28 @@ def test_gradients_fast_equal_reference():
         torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("checkpoint_chunks", [1, 2])
+def test_recomputed_segments_equal_keeping_everything(checkpoint_chunks):
+    """Training with the forward recomputed per segment (the memory-lean default) gives the same outputs,
+    gradients and state as keeping every chunk's tensors, also when a call starts mid-chunk (a continuation)."""
+    lean, full = make("default", checkpoint_chunks=checkpoint_chunks), make("default", checkpoint_chunks=0)
+    full.load_state_dict(lean.state_dict())
+    x = torch.randn(1, 50, D_MODEL, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    grads, outs = [], []
+    for m in (lean, full):
+        y0, st = m(x[:, :7])  # ends mid-chunk: the next call starts with a buffered partial chunk
+        y1, st = m(x[:, 7:], st)
+        y = torch.cat([y0, y1], dim=1)
+        gx, = torch.autograd.grad((y * torch.linspace(-1, 1, D_MODEL)).square().sum(), [x], retain_graph=True)
+        (y.square().sum()).backward()
+        grads.append([gx] + [p.grad for p in m.parameters()])
+        outs.append((y, st.dk, st.counts))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_dictionary_grows_by_schedule_and_plateaus():
     m = OVQAttention(D_MODEL, n_heads=2, chunk_len=4, max_size=6)
     sched = SaturatingSchedule(6)
@@ -144,6 +166,7 @@ def test_registered_and_usable_in_an_lm():
     (dict(centroid_lr=-1.0), "centroid_lr"),
     (dict(schedule="linear"), "rate"),
     (dict(schedule={"name": "saturating", "max_size": 5}, max_size=6), "max_size"),
+    (dict(checkpoint_chunks=-1), "checkpoint_chunks"),
 ])
 def test_bad_config_is_named(options, match):
     with pytest.raises(ValueError, match=match):

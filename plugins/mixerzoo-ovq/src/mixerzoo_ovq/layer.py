@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection, StreamState
@@ -81,6 +82,10 @@ class OVQAttention(Mixer):
         positional: only ``nope`` (the dictionary merges keys from all positions).
         token_shift, value_residual, bias: backbone options of :class:`mixerzoo.mixers.qkv.QKVProjection`.
         seed: seed of the random-new-centroid ablation.
+        checkpoint_chunks: training memory: the forward pass is recomputed in backward in segments of this many
+            chunks, so autograd keeps one dictionary per segment rather than one ``[dictionary ; chunk]`` key list,
+            value list and bias per chunk (the paper's "memory independent of N" training, sec. 3.4, by
+            recomputation). 0 keeps everything (faster when memory is plentiful). Results are identical.
         use_reference: compute with the readable reference ops (slow; for tests).
 
     State: :class:`OVQState`; grows with the schedule and plateaus at ``max_size`` rows (+ < L buffered tokens).
@@ -97,8 +102,8 @@ class OVQAttention(Mixer):
                  chunk_len: int = 128, max_size: int = 2048, schedule: Any = "saturating",
                  new_centroids: str = "spread", centroid_lr: float | None = None, renormalize: bool = False,
                  beta_init: float = 1.0, positional: Any = "nope", token_shift: bool = False,
-                 value_residual: bool = False, bias: bool = False, seed: int = 0, use_reference: bool = False,
-                 layer_idx: int = 0) -> None:
+                 value_residual: bool = False, bias: bool = False, seed: int = 0, checkpoint_chunks: int = 8,
+                 use_reference: bool = False, layer_idx: int = 0) -> None:
         super().__init__()
         if not isinstance(chunk_len, int) or chunk_len < 1:
             raise ValueError(f"ovq chunk_len must be a positive integer (paper: 128), got {chunk_len!r}")
@@ -116,7 +121,11 @@ class OVQAttention(Mixer):
         self.o_proj = nn.Linear(n_heads * self.qkv.head_dim, d_model, bias=bias)
         self.beta = nn.Parameter(torch.full((n_heads,), float(beta_init)))
         self.chunk_len, self.new_centroids, self.centroid_lr = chunk_len, new_centroids, centroid_lr
+        if not isinstance(checkpoint_chunks, int) or isinstance(checkpoint_chunks, bool) or checkpoint_chunks < 0:
+            raise ValueError(f"ovq checkpoint_chunks must be an integer >= 0 (0: no recomputation), "
+                             f"got {checkpoint_chunks!r}")
         self.renormalize, self.seed, self.use_reference, self.layer_idx = renormalize, seed, use_reference, layer_idx
+        self.checkpoint_chunks = checkpoint_chunks
         self._schedule_spec = schedule
         self.set_max_size(max_size)
 
@@ -191,21 +200,52 @@ class OVQAttention(Mixer):
                              f"{p0 % L}: was chunk_len changed mid-sequence?")
         q, k, v, _, shift = self.qkv.stream(x, st, shared)
         q, k = self.normalize_qk(q, k)
-        attend = reference.chunk_attention_reference if self.use_reference else ops.chunk_attention
-        update = reference.update_dictionary_reference if self.use_reference else ops.update_dictionary
         # the dictionary and its counts stay float32 under autocast (bf16 running means drift ~1.5% after 8k
         # merges); attention reads them in the compute dtype
-        dk, dv, counts = st.dk.float(), st.dv.float(), st.counts
-        buf_k, buf_v = st.buf_k.to(k.dtype), st.buf_v.to(v.dtype)
+        carry = (st.dk.float(), st.dv.float(), st.counts, st.buf_k.to(k.dtype), st.buf_v.to(v.dtype))
+        span = L * self.checkpoint_chunks
+        bounds, t = [], 0
+        while t < T:  # segments of checkpoint_chunks chunks (aligned to absolute positions)
+            bounds.append(min(T, (p0 + t) // span * span + span - p0) if span else T)
+            t = bounds[-1]
+        sizes = [b - a for a, b in zip([0] + bounds[:-1], bounds)]
+        outs, pos = [], p0
+        # one split, not slices: a slice's backward is a full-length zero tensor per segment
+        for qs, ks, vs in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)):
+            if span and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+                # recomputed in backward: autograd then keeps one dictionary per segment instead of one
+                # [dictionary ; chunk] key list, value list and bias per chunk (issue #17, paper sec. 3.4)
+                o, *carry = torch.utils.checkpoint.checkpoint(self._segment, qs, ks, vs, pos, *carry,
+                                                              use_reentrant=False)
+            else:
+                o, *carry = self._segment(qs, ks, vs, pos, *carry)
+            outs.append(o)
+            pos += qs.shape[2]
+        dk, dv, counts, buf_k, buf_v = carry
+        o = torch.cat(outs, dim=2)
+        y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        return y, OVQState(dk=dk, dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, next_pos=p0 + T, shift=shift)
+
+    def _segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, dk: torch.Tensor,
+                 dv: torch.Tensor, counts: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor) -> tuple:
+        """Tokens at absolute positions ``pos .. pos + T`` (``q, k, v (B, H, T, D)``), chunk by chunk: each piece
+        attends over ``[D_k ; K_c]`` (eq. 15), each completed chunk is merged into the dictionary (eq. 17-19).
+        Returns ``(o (B, H, T, D), dk, dv, counts, buf_k, buf_v)``."""
+        B, L = q.shape[0], self.chunk_len
+        attend = reference.chunk_attention_reference if self.use_reference else ops.chunk_attention
+        update = reference.update_dictionary_reference if self.use_reference else ops.update_dictionary
+        T = q.shape[2]
+        first = min(L - buf_k.shape[2], T)  # the rest of the unfinished chunk, then whole chunks
+        sizes = [first] + [min(L, T - t) for t in range(first, T, L)]
         outs, t = [], 0
-        while t < T:                                      # one step per chunk (or piece of one)
-            take = min(L - buf_k.shape[2], T - t)
-            kc = torch.cat([buf_k, k[:, :, t:t + take]], dim=2)
-            vc = torch.cat([buf_v, v[:, :, t:t + take]], dim=2)
-            outs.append(attend(q[:, :, t:t + take], dk.to(q.dtype), dv.to(q.dtype), counts.log(), kc, vc))
-            t += take
+        # one split, not slices (a slice's backward is a segment-length zero tensor per chunk)
+        for qc, kn, vn in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)):
+            kc = torch.cat([buf_k, kn], dim=2)
+            vc = torch.cat([buf_v, vn], dim=2)
+            outs.append(attend(qc, dk.to(q.dtype), dv.to(q.dtype), counts.log(), kc, vc))
+            t += qc.shape[2]
             if kc.shape[2] == L:                          # the chunk is complete: merge it (eq. 17-19)
-                c = (p0 + t) // L - 1
+                c = (pos + t) // L - 1
                 n_new = ops.new_centroid_count(self.schedule, c, L, dk.shape[2])
                 scores = (ops.random_scores(c, B, kc.shape[1], L, self.seed, self.layer_idx, kc.device)
                           if self.new_centroids == "random" else None)
@@ -214,9 +254,7 @@ class OVQAttention(Mixer):
                 buf_k, buf_v = kc[:, :, :0], vc[:, :, :0]
             else:
                 buf_k, buf_v = kc, vc
-        o = torch.cat(outs, dim=2)
-        y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-        return y, OVQState(dk=dk, dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, next_pos=p0 + T, shift=shift)
+        return torch.cat(outs, dim=2), dk, dv, counts, buf_k, buf_v
 
     def extra_repr(self) -> str:
         opts = f"chunk_len={self.chunk_len}, max_size={self.max_size}, schedule={self.schedule!r}"
