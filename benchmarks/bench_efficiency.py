@@ -42,7 +42,9 @@ MIXERS = {  # name in the tables: (registry name, options)
     "attention": ("attention", dict(positional=HALF_ROPE, qk_norm="layernorm")),
     "kvm-256": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256})),
     "kvm-sqrt": ("kvm", dict(KVM, schedule={"name": "power_law", "coef": 16, "exponent": 0.5, "min_size": 256})),
+    "kvm-256/keep": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, checkpoint_chunks=0)),
     "ovq": ("ovq", dict(chunk_len=128, max_size=2048)),
+    "ovq/keep": ("ovq", dict(chunk_len=128, max_size=2048, checkpoint_chunks=0)),
     "trellis": ("trellis", {}),
     "gdn": ("gdn", {}),
     "gsa": ("gsa", {}),
@@ -50,6 +52,7 @@ MIXERS = {  # name in the tables: (registry name, options)
     "tova-512": ("tova", dict(multi_state=512, positional=HALF_ROPE)),
 }
 TRAINABLE = [m for m in MIXERS if not m.startswith("tova")]  # TOVA is an inference-time policy
+DEFAULT = [m for m in MIXERS if not m.endswith("/keep")]  # "/keep": checkpoint_chunks 0 (no recomputation)
 
 
 def build(name: str):
@@ -143,13 +146,13 @@ def fmt_len(n: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--mixers", nargs="+", default=TRAINABLE + ["tova-512"], choices=list(MIXERS))
+    ap.add_argument("--mixers", nargs="+", default=DEFAULT, choices=list(MIXERS))
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per length (median reported)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-len", nargs="*", default=["kvm-sqrt=16384", "ovq=16384"], metavar="MIXER=T",
                     help="longest training length per mixer (a slow cell can be left out)")
-    ap.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 16384])
+    ap.add_argument("--decode-contexts", type=int, nargs="*", default=[1024, 16384], help="none: skip decode")
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--profile", nargs=2, metavar=("MIXER", "T"), help="print a profiler table and exit")
     ap.add_argument("--json", help="also write every figure here")
@@ -190,12 +193,13 @@ def main() -> None:
             a_mem = out["train"].get("attention", {}).get(T, {}).get("peak_mib", float("nan"))
             print(f"| {fmt_len(T)} | {m} | {statistics.median(times[m]):.2f} | {ratio:.2f}x | {mem['peak_mib']:.0f} "
                   f"| {mem['peak_mib'] / a_mem:.2f}x |", flush=True)
-    print(f"\n## Decode: ms per token after a prefill of T tokens (mean of {args.decode_steps} steps), "
-          "and the ratio of the longest context to the shortest\n")
     ctx = args.decode_contexts
-    print("| mixer | " + " | ".join(fmt_len(c) for c in ctx) + f" | {fmt_len(ctx[-1])} / {fmt_len(ctx[0])} |")
-    print("|---" * (len(ctx) + 2) + "|")
-    for m in args.mixers:
+    if ctx:
+        print(f"\n## Decode: ms per token after a prefill of T tokens (mean of {args.decode_steps} steps), "
+              "and the ratio of the longest context to the shortest\n")
+        print("| mixer | " + " | ".join(fmt_len(c) for c in ctx) + f" | {fmt_len(ctx[-1])} / {fmt_len(ctx[0])} |")
+        print("|---" * (len(ctx) + 2) + "|")
+    for m in args.mixers if ctx else []:
         cells = [run({"what": "decode", "mixer": m, "T": c, "steps": args.decode_steps, "threads": args.threads})
                  for c in ctx]
         out["decode"][m] = {c: cell.get("ms_per_token") for c, cell in zip(ctx, cells)}

@@ -86,3 +86,31 @@ def test_training_step_keeps_no_key_lists():
     assert sum(saved.values()) < 17 * token_bytes, sum(saved.values()) / token_bytes
     y.square().mean().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("name", ["default", "power_law", "pre_rope_gqa_grow", "value_mean"])
+@pytest.mark.parametrize("checkpoint_chunks", [1, 3])
+def test_recomputed_groups_equal_keeping_everything(name, checkpoint_chunks):
+    """Recomputing each group of chunks in backward (the memory-lean default) gives the outputs, gradients and
+    state of keeping every tensor, across a continuation that starts mid-chunk."""
+    from test_kvm_equivalence import CONFIGS, D_MODEL, make
+
+    lean = make(**CONFIGS[name], checkpoint_chunks=checkpoint_chunks).train()
+    keep = make(**CONFIGS[name], checkpoint_chunks=0).train()
+    keep.load_state_dict(lean.state_dict())
+    x = torch.randn(2, 45, D_MODEL, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    results = []
+    for layer in (lean, keep):
+        y0, st = layer(x[:, :10])
+        y1, st = layer(x[:, 10:], st)
+        y = torch.cat([y0, y1], dim=1)
+        (y * torch.linspace(-1, 1, D_MODEL)).square().sum().backward()
+        results.append([y, st.s_k, st.s_v, x.grad.clone()] + [p.grad for p in layer.parameters()])
+        x.grad = None
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_checkpoint_chunks_is_named():
+    with pytest.raises(ValueError, match="checkpoint_chunks"):
+        KVMAttention(32, n_heads=2, checkpoint_chunks=-1)

@@ -67,6 +67,10 @@ class KVMAttention(Mixer):
         learned_temperatures: learn the per-head inverse temperatures ``tau_state`` and ``tau_bswa`` (paper); False
             fixes both at 1 (the authors' ablation: plain softmax over state rows and window keys).
         eps: ``eps_norm`` of the value renormalisation.
+        checkpoint_chunks: training memory: the packed path recomputes, in backward, each group of at most this
+            many query chunks from the state entering it (snapshots, memory rows and attention), so autograd keeps
+            no snapshot, memory row or key list; 0 keeps them (faster: one attention forward less; about twice
+            full attention's memory). Results are identical (docs/mechanisms/kvm.md, "Implementations").
         use_reference: compute with the readable chunk loop instead of the packed fast path (for tests).
 
     State: :class:`mixerzoo_kvm.KVMState` (``m`` compressed rows plus at most ``L`` window tokens).
@@ -85,7 +89,8 @@ class KVMAttention(Mixer):
                  value_residual: bool = False, bias: bool = False, value_norm: str = "radius",
                  protect_sinks: bool = True, merge_gate: bool = True, gate_appends: bool = False,
                  routing: str = "hard", eps: float = 1e-6, use_reference: bool = False, layer_idx: int = 0,
-                 memory_keys: str = "zero_rotary", learned_temperatures: bool = True) -> None:
+                 memory_keys: str = "zero_rotary", learned_temperatures: bool = True,
+                 checkpoint_chunks: int = 4) -> None:
         super().__init__()
         if not isinstance(chunk_len, int) or chunk_len < 1:
             raise ValueError(f"kvm chunk_len must be a positive integer, got {chunk_len!r}")
@@ -98,6 +103,9 @@ class KVMAttention(Mixer):
             raise ValueError(f"kvm value_norm must be 'radius' (paper) or 'mean' (ablation), got {value_norm!r}")
         if routing not in ("hard", "soft"):
             raise ValueError(f"kvm routing must be 'hard' (winner-take-all, paper) or 'soft', got {routing!r}")
+        if not isinstance(checkpoint_chunks, int) or isinstance(checkpoint_chunks, bool) or checkpoint_chunks < 0:
+            raise ValueError(f"kvm checkpoint_chunks must be an integer >= 0 (0: no recomputation), "
+                             f"got {checkpoint_chunks!r}")
         if memory_keys not in MEMORY_KEYS:
             raise ValueError(f"kvm memory_keys must be one of {list(MEMORY_KEYS)} ('zero_rotary': paper eq. 1; "
                              f"'pre_rope': for models whose RoPE rotates every channel), got {memory_keys!r}")
@@ -123,6 +131,7 @@ class KVMAttention(Mixer):
         self.chunk_len, self.n_bswa_chunks, self.sink_len = chunk_len, n_bswa_chunks, sink_len
         self.value_norm, self.protect_sinks, self.gate_appends = value_norm, protect_sinks, gate_appends
         self.routing, self.eps, self.use_reference, self.layer_idx = routing, eps, use_reference, layer_idx
+        self.checkpoint_chunks = checkpoint_chunks
 
     @property
     def rotary_dim(self) -> int:
@@ -140,6 +149,7 @@ class KVMAttention(Mixer):
         return KVMSpec(chunk_len=self.chunk_len, n_bswa_chunks=self.n_bswa_chunks, rotary_dim=self.rotary_dim,
                        n_protected=self.n_protected, schedule=self.schedule, value_norm=self.value_norm,
                        eps=self.eps, gate_appends=self.gate_appends, routing=self.routing,
+                       checkpoint_chunks=self.checkpoint_chunks,
                        unrotate=partial(_unrotate, self.qkv.pos) if self.memory_keys == "pre_rope" else None)
 
     @property

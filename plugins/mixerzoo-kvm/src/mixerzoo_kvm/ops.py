@@ -36,7 +36,8 @@ __all__ = ["KVMSpec", "KVMParams", "memory_keys", "memory_queries", "joint_queri
 class KVMSpec:
     """The options of one KVM layer that the ops read (see :class:`mixerzoo_kvm.KVMAttention` for each):
     ``chunk_len`` (C), ``n_bswa_chunks``, ``rotary_dim`` (r), ``n_protected`` (sink rows out of merges),
-    ``schedule`` (``B(t)``), ``value_norm``, ``eps``, ``gate_appends``, ``routing``, and ``unrotate``: None for
+    ``schedule`` (``B(t)``), ``value_norm``, ``eps``, ``gate_appends``, ``routing``, ``checkpoint_chunks``, and
+    ``unrotate``: None for
     the paper's memory keys (eq. 1), or for ``memory_keys: pre_rope`` the inverse of the layer's RoPE,
     ``unrotate(x (..., T, D), positions (T,)) -> x`` before rotation (RoPE at ``-positions``)."""
 
@@ -49,6 +50,7 @@ class KVMSpec:
     eps: float = 1e-6
     gate_appends: bool = False
     routing: str = "hard"
+    checkpoint_chunks: int = 4
     unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 

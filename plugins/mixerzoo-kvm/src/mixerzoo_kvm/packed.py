@@ -20,8 +20,11 @@ was 4.4x faster than full causal SDPA at 8k tokens (docs/mechanisms/kvm.md). Sin
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from .lean_attention import additive_mask, memory_window_attention
 from .ops import (KVMParams, KVMSpec, Routing, fold, joint_keys, joint_queries, keep_from, memory_keys, read_values,
@@ -156,31 +159,6 @@ def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) ->
     return groups
 
 
-def _split_by_group(t: torch.Tensor, entry: list[int], groups: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """``t[:, :, entry[a:b]]`` for every group ``(a, b)``, through one ``split`` (whose backward is one ``cat``;
-    separate slices would each allocate a full-size gradient). ``entry`` is zeros (the incoming state) then
-    consecutive fold indices; zeros are expanded."""
-    sizes, which, pos = [], [], 0
-    for a, b in groups:
-        lo, hi = entry[a], entry[b - 1] + 1
-        if lo > pos:
-            sizes.append(lo - pos)
-        which.append(len(sizes))
-        sizes.append(hi - lo)
-        pos = hi
-    if pos < t.shape[2]:
-        sizes.append(t.shape[2] - pos)
-    pieces = torch.split(t, sizes, dim=2)
-    out = []
-    for (a, b), i in zip(groups, which):
-        piece, zeros = pieces[i], entry[a:b].count(0)
-        if zeros > 1:
-            first = piece[:, :, :1]
-            piece = torch.cat([first.expand(-1, -1, zeros, *first.shape[3:]), piece[:, :, 1:]], dim=2)
-        out.append(piece)
-    return out
-
-
 def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                g: torch.Tensor | None, state: KVMState) -> tuple[torch.Tensor, KVMState]:
     """KVM attention over new tokens: all state snapshots first, then batched attention over all chunks.
@@ -227,12 +205,11 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     block0 = (cf0 - nb) * C  # absolute position of the first overflow token
     o_pos = torch.arange(block0, block0 + n_folds * C, device=dev)
 
-    def kbar_of(k_o: torch.Tensor) -> torch.Tensor:
-        return memory_keys(k_o.reshape(B, H, n_folds * C, D), spec.rotary_dim, params.ln_s, o_pos,
+    with torch.no_grad():  # the routing only (the memory keys with gradient are made per group below)
+        kbar = memory_keys(k_o.reshape(B, H, n_folds * C, D), spec.rotary_dim, params.ln_s, o_pos,
                            spec.unrotate).view(B, H, n_folds, C, D)
-
-    with torch.no_grad():
-        routes = _route_all(spec, params, state.s_k, kbar_of(k_o), g_o, sizes) if n_folds else []
+        routes = _route_all(spec, params, state.s_k, kbar, g_o, sizes) if n_folds else []
+        del kbar
 
     # -- 3: query chunks, each with its state snapshot and its window ------------------------------------
     cq0, cq1 = p0 // C, (p1 - 1) // C
@@ -262,47 +239,61 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     L = k_pos.shape[1]
     win_mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & ((k_pos >= max(kpos0, 0)) & (k_pos < p1))[:, None, :]
     Cq = q_pos.shape[1]
-    groups = _group_chunks(rows)
-
-    def memory_rows(k_o, v_o, g_o):
-        """Memory keys and values of every group's snapshots, and the final state (see the checkpoint below)."""
-        s_k, s_v, rho, count = _snapshots(spec, params, state, kbar_of(k_o), v_o, g_o, routes, sizes)
-        snaps = zip(*(_split_by_group(t, entry, groups) if t is not None else [None] * len(groups)
-                      for t in (s_k, s_v, count)))
-        tau_s = params.tau_state[None, :, None, None, None]
-        mem = []
-        for (a, b), (sk, sv, cnt) in zip(groups, snaps):
-            n, R = b - a, max(rows[a:b])
-            mem.append((params.ln_s(sk[:, :, :, :R]) * tau_s).reshape(B * H, n, R, D))
-            mem.append(read_values(sv[:, :, :, :R], rho[:, :, None, :R], None if cnt is None else cnt[..., :R],
-                                   spec.value_norm, spec.eps).reshape(B * H, n, R, D))
-        # copies, so that the state does not keep every snapshot alive
-        final = (s_k[:, :, -1].clone(), s_v[:, :, -1].to(state.s_v.dtype, copy=True), rho,
-                 None if count is None else count[:, :, -1].clone())
-        return mem, final
-
-    if torch.is_grad_enabled() and n_folds and any(t is not None and t.requires_grad for t in (k_o, v_o, g_o)):
-        # recomputed in backward (cheap: LayerNorms and a scan): the memory keys, gated sums and every snapshot
-        # are then not kept for the backward pass, only the memory rows the attention reads (issue #17)
-        mem, final = torch.utils.checkpoint.checkpoint(memory_rows, k_o, v_o, g_o, use_reentrant=False)
-    else:
-        mem, final = memory_rows(k_o, v_o, g_o)
-    mem_k, mem_v, masks = mem[0::2], mem[1::2], []
-    for a, b in groups:
-        n, R = b - a, max(rows[a:b])
-        rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
-        mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask[a:b]], dim=2)  # (n, Cq, S)
-        masks.append(additive_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1), q.dtype))
+    groups = _group_chunks(rows, max_chunks=spec.checkpoint_chunks or 16)
     # grouped-query heads: the G query heads of one key/value head are stacked along the query axis
     qg = qb.reshape(B, H, G, n_q, Cq, E).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n_q, G * Cq, E)
-    o = memory_window_attention(qg, grid_k.reshape(B * H, -1, D).to(q.dtype), grid_v.reshape(B * H, -1, D).to(q.dtype),
-                                params.tau_bswa.repeat(B), groups, mem_k, mem_v, masks, L, C, two, D ** -0.5)
+    grid_k, grid_v = (t.reshape(B * H, -1, D).to(q.dtype) for t in (grid_k, grid_v))
+    tau_w, tau_s = params.tau_bswa.repeat(B), params.tau_state[None, :, None, None, None]
+    # group (a, b) starts from snapshot ``first[g]`` and applies the folds up to its last chunk's snapshot
+    first = [entry[a - 1] if a else 0 for a, _ in groups]
+    n_f = [entry[b - 1] - f0 for (_, b), f0 in zip(groups, first)]
+    # split once, not sliced per group: a slice's backward is a full-size zero gradient per group
+    pieces_k, pieces_v = ((t,) if n_q == 1 else t.split(C, dim=1) for t in (grid_k, grid_v))
+    folds = [t.split(n_f, dim=2) if t is not None else [None] * len(groups) for t in (k_o, v_o, g_o)]
+
+    def group(a: int, b: int, f0: int, q_g, k_f, v_f, g_f, s_k, s_v, rho, count, *pieces):
+        """Chunks ``a .. b-1``: their snapshots from the state entering the group (``s_k, s_v, rho, count``,
+        snapshot ``f0``) and the group's folds, then their attention. Returns the output and the state after."""
+        nf, n, R = k_f.shape[2], b - a, max(rows[a:b])
+        kbar = memory_keys(k_f.reshape(B, H, nf * C, D), spec.rotary_dim, params.ln_s,
+                           o_pos[f0 * C:(f0 + nf) * C], spec.unrotate).view(B, H, nf, C, D)
+        entering = dataclasses.replace(state, s_k=s_k, s_v=s_v, rho=rho, count=count)
+        s_k, s_v, rho, count = _snapshots(spec, params, entering, kbar, v_f, g_f, routes[f0:f0 + nf],
+                                          sizes[f0:f0 + nf + 1])
+        local = torch.tensor([entry[i] - f0 for i in range(a, b)], device=dev)
+        mem_k = (params.ln_s(s_k[:, :, local, :R]) * tau_s).reshape(B * H, n, R, D)
+        cnt = None if count is None else count[:, :, local, :R]
+        mem_v = read_values(s_v[:, :, local, :R], rho[:, :, None, :R], cnt, spec.value_norm, spec.eps)
+        rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
+        mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask[a:b]], dim=2)  # (n, Cq, S)
+        mask = additive_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1), q.dtype)
+        half = len(pieces) // 2
+        wk, wv = (ps[0] if len(ps) == 1 else torch.cat(ps, dim=1) for ps in (pieces[:half], pieces[half:]))
+        o = memory_window_attention(q_g, wk, wv, tau_w, [(0, n)], [mem_k], [mem_v.reshape(B * H, n, R, D)],
+                                    [mask], L, C, two, D ** -0.5)
+        return o, s_k[:, :, -1], s_v[:, :, -1], rho, None if count is None else count[:, :, -1]
+
+    carry = (state.s_k, state.s_v.to(state.s_k.dtype), state.rho, state.count)
+    lean = spec.checkpoint_chunks > 0 and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (qg, grid_k, grid_v))
+    outs = []
+    for i, ((a, b), q_g) in enumerate(zip(groups, qg.split([b - a for a, b in groups], dim=1))):
+        window = pieces_k[a:b + nb - 1] + pieces_v[a:b + nb - 1] if n_q > 1 else pieces_k + pieces_v
+        args = (a, b, first[i], q_g, folds[0][i], folds[1][i], folds[2][i], *carry, *window)
+        if lean:  # recomputed in backward from the state entering the group: autograd keeps no snapshot,
+            # memory row or key list, only each group's inputs (issue #17)
+            o, *carry = torch.utils.checkpoint.checkpoint(group, *args, use_reentrant=False)
+        else:
+            o, *carry = group(*args)
+        outs.append(o)
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     o = o.view(B, H, n_q, G, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n_q * Cq, D)[:, :, q_off:q_off + T]
 
     keep = keep_from(p1, C, nb) - kpos0
-    # copies, so that the state does not keep the whole prefill's keys alive
-    s_k, s_v, rho, count = final
-    new_state = KVMState(s_k=s_k, s_v=s_v, rho=rho, count=count, win_k=K[:, :, keep:].clone(),
+    # copies, so that the state does not keep the whole prefill's keys (or a group's snapshots) alive
+    s_k, s_v, rho, count = carry
+    new_state = KVMState(s_k=s_k.clone(), s_v=s_v.to(state.s_v.dtype, copy=True), rho=rho,
+                         count=None if count is None else count.clone(), win_k=K[:, :, keep:].clone(),
                          win_v=V[:, :, keep:].clone(), win_g=None if Gt is None else Gt[:, :, keep:].clone(),
                          next_pos=p1)
     return o, new_state
