@@ -119,10 +119,13 @@ class Attention(Mixer):
         else:
             k_pos = torch.arange(p0 + T - S, p0 + T, device=x.device)
         pure_causal = S == T and type(self).visible is Attention.visible
+        windowed = type(self).keep_from is not Attention.keep_from
         if self.use_reference:
             o = attention_reference(q, k, v, self.visible(positions, k_pos))
         elif pure_causal:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        elif windowed and T > 2 * self._block_len(p0 + T):
+            o = self._windowed_attention(q, k, v, positions, k_pos, p0)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.visible(positions, k_pos),
                                                enable_gqa=q.shape[1] != k.shape[1])
@@ -134,6 +137,37 @@ class Attention(Mixer):
             return y, KVCache(k=k, v=v, next_pos=p0 + T, shift=shift)
         keep = max(self.keep_from(p0 + T) - (p0 + T - S), 0)
         return y, KVCache(k=k[:, :, keep:], v=v[:, :, keep:], next_pos=p0 + T, shift=shift)
+
+    def _block_len(self, next_pos: int) -> int:
+        """Queries per block of :meth:`_windowed_attention`: the look-back span, at least 256."""
+        return max(256, next_pos - self.keep_from(next_pos))
+
+    def _windowed_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            k_pos: torch.Tensor, p0: int) -> torch.Tensor:
+        """Windowed variants on long inputs: blocks of queries, each against only the keys it can see (the
+        sinks and ``[keep_from(block start), block end]``), so time and memory grow like ``T * window`` rather
+        than ``T * S`` (one ``(T, S)`` mask made ``swa`` slower than full attention; issue #17).
+
+        Same result as one masked call. ``q (B, H, T, D)``; ``k, v (B, H_kv, S, D)`` are the cache (sinks, then
+        a contiguous run) followed by the new keys, at positions ``k_pos (S,)``; ``positions (T,)``.
+        Returns ``(B, H, T, D)``."""
+        T, S = q.shape[2], k.shape[2]
+        ns = int((k_pos < self.sink_len).sum()) if self.sink_len else 0  # cached sinks lead the cache
+        first = int(k_pos[ns]) if S > ns else p0  # position of the first key after the sinks
+        size = self._block_len(p0 + T)
+        blocks = [(t0, min(T, t0 + size)) for t0 in range(0, T, size)]
+        spans = [(ns + max(self.keep_from(p0 + t0) - first, 0), ns + p0 + t1 - first) for t0, t1 in blocks]
+        # one split at every span edge (backward: one cat), not slices (a full-size zero gradient per block)
+        cuts = sorted({0, ns, S} | {c for span in spans for c in span})
+        widths = [b - a for a, b in zip(cuts, cuts[1:])]
+        pieces = dict(zip(cuts, zip(k.split(widths, dim=2), v.split(widths, dim=2))))
+        outs, gqa = [], q.shape[1] != k.shape[1]
+        for (t0, t1), (lo, hi), qb in zip(blocks, spans, q.split([t1 - t0 for t0, t1 in blocks], dim=2)):
+            starts = [a for a in cuts[:-1] if a < ns or lo <= a < hi]
+            kb, vb = (torch.cat([pieces[a][i] for a in starts], dim=2) for i in (0, 1))
+            mask = self.visible(positions[t0:t1], torch.cat([k_pos[:ns], k_pos[lo:hi]]))
+            outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=gqa))
+        return torch.cat(outs, dim=2)
 
     def _cached_positions(self, next_pos: int, cached: int, device: torch.device) -> torch.Tensor:
         """Absolute positions of the ``cached`` keys a cache with sinks holds after ``next_pos`` tokens: the

@@ -1,21 +1,21 @@
-"""Fast KVM forward: all state snapshots first, then one packed attention call (paper appendix A, note).
-
-Three steps, each over the whole call at once except the routing loop:
+"""Fast KVM forward: routing for the whole call first, then query chunks in groups (paper appendix A, note).
 
 1. **Routing** (no gradient, a cheap loop over folds): the append / merge decisions of every overflow
    block, tracking the stored key sums in a preallocated buffer (:func:`mixerzoo_kvm.ops.route_overflow`).
-2. **Snapshots** (differentiable, vectorised): every fold adds weighted ``k_bar`` / ``v`` rows into known
-   rows, so all per-chunk states are one ``scatter_add`` into a ``(folds, rows)`` grid followed by a prefix sum
-   over folds (a lower-triangular matmul); ``LN_s`` and the value radius renormalisation are then applied to
-   all snapshots at once.
-3. **Attention**: for every query chunk, keys ``[snapshot of its state (m_max rows, padded) ; its block
-   window (n_bswa_chunks * C)]``; all chunks go to one ``scaled_dot_product_attention`` call as a batch
-   (grouped-query heads folded into the query length), with a boolean mask for padded rows and causality.
+2. **Groups of query chunks** (at most ``checkpoint_chunks`` chunks, state sizes within 1.25x): from the state
+   entering the group, the group's folds as one differentiable scan (``_FoldScan``: a ``scatter_add`` per fold,
+   a reverse running sum in backward), the snapshot each chunk reads, ``LN_s`` and the value readout; then one
+   attention call for the group (:func:`mixerzoo_kvm.lean_attention.memory_window_attention`: keys
+   ``[snapshot rows ; block window]``, the windows as overlapping views of one padded copy of the keys, one
+   broadcast mask when the chunks share a pattern, grouped-query heads folded into the query length).
+3. **Training memory** (issue #17): with ``checkpoint_chunks > 0`` each group runs under
+   ``torch.utils.checkpoint`` and is recomputed in backward from the state entering it, so autograd keeps no
+   snapshot, memory row or key list, only each group's inputs. With 0, nothing is recomputed (one attention
+   forward less) and the attention still keeps no concatenated key list (its custom backward rebuilds them).
 
 On this project's CPU, FlexAttention was ruled out by measurement: torch 2.13 has no FlexAttention backward on
-CPU (NotImplementedError), while the packed SDPA call runs on the CPU flash kernel (it needs the 4-D mask) and
-was 4.4x faster than full causal SDPA at 8k tokens (docs/mechanisms/kvm.md). Single-token decoding uses
-:func:`kvm_step`, which needs no mask at all.
+CPU (NotImplementedError), while SDPA runs on the CPU flash kernel (docs/mechanisms/kvm.md). Single-token
+decoding uses :func:`kvm_step`, which needs no mask at all.
 """
 
 from __future__ import annotations
@@ -161,11 +161,9 @@ def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) ->
 
 def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                g: torch.Tensor | None, state: KVMState) -> tuple[torch.Tensor, KVMState]:
-    """KVM attention over new tokens: all state snapshots first, then batched attention over all chunks.
+    """KVM attention over new tokens: the routing of every fold first, then query chunks group by group (each
+    group's snapshots, memory rows and one attention call; recomputed in backward with ``checkpoint_chunks``).
     Same contract as :func:`mixerzoo_kvm.reference.kvm_chunk_loop` (which it equals to fp32 rounding).
-
-    Query chunks are batched in groups of similar state size (one group for a fixed budget), one
-    ``scaled_dot_product_attention`` call per group.
 
     Args:
         spec, params: the layer's options and learned pieces (``KVMAttention.spec`` / ``.params``).
