@@ -134,8 +134,29 @@ def test_registered_under_trellis():
 @pytest.mark.parametrize("options,field", [
     (dict(phi="relu"), "phi"), (dict(f="softmax"), "f"), (dict(num_slots=0), "num_slots"),
     (dict(chunk_len=0), "chunk_len"), (dict(forget_init=1.0), "forget_init"), (dict(positional="rope"), "positional"),
-    (dict(write_norm="rms"), "write_norm"),
+    (dict(write_norm="rms"), "write_norm"), (dict(checkpoint_chunks=-2), "checkpoint_chunks"),
 ])
 def test_bad_config_names_the_field(options, field):
     with pytest.raises(ConfigError, match=field):
         LanguageModel(lm_config(**options))
+
+
+@pytest.mark.parametrize("options", [dict(chunk_len=4, checkpoint_chunks=2), dict(chunk_len=5, checkpoint_chunks=1,
+                                                                                   detach_inner_grad=True)])
+def test_recomputed_segments_equal_keeping_everything(options):
+    """Training in segments recomputed in backward gives the outputs, gradients and state of keeping every tensor,
+    also across a continuation that starts inside a chunk and a segment."""
+    lean = layer(**options)
+    keep = layer(**{**options, "checkpoint_chunks": 0})
+    keep.load_state_dict(lean.state_dict())
+    x = x_input(47, seed=3).requires_grad_(True)
+    results = []
+    for m in (lean, keep):
+        y0, st = m(x[:, :6])
+        y1, st = m(x[:, 6:], st)
+        y = torch.cat([y0, y1], dim=1)
+        (y * torch.linspace(-1, 1, D_MODEL)).square().sum().backward()
+        results.append([y, st.mk, st.mv_grad, x.grad.clone()] + [p.grad for p in m.parameters()])
+        x.grad = None
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

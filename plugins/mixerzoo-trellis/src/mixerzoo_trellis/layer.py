@@ -13,6 +13,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection
@@ -105,6 +106,10 @@ class Trellis(Mixer):
             the projections learn.
         norm_eps: eps of the output RMSNorm.
         bias: biases on the q/k/v/a/gate/output projections.
+        checkpoint_chunks: training memory: the chunked form runs in segments of this many chunks, each recomputed
+            in backward, so autograd keeps the memory at segment starts instead of every chunk-start memory and
+            inner gradient (``(m x d)`` per chunk, several times a token's keys and values); 0 keeps everything
+            (faster). Results are identical.
         use_reference: run the memory through ``reference.trellis_reference`` (token loop; for tests).
 
     State: :class:`TrellisState` (two memories, their chunk-start copies, the convolution cache).
@@ -120,9 +125,13 @@ class Trellis(Mixer):
                  forget_init: float = 0.99, gamma_init: float = 1e-2, detach_inner_grad: bool = False,
                  short_conv: bool = True, conv_size: int = 4, qk_norm: str | None = None,
                  write_norm: str | None = "l2", norm_eps: float = 1e-5, bias: bool = False,
-                 use_reference: bool = False, layer_idx: int = 0) -> None:
+                 checkpoint_chunks: int = 32, use_reference: bool = False, layer_idx: int = 0) -> None:
         super().__init__()
         check_choice("phi", phi, PHIS)
+        if not isinstance(checkpoint_chunks, int) or isinstance(checkpoint_chunks, bool) or checkpoint_chunks < 0:
+            raise ValueError(f"trellis checkpoint_chunks must be an integer >= 0 (0: no recomputation), "
+                             f"got {checkpoint_chunks!r}")
+        self.checkpoint_chunks = checkpoint_chunks
         check_choice("f", f, FS)
         if write_norm not in (None, "none", "l2"):
             raise ValueError(f"trellis option write_norm={write_norm!r} is not known; use null/none or l2")
@@ -209,8 +218,27 @@ class Trellis(Mixer):
             o, memory = trellis_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], a[:, :, 0], log_beta[:, :, 0], gamma,
                                      self.chunk_len, memory=memory, **opts)
             o = o[:, :, None]
-        else:
+        elif not (self.checkpoint_chunks and torch.is_grad_enabled() and q.requires_grad):
             o, memory = trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=memory, **opts)
+        else:  # training: segments recomputed in backward (issue #17), carrying the memory between them
+            if memory is None:
+                memory = zero_memory(B, H, self.num_slots, D, D, q.dtype, q.device)
+            span = self.chunk_len * self.checkpoint_chunks
+            bounds = list(range(span - pos % span, T, span)) + [T]
+            sizes = [b - a for a, b in zip([0] + bounds[:-1], bounds)]
+            outs = []
+
+            def segment(q, k, v, a, log_beta, gamma, p, *mem):
+                return trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=TrellisMemory(*mem),
+                                       pos=p, phi=self.phi, f=self.f, detach_inner_grad=self.detach_inner_grad)
+
+            # one split per input, not slices (a slice's backward is a full-length zero gradient per segment)
+            for q_s, k_s, v_s, a_s, lb_s in zip(*(t.split(sizes, dim=2) for t in (q, k, v, a, log_beta))):
+                o, memory = torch.utils.checkpoint.checkpoint(segment, q_s, k_s, v_s, a_s, lb_s, gamma, pos, *memory,
+                                                              use_reentrant=False)
+                outs.append(o)
+                pos += q_s.shape[2]
+            o = torch.cat(outs, dim=2)
         return o, memory
 
     def extra_repr(self) -> str:
