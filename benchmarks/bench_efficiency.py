@@ -100,18 +100,24 @@ def worker(task: dict) -> dict:
         step(layer, x)
         return {"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base}
     if task["what"] == "decode":
-        layer.eval()
-        T, steps = task["T"], task["steps"]
-        x = torch.randn(1, T + steps, D_MODEL)
-        with torch.no_grad():
-            state = None
-            for a in range(0, T, 4096):
-                _, state = layer(x[:, a:min(a + 4096, T)], state)
-            t0 = time.perf_counter()
-            for t in range(T, T + steps):
-                _, state = layer(x[:, t:t + 1], state)
-        return {"ms_per_token": 1e3 * (time.perf_counter() - t0) / steps}
+        return {"ms_per_token": decode_ms_per_token(layer, task["T"], task["steps"])}
     raise ValueError(task)
+
+
+def decode_ms_per_token(layer, T: int, steps: int, d_model: int = D_MODEL) -> float:
+    """Mean ms of ``steps`` single-token calls after a no-grad prefill of ``T`` tokens in pieces of 4,096."""
+    import torch
+
+    layer.eval()
+    x = torch.randn(1, T + steps, d_model)
+    with torch.no_grad():
+        state = None
+        for a in range(0, T, 4096):
+            _, state = layer(x[:, a:min(a + 4096, T)], state)
+        t0 = time.perf_counter()
+        for t in range(T, T + steps):
+            _, state = layer(x[:, t:t + 1], state)
+    return 1e3 * (time.perf_counter() - t0) / steps
 
 
 def run(task: dict) -> dict:

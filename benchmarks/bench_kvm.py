@@ -70,15 +70,9 @@ def worker(task: dict) -> dict:
     layer.eval()
     with torch.no_grad():
         if task["what"] == "decode":  # prefill in pieces, then time single-token steps (one chunk: a fold included)
-            T, steps = task["T"], task["steps"]
-            x = torch.randn(1, T + steps, D_MODEL)
-            state = None
-            for a in range(0, T, 4096):
-                _, state = layer(x[:, a:min(a + 4096, T)], state)
-            t0 = time.perf_counter()
-            for t in range(T, T + steps):
-                _, state = layer(x[:, t:t + 1], state)
-            return {"ms_per_token": 1e3 * (time.perf_counter() - t0) / steps}
+            from bench_efficiency import decode_ms_per_token
+
+            return {"ms_per_token": decode_ms_per_token(layer, task["T"], task["steps"], D_MODEL)}
         if task["what"] == "state":  # streaming prefill; state bytes at each context length
             x = torch.randn(1, max(task["lengths"]), D_MODEL)
             state, out, pos = None, {}, 0
