@@ -9,50 +9,41 @@ from mixerzoo_kvm.lean_attention import (additive_mask, memory_window_attention,
                                          memory_window_attention_reference)
 
 
-def _inputs(pre_rope: bool, groups, rows, n_q: int, C: int = 8, nb: int = 2, Lq: int = 8, N: int = 3, D: int = 4,
-            dtype=torch.float32):
+def _inputs(pre_rope: bool, n: int, R: int, shared_mask: bool, C: int = 8, nb: int = 2, Lq: int = 8, N: int = 3,
+            D: int = 4, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     E = 2 * D if pre_rope else D
-    L = nb * C if n_q > 1 else 13  # a single chunk may have a window of any length
-    Tg = (n_q + nb - 1) * C if n_q > 1 else L
+    L = nb * C if n > 1 else 13  # a single chunk may have a window of any length
     leaf = lambda *s: torch.randn(*s, generator=g).to(dtype).requires_grad_(True)  # noqa: E731
-    q, grid_k, grid_v, tau = leaf(N, n_q, Lq, E), leaf(N, Tg, D), leaf(N, Tg, D), leaf(N)
-    mem_k = [leaf(N, b - a, r, D) for (a, b), r in zip(groups, rows)]
-    mem_v = [leaf(N, b - a, r, D) for (a, b), r in zip(groups, rows)]
-    masks = []
-    for (a, b), r in zip(groups, rows):
-        m = torch.rand(b - a, Lq, r + L, generator=g) > 0.3
-        m[..., r] = True  # no query row without a key
-        if b - a > 2:
-            m[:] = m[:1]  # one pattern for all chunks: exercises the broadcast mask
-        masks.append(additive_mask(m, dtype))
-    return (q, grid_k, grid_v, tau, groups, mem_k, mem_v, masks, L, C, pre_rope, D ** -0.5)
+    q, grid_k, grid_v, tau = leaf(N, n, Lq, E), leaf(N, (n - 1) * C + L, D), leaf(N, (n - 1) * C + L, D), leaf(N)
+    mem_k, mem_v = leaf(N, n, R, D), leaf(N, n, R, D)
+    m = torch.rand(n, Lq, R + L, generator=g) > 0.3
+    m[..., R] = True  # no query row without a key
+    if shared_mask:
+        m[:] = m[:1]  # one pattern for all chunks: exercises the broadcast mask
+    return (q, grid_k, grid_v, tau, mem_k, mem_v, additive_mask(m, dtype), L, C, pre_rope, D ** -0.5)
 
 
 def _grads(out, args):
-    leaves = [args[0], args[1], args[2], args[3], *args[5], *args[6]]
-    return torch.autograd.grad((out * torch.linspace(-1, 1, out.shape[-1])).square().sum(), leaves)
+    return torch.autograd.grad((out * torch.linspace(-1, 1, out.shape[-1])).square().sum(), args[:6])
 
 
 @pytest.mark.parametrize("pre_rope", [False, True], ids=["paper", "pre_rope"])
-@pytest.mark.parametrize("layout", ["groups", "single_chunk"])
+@pytest.mark.parametrize("layout", ["chunks", "chunks_shared_mask", "single_chunk"])
 def test_lean_equals_reference_values_and_gradients(pre_rope, layout):
-    if layout == "groups":
-        groups, rows, n_q = [(0, 2), (2, 6), (6, 7)], [0 + 1, 5, 7], 7
-    else:
-        groups, rows, n_q = [(0, 1)], [6], 1
-    args = _inputs(pre_rope, groups, rows, n_q)
+    n = 1 if layout == "single_chunk" else 5
+    args = _inputs(pre_rope, n, R=6, shared_mask=layout == "chunks_shared_mask")
     fast = memory_window_attention(*args)
     ref = memory_window_attention_reference(*args)
-    assert fast.shape == ref.shape == (3, n_q, 8, 4)
+    assert fast.shape == ref.shape == (3, n, 8, 4)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(_grads(fast, args), _grads(ref, args)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_lean_bf16_close_to_fp32_reference():
-    args32 = _inputs(False, [(0, 3)], [5], 3)
-    args16 = _inputs(False, [(0, 3)], [5], 3, dtype=torch.bfloat16)
+    args32 = _inputs(False, 3, 5, False)
+    args16 = _inputs(False, 3, 5, False, dtype=torch.bfloat16)
     torch.testing.assert_close(memory_window_attention(*args16).float(), memory_window_attention_reference(*args32),
                                atol=3e-2, rtol=3e-2)
 

@@ -267,8 +267,8 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         mask = additive_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1), q.dtype)
         half = len(pieces) // 2
         wk, wv = (ps[0] if len(ps) == 1 else torch.cat(ps, dim=1) for ps in (pieces[:half], pieces[half:]))
-        o = memory_window_attention(q_g, wk, wv, tau_w, [(0, n)], [mem_k], [mem_v.reshape(B * H, n, R, D)],
-                                    [mask], L, C, two, D ** -0.5)
+        o = memory_window_attention(q_g, wk, wv, tau_w, mem_k, mem_v.reshape(B * H, n, R, D), mask, L, C, two,
+                                    D ** -0.5)
         return o, s_k[:, :, -1], s_v[:, :, -1], rho, None if count is None else count[:, :, -1]
 
     carry = (state.s_k, state.s_v.to(state.s_k.dtype), state.rho, state.count)
