@@ -8,3 +8,4 @@ from .recall import RecallDataModule as RecallDataModule
 from .recall import make_mqar as make_mqar
 from .text import TextDataModule as TextDataModule
 from .icr import ICRDataModule as ICRDataModule
+from .icl import ICLDataModule as ICLDataModule

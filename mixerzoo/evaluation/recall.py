@@ -19,12 +19,14 @@ from typing import Callable, Sequence
 import torch
 
 from ..data.base import IGNORE_INDEX
+from ..data.icl import ICLSpec, accuracy_by_occurrence, icl_batch
 from ..data.icr import ICRSpec, icr_batch
 from ..data.recall import make_mqar_in_format
 from ..model.config import ConfigError
 from .models import EvalModel, model_vocab, stream_logits
 
-__all__ = ["teacher_forced_hits", "mqar_options", "icr_options", "mqar_sweep", "icr_sweep"]
+__all__ = ["teacher_forced_hits", "mqar_options", "icr_options", "icl_options", "mqar_sweep", "icr_sweep",
+           "icl_sweep"]
 
 MQAR_DEFAULT_KV_PAIRS = 16
 
@@ -81,6 +83,19 @@ def icr_options(em: EvalModel, task: str, vocab_size: int | None = None, key_len
             "value_len": int(value_len or trained.get("value_len") or spec.value_len),
             "n_queries": trained.get("n_queries") if same else None,
             "n_copies": int(trained.get("n_copies") or spec.n_copies) if same else spec.n_copies}
+
+
+def icl_options(em: EvalModel, vocab_size: int | None = None, io_len: int | None = None,
+                n_function_ids: int | None = None) -> dict:
+    """ICL options for ``em`` (the function count is chosen per sweep): explicit values win; else an
+    ICLDataModule checkpoint's training values; else the paper's defaults with the vocabulary capped at the
+    model's (paper: 10,000)."""
+    trained = em.data_args if em.trained_on("ICLDataModule") else {}
+    spec = ICLSpec()  # the paper's defaults
+    return {"vocab_size": int(vocab_size or trained.get("vocab_size") or min(spec.vocab_size, model_vocab(em.model))),
+            "io_len": int(io_len or trained.get("io_len") or spec.io_len),
+            "n_function_ids": int(n_function_ids or trained.get("n_function_ids") or spec.n_function_ids),
+            "trained_functions": trained.get("n_functions")}
 
 
 def _vocab_check(em: EvalModel, vocab_size: int) -> str | None:
@@ -158,4 +173,41 @@ def icr_sweep(em: EvalModel, task: str, lengths: Sequence[int], samples: int = 6
         correct, total = _score(em, ((b["input_ids"], b["labels"]) for b in batches), chunk, on_chunk)
         out["lengths"][str(L)] = ({"na": reason} if reason is not None else
                                   {"accuracy": correct / max(total, 1), "examples": samples, "value_tokens": total})
+    return out
+
+
+def icl_sweep(em: EvalModel, seq_len: int, function_counts: Sequence[int], samples: int = 64, batch_size: int = 16,
+              max_occurrence: int = 16, chunk: int = 1024, seed: int = 0, options: dict | None = None,
+              on_chunk: Callable[[int], None] | None = None) -> dict:
+    """Long in-context learning (OVQ paper sec. 4.1, figure 5) at ``seq_len`` tokens for each function count:
+    per-token accuracy over the output tokens, overall and by occurrence (the ``n``-th example of its function;
+    ranks above ``max_occurrence`` pooled), samples from the validation stream (``split=1``).
+
+    Returns:
+        ``{"options": {...}, "seq_len": T, "functions": {str(F): {"accuracy", "by_occurrence": [acc or None per
+        rank], "outputs_by_occurrence": [count per rank], "examples"} or {"na": reason}}}``.
+    """
+    opts = options or icl_options(em)
+    out: dict = {"options": opts, "seq_len": seq_len, "functions": {}}
+    for F in function_counts:
+        reason = _vocab_check(em, opts["vocab_size"])
+        if reason is None:
+            try:
+                spec = ICLSpec(opts["vocab_size"], opts["io_len"], F, opts["n_function_ids"])
+                spec.examples(seq_len)
+            except ConfigError as e:
+                reason = str(e)
+        if reason is not None:
+            out["functions"][str(F)] = {"na": reason}
+            continue
+        correct, total = torch.zeros(max_occurrence), torch.zeros(max_occurrence)
+        for b0 in range(0, samples, batch_size):
+            b = icl_batch(spec, min(batch_size, samples - b0), seq_len, seed=seed, split=1, start=b0)
+            hits = teacher_forced_hits(em.model, b["input_ids"], b["labels"], chunk, on_chunk)
+            c, t = accuracy_by_occurrence(hits, b["occurrence"], max_occurrence)
+            correct, total = correct + c, total + t
+        out["functions"][str(F)] = {
+            "accuracy": float(correct.sum() / total.sum().clamp(min=1)),
+            "by_occurrence": [float(c / t) if t > 0 else None for c, t in zip(correct, total)],
+            "outputs_by_occurrence": [int(t) for t in total], "examples": samples}
     return out

@@ -31,7 +31,7 @@ def x_input(T: int, seed: int = 0) -> torch.Tensor:
     dict(),  # chunk_len 16 > every split: splits fall inside chunks
     dict(chunk_len=5, phi="identity", f="l2_silu"),
     dict(chunk_len=1),
-    dict(chunk_len=7, forget_gate=False, short_conv=False, detach_inner_grad=True),
+    dict(chunk_len=7, forget_gate=False, short_conv=False, detach_inner_grad=True, f="softmax"),
     dict(chunk_len=4, write_norm="none", qk_norm="rms"),  # the paper-literal writes
 ])
 def test_conformance(options):
@@ -132,7 +132,7 @@ def test_registered_under_trellis():
 
 
 @pytest.mark.parametrize("options,field", [
-    (dict(phi="relu"), "phi"), (dict(f="softmax"), "f"), (dict(num_slots=0), "num_slots"),
+    (dict(phi="relu"), "phi"), (dict(f="sigmoid"), "f"), (dict(num_slots=0), "num_slots"),
     (dict(chunk_len=0), "chunk_len"), (dict(forget_init=1.0), "forget_init"), (dict(positional="rope"), "positional"),
     (dict(write_norm="rms"), "write_norm"), (dict(checkpoint_chunks=-2), "checkpoint_chunks"),
 ])

@@ -124,6 +124,9 @@ def written_out_gated_delta_rule(q, k, v, alpha, b):
 
 def normalized_silu_by_hand(s, f):
     h = s * torch.sigmoid(s)
+    if f == "softmax":
+        e = torch.exp(s - s.amax(-1, keepdim=True))
+        return e / e.sum(-1, keepdim=True)
     if f == "layernorm_silu":
         return (h - h.mean(-1, keepdim=True)) / torch.sqrt(h.var(-1, unbiased=False, keepdim=True) + 1e-5)
     return h / h.norm(dim=-1, keepdim=True).clamp_min(1e-6)

@@ -89,7 +89,8 @@ class Trellis(Mixer):
             Decoding reproduces the chunked form with the same ``C``.
         phi: inner nonlinearity of the reconstruction loss, ``silu`` (default) or ``identity`` (then each pass
             is a gated delta rule).
-        f: normalised SiLU of the reads, ``layernorm_silu`` (default) or ``l2_silu``.
+        f: intermediate activation of the reads, ``layernorm_silu`` (default), ``l2_silu`` or ``softmax`` (the
+            ablation table's "standard" softmax over slots).
         forget_gate: learn ``beta_t``; False fixes ``beta = 1`` (the "no forget gate" ablation).
         forget_init: initial forget gate ``sigmoid(b_b)`` (default 0.99); restored by :meth:`post_lm_init`.
         gamma_init: initial inner learning rate (default 1e-2).

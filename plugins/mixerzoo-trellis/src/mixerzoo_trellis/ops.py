@@ -42,7 +42,7 @@ __all__ = ["PHIS", "FS", "TrellisMemory", "zero_memory", "phi_forward", "inner_g
 
 PHIS = ("silu", "identity")
 """Inner nonlinearity ``phi`` of the reconstruction loss: ``silu`` (default) or ``identity`` (delta rule)."""
-FS = ("layernorm_silu", "l2_silu")
+FS = ("layernorm_silu", "l2_silu", "softmax")
 """Normalised SiLU ``f``: ``LayerNorm(SiLU(s))`` (default) or ``SiLU(s) / ||SiLU(s)||_2``."""
 
 LAYERNORM_EPS = 1e-5
@@ -113,11 +113,14 @@ def inner_grad(m_grad: torch.Tensor, w: torch.Tensor, a: torch.Tensor, phi: str,
 
 
 def normalized_silu(s: torch.Tensor, f: str) -> torch.Tensor:
-    """The paper's normalised SiLU over the last dimension (section 3.2 and the ablation table).
+    """The paper's intermediate activation over the last dimension (section 3.2 and the ablation table, sec. 4).
 
-    ``layernorm_silu``: ``LayerNorm(SiLU(s))`` without affine parameters (eps 1e-5);
-    ``l2_silu``: ``SiLU(s) / max(||SiLU(s)||_2, 1e-6)``.
+    ``layernorm_silu`` (the paper's baseline): ``LayerNorm(SiLU(s))`` without affine parameters (eps 1e-5);
+    ``l2_silu``: ``SiLU(s) / max(||SiLU(s)||_2, 1e-6)``; ``softmax``: ``softmax(s)``, the ablation's "standard"
+    activation of ABC/GSA-style two-pass readouts (rows sum to 1).
     """
+    if f == "softmax":
+        return torch.softmax(s, dim=-1)
     h = F.silu(s)
     if f == "layernorm_silu":
         return F.layer_norm(h, h.shape[-1:], eps=LAYERNORM_EPS)

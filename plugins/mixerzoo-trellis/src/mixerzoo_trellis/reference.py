@@ -45,7 +45,7 @@ def trellis_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
         q, k: ``(B, H, T, d_k)``; v: ``(B, H, T, d_v)``; a: ``(B, H, T, m)`` slot targets.
         beta: ``(B, H, T)`` forget gate in ``(0, 1]`` (not its log).
         gamma: ``(H,)`` inner learning rate.
-        phi: ``silu`` or ``identity``; f: ``layernorm_silu`` or ``l2_silu``.
+        phi: ``silu`` or ``identity``; f: ``layernorm_silu``, ``l2_silu`` or ``softmax``.
         chunk_len: inner gradients are taken at the memory of the last chunk boundary (multiples of
             ``chunk_len`` in absolute position); ``1`` is the exact per-token recurrence.
         memory, pos: state to continue from and the absolute position of the first token.
