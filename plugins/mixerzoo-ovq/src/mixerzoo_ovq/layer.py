@@ -96,6 +96,7 @@ class OVQAttention(Mixer):
 
     positional_encodings = ("nope",)
     uses_schedule = True
+    mixer_name = "ovq"  # in error messages
     uses_shared = True
 
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, head_dim: int | None = None,
@@ -106,15 +107,15 @@ class OVQAttention(Mixer):
                  use_reference: bool = False, layer_idx: int = 0) -> None:
         super().__init__()
         if not isinstance(chunk_len, int) or chunk_len < 1:
-            raise ValueError(f"ovq chunk_len must be a positive integer (paper: 128), got {chunk_len!r}")
+            raise ValueError(f"{self.mixer_name} chunk_len must be a positive integer (paper: 128), got {chunk_len!r}")
         if new_centroids not in ("spread", "random"):
-            raise ValueError(f"ovq new_centroids must be 'spread' (paper) or 'random' (ablation), got {new_centroids!r}")
+            raise ValueError(f"{self.mixer_name} new_centroids must be 'spread' (paper) or 'random' (ablation), got {new_centroids!r}")
         if centroid_lr is not None and not centroid_lr > 0:
-            raise ValueError(f"ovq centroid_lr must be null (1/count, paper) or a positive float (ablation: 0.25), "
+            raise ValueError(f"{self.mixer_name} centroid_lr must be null (1/count, paper) or a positive float (ablation: 0.25), "
                              f"got {centroid_lr!r}")
         pos_name = positional if isinstance(positional, str) else getattr(positional, "get", lambda *_: None)("name")
         if pos_name != "nope":
-            raise ValueError(f"ovq positional must be 'nope' (the dictionary merges keys from every position), "
+            raise ValueError(f"{self.mixer_name} positional must be 'nope' (the dictionary merges keys from every position), "
                              f"got {positional!r}; put RoPE in the interleaved sliding-window layers instead")
         self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim, "nope", None, token_shift,
                                  value_residual, bias)
@@ -122,7 +123,7 @@ class OVQAttention(Mixer):
         self.beta = nn.Parameter(torch.full((n_heads,), float(beta_init)))
         self.chunk_len, self.new_centroids, self.centroid_lr = chunk_len, new_centroids, centroid_lr
         if not isinstance(checkpoint_chunks, int) or isinstance(checkpoint_chunks, bool) or checkpoint_chunks < 0:
-            raise ValueError(f"ovq checkpoint_chunks must be an integer >= 0 (0: no recomputation), "
+            raise ValueError(f"{self.mixer_name} checkpoint_chunks must be an integer >= 0 (0: no recomputation), "
                              f"got {checkpoint_chunks!r}")
         self.renormalize, self.seed, self.use_reference, self.layer_idx = renormalize, seed, use_reference, layer_idx
         self.checkpoint_chunks = checkpoint_chunks
@@ -196,13 +197,11 @@ class OVQAttention(Mixer):
         st = state if state is not None else self.empty_state(B, x.device)
         p0 = st.next_pos
         if st.buf_k.shape[2] != p0 % L:
-            raise ValueError(f"ovq state holds {st.buf_k.shape[2]} buffered tokens at position {p0}, expected "
+            raise ValueError(f"{self.mixer_name} state holds {st.buf_k.shape[2]} buffered tokens at position {p0}, expected "
                              f"{p0 % L}: was chunk_len changed mid-sequence?")
         q, k, v, _, shift = self.qkv.stream(x, st, shared)
         q, k = self.normalize_qk(q, k)
-        # the dictionary and its counts stay float32 under autocast (bf16 running means drift ~1.5% after 8k
-        # merges); attention reads them in the compute dtype
-        carry = (st.dk.float(), st.dv.float(), st.counts, st.buf_k.to(k.dtype), st.buf_v.to(v.dtype))
+        carry = self._carry(st, k.dtype)
         span = L * self.checkpoint_chunks
         bounds, t = [], 0
         while t < T:  # segments of checkpoint_chunks chunks (aligned to absolute positions)
@@ -221,19 +220,39 @@ class OVQAttention(Mixer):
                 o, *carry = self._segment(qs, ks, vs, pos, *carry)
             outs.append(o)
             pos += qs.shape[2]
-        dk, dv, counts, buf_k, buf_v = carry
         o = torch.cat(outs, dim=2)
         y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-        return y, OVQState(dk=dk, dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, next_pos=p0 + T, shift=shift)
+        return y, self._state(carry, p0 + T, shift)
+
+    def _carry(self, st: OVQState, dtype: torch.dtype) -> tuple:
+        """What the chunk loop carries: ``(dk, dv, counts, buf_k, buf_v)``. The dictionary and its counts stay
+        float32 under autocast (bf16 running means drift ~1.5% after 8k merges); attention reads them in the
+        compute dtype."""
+        return st.dk.float(), st.dv.float(), st.counts, st.buf_k.to(dtype), st.buf_v.to(dtype)
+
+    def _state(self, carry: tuple, next_pos: int, shift) -> OVQState:
+        """The state after the chunk loop (inverse of :meth:`_carry`)."""
+        dk, dv, counts, buf_k, buf_v = carry
+        return OVQState(dk=dk, dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, next_pos=next_pos, shift=shift)
+
+    def _merge(self, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
+               vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Merge the complete chunk ``chunk_idx`` (keys/values ``(B, H_kv, L, D)``, float32) into the dictionary
+        (eq. 17-19); returns ``dk, dv, counts``."""
+        B, L = kc.shape[0], self.chunk_len
+        update = reference.update_dictionary_reference if self.use_reference else ops.update_dictionary
+        n_new = ops.new_centroid_count(self.schedule, chunk_idx, L, dk.shape[2])
+        scores = (ops.random_scores(chunk_idx, B, kc.shape[1], L, self.seed, self.layer_idx, kc.device)
+                  if self.new_centroids == "random" else None)
+        return update(dk, dv, counts, kc, vc, n_new, scores, self.centroid_lr, self.renormalize)
 
     def _segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, dk: torch.Tensor,
                  dv: torch.Tensor, counts: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor) -> tuple:
         """Tokens at absolute positions ``pos .. pos + T`` (``q, k, v (B, H, T, D)``), chunk by chunk: each piece
         attends over ``[D_k ; K_c]`` (eq. 15), each completed chunk is merged into the dictionary (eq. 17-19).
         Returns ``(o (B, H, T, D), dk, dv, counts, buf_k, buf_v)``."""
-        B, L = q.shape[0], self.chunk_len
+        L = self.chunk_len
         attend = reference.chunk_attention_reference if self.use_reference else ops.chunk_attention
-        update = reference.update_dictionary_reference if self.use_reference else ops.update_dictionary
         T = q.shape[2]
         first = min(L - buf_k.shape[2], T)  # the rest of the unfinished chunk, then whole chunks
         sizes = [first] + [min(L, T - t) for t in range(first, T, L)]
@@ -245,12 +264,7 @@ class OVQAttention(Mixer):
             outs.append(attend(qc, dk.to(q.dtype), dv.to(q.dtype), counts.log(), kc, vc))
             t += qc.shape[2]
             if kc.shape[2] == L:                          # the chunk is complete: merge it (eq. 17-19)
-                c = (pos + t) // L - 1
-                n_new = ops.new_centroid_count(self.schedule, c, L, dk.shape[2])
-                scores = (ops.random_scores(c, B, kc.shape[1], L, self.seed, self.layer_idx, kc.device)
-                          if self.new_centroids == "random" else None)
-                dk, dv, counts = update(dk, dv, counts, kc.float(), vc.float(), n_new, scores, self.centroid_lr,
-                                        self.renormalize)
+                dk, dv, counts = self._merge((pos + t) // L - 1, dk, dv, counts, kc.float(), vc.float())
                 buf_k, buf_v = kc[:, :, :0], vc[:, :, :0]
             else:
                 buf_k, buf_v = kc, vc

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunk_attention", "update_dictionary", "new_centroid_count", "random_scores"]
+__all__ = ["chunk_attention", "update_dictionary", "new_centroid_count", "random_scores", "vq_merge"]
 
 
 def new_centroid_count(schedule, chunk_idx: int, chunk_len: int, size: int) -> int:
@@ -146,3 +146,22 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
     if renormalize:  # both dictionaries, as the pseudocode's lines 22-23
         dk_new, dv_new = F.normalize(dk_new, dim=-1), F.normalize(dv_new, dim=-1)
     return dk_new, dv_new, counts_new
+
+
+def vq_merge(dv: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, vc: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge a chunk into a static codebook's value means (VQ-attention, OVQ paper eq. 7-10): each value joins
+    the running mean of the codeword its key was quantized to, ``c' = c + m``, ``dv' = (c dv + sum v) / c'``.
+
+    Args:
+        dv: ``(B, H_kv, N, D)`` value means (0 where a codeword has no key); counts: ``(B, H_kv, N)`` float.
+        index: ``(B, H_kv, L)`` long, the codeword of each chunk key. vc: ``(B, H_kv, L, D)`` the chunk's values.
+
+    Returns:
+        ``dv, counts`` of the same shapes.
+    """
+    B, Hkv, N, D = dv.shape
+    new = counts.scatter_add(-1, index, torch.ones_like(index, dtype=counts.dtype))
+    sums = torch.zeros_like(dv).scatter_add(2, index[..., None].expand(B, Hkv, index.shape[-1], D), vc.to(dv.dtype))
+    denom = new.clamp(min=1)[..., None]
+    return dv * (counts[..., None] / denom) + sums / denom, new

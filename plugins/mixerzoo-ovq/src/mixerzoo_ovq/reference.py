@@ -6,6 +6,8 @@ Slow on purpose (Python loops over batch, heads and keys); tests compare the fas
   The log-count prior becomes one extra channel: queries get a constant 1, dictionary keys get
   ``log c`` and chunk keys ``log 1 = 0``, so ``q' . k' = q . k + log c``.
 - :func:`update_dictionary_reference`: eq. 17-19 one key at a time.
+- :func:`vq_merge_reference`: a static codebook's value means, one value at a time;
+  :func:`vq_attention_reference`: VQ-attention's quadratic form (eq. 3), softmax attention with quantized keys.
 - :func:`ovq_attention_reference`: a whole sequence from an empty dictionary, chunk by chunk, in the shape of
   the paper's appendix 8.3 pseudocode (``ovq_attention`` / ``update_dict``).
 """
@@ -19,7 +21,8 @@ from mixerzoo.mixers.attention import attention_reference
 
 from .ops import new_centroid_count, random_scores
 
-__all__ = ["chunk_attention_reference", "update_dictionary_reference", "ovq_attention_reference"]
+__all__ = ["chunk_attention_reference", "update_dictionary_reference", "ovq_attention_reference",
+           "vq_merge_reference", "vq_attention_reference"]
 
 
 def chunk_attention_reference(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_counts: torch.Tensor,
@@ -124,3 +127,43 @@ def ovq_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
             dk, dv, counts = update_dictionary_reference(dk, dv, counts, k[:, :, sl], v[:, :, sl], n_new,
                                                          scores, centroid_lr, renormalize)
     return torch.cat(outs, dim=2), (dk, dv, counts)
+
+
+def vq_merge_reference(dv: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, vc: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for :func:`mixerzoo_ovq.ops.vq_merge`: the running mean updated one value at a time."""
+    B, Hkv, N, D = dv.shape
+    rows_v, rows_c = [], []
+    for b in range(B):
+        heads_v, heads_c = [], []
+        for h in range(Hkv):
+            means, c = list(dv[b, h]), [float(x) for x in counts[b, h]]
+            for i in range(index.shape[-1]):
+                j = int(index[b, h, i])
+                c[j] += 1
+                means[j] = means[j] + (vc[b, h, i].to(dv.dtype) - means[j]) / c[j]
+            heads_v.append(torch.stack(means))
+            heads_c.append(torch.tensor(c, dtype=counts.dtype, device=counts.device))
+        rows_v.append(torch.stack(heads_v))
+        rows_c.append(torch.stack(heads_c))
+    return torch.stack(rows_v), torch.stack(rows_c)
+
+
+def vq_attention_reference(q: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, chunk_len: int | None = None,
+                           k_code: torch.Tensor | None = None) -> torch.Tensor:
+    """VQ-attention in its quadratic form (OVQ paper eq. 3-4): causal softmax attention, scale 1, over keys
+    already quantized. ``q (B, H, T, D)``, ``k_hat, v (B, H_kv, T, D)`` -> ``(B, H, T, D)``.
+
+    With ``chunk_len`` and ``k_code`` (the same codewords without the straight-through path to the keys), a key
+    is seen through ``k_hat`` by queries of its own chunk and through ``k_code`` by later chunks: the values are
+    the same, and the gradients are those of the linear-time form, where past chunks are folded into codewords.
+    """
+    T, g = q.shape[2], q.shape[1] // k_hat.shape[1]
+    k_hat, v = k_hat.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    logits = q @ k_hat.transpose(-1, -2)
+    if chunk_len is not None:
+        chunk = torch.arange(T, device=q.device) // chunk_len
+        same = chunk[:, None] == chunk[None, :]
+        logits = torch.where(same, logits, q @ k_code.repeat_interleave(g, 1).transpose(-1, -2))
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1) @ v

@@ -1,0 +1,152 @@
+"""VQ-attention with a static, learned key codebook: the "sw-vq" baseline of the OVQ paper (arXiv 2602.03922,
+sec. 2.2-2.3, eq. 3-10, appendix 8.1), after Transformer-VQ (Lingle, 2023).
+
+VQ-attention is softmax attention whose keys are replaced by their nearest codeword (eq. 3):
+``o_t = softmax(q_t K_hat_{0:t}^T) V_{0:t}``. Because every key assigned to codeword ``i`` has the same
+quantized key, past chunks collapse into per-codeword value means and counts (eq. 7-10):
+``exp(q d_i + log c_i) mean_i(v)`` is the sum of their terms, so the chunked form below is *exactly* the
+quadratic form, with a state of ``codebook_size`` value rows and counts per kv head, whatever the context.
+
+It shares OVQ-attention's chunk loop (:class:`~mixerzoo_ovq.layer.OVQAttention`): queries of chunk ``c``
+attend over ``[codebook ; K_hat_c]`` with the log-count prior (codewords no key has reached yet have count 0,
+prior ``-inf``); a complete chunk is merged by adding its values to their codewords' running means. What
+differs from OVQ is only where ``D_k`` comes from: a parameter trained by backpropagation, never updated
+online (the paper's point: this static dictionary models a sequence's keys poorly).
+
+Deviations from the paper's sw-vq (appendix 8.1), stated: the codebook is trained by a straight-through
+estimator (the quantized key's value is the codeword; the gradient reaches both the codeword and the key)
+instead of space-filling DiVeQ with a dead-codeword penalty; codewords and keys are unit norm, as the paper's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixerzoo.mixers.qkv import StreamState
+
+from . import ops, reference
+from .layer import OVQAttention
+
+__all__ = ["VQState", "VQAttention", "quantize_keys"]
+
+
+@dataclasses.dataclass
+class VQState(StreamState):
+    """State of :class:`VQAttention` after ``next_pos`` tokens.
+
+    Attributes:
+        dv: ``(B, H_kv, N, D)`` float32, the mean value of the keys each codeword absorbed (0 where none).
+        counts: ``(B, H_kv, N)`` float32, how many keys each codeword absorbed.
+        buf_k, buf_v: quantized keys and values of the unfinished chunk, ``(B, H_kv, next_pos % L, D)``.
+    """
+
+    dv: torch.Tensor
+    counts: torch.Tensor
+    buf_k: torch.Tensor
+    buf_v: torch.Tensor
+
+
+def quantize_keys(k: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest codeword of each unit-norm key (largest dot product = smallest distance on the sphere), eq. 3.
+
+    Args:
+        k: ``(B, H_kv, T, D)`` unit-norm keys.
+        codebook: ``(H_kv, N, D)`` unit-norm codewords.
+
+    Returns:
+        ``k_hat (B, H_kv, T, D)``: the codeword in value, with a straight-through gradient to ``k`` and the
+        codeword's own gradient; ``index (B, H_kv, T)`` long.
+    """
+    with torch.no_grad():
+        index = torch.einsum("bhtd,hnd->bhtn", k, codebook.to(k.dtype)).argmax(-1)
+    B, Hkv, T, D = k.shape
+    picked = codebook.to(k.dtype)[None].expand(B, Hkv, -1, D).gather(2, index[..., None].expand(B, Hkv, T, D))
+    return picked + (k - k.detach()), index
+
+
+class VQAttention(OVQAttention):
+    """VQ-attention (sw-vq baseline): softmax attention over keys quantized to a learned codebook (eq. 3).
+
+    Args:
+        d_model, n_heads, n_kv_heads, head_dim, chunk_len, beta_init, positional, token_shift, value_residual,
+            bias, checkpoint_chunks, use_reference: as :class:`~mixerzoo_ovq.layer.OVQAttention`.
+        codebook_size: ``N`` codewords per kv head (paper's sw-vq: 1k-3k), fixed: the state is ``N`` value rows
+            and counts from the first token on.
+
+    State: :class:`VQState`, constant size (``N`` rows + ``< L`` buffered tokens).
+
+    Raises:
+        ValueError: a bad option (named); :meth:`set_max_size` with another size (a learned codebook cannot grow).
+    """
+
+    uses_schedule = False
+    mixer_name = "vq"
+
+    def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, head_dim: int | None = None,
+                 chunk_len: int = 128, codebook_size: int = 2048, beta_init: float = 1.0, positional: Any = "nope",
+                 token_shift: bool = False, value_residual: bool = False, bias: bool = False,
+                 checkpoint_chunks: int = 8, use_reference: bool = False, layer_idx: int = 0) -> None:
+        if not isinstance(codebook_size, int) or isinstance(codebook_size, bool) or codebook_size < 1:
+            raise ValueError(f"vq codebook_size (N codewords per kv head) must be a positive integer, "
+                             f"got {codebook_size!r}")
+        super().__init__(d_model, n_heads, n_kv_heads, head_dim, chunk_len, codebook_size, "saturating",
+                         beta_init=beta_init, positional=positional, token_shift=token_shift,
+                         value_residual=value_residual, bias=bias, checkpoint_chunks=checkpoint_chunks,
+                         use_reference=use_reference, layer_idx=layer_idx)
+        self.codebook = nn.Parameter(F.normalize(torch.randn(self.qkv.n_kv_heads, codebook_size, self.qkv.head_dim),
+                                                 dim=-1))
+
+    def set_max_size(self, max_size: int) -> "VQAttention":
+        """The codebook size is fixed; only the current size is accepted (returns ``self``).
+
+        Raises:
+            ValueError: any other size (the codebook is a trained parameter).
+        """
+        if hasattr(self, "codebook") and max_size != self.codebook.shape[1]:
+            raise ValueError(f"vq codebook_size is a trained parameter ({self.codebook.shape[1]} codewords) and "
+                             f"cannot change at evaluation time (got {max_size}); that is what OVQ's online "
+                             f"dictionary adds")
+        self._max_size = max_size
+        return self
+
+    def codes(self) -> torch.Tensor:
+        """``(H_kv, N, D)`` unit-norm codewords."""
+        return F.normalize(self.codebook, dim=-1)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries as OVQ's; keys unit norm, then quantized to their nearest codeword (:func:`quantize_keys`)."""
+        q, k = super().normalize_qk(q, k)
+        return q, quantize_keys(k, self.codes())[0]
+
+    def empty_state(self, batch: int, device=None, dtype=torch.float32) -> VQState:
+        """The state at the start of a sequence: no key absorbed yet, empty chunk."""
+        Hkv, N, D = self.codebook.shape
+        z = torch.zeros(batch, Hkv, 0, D, device=device, dtype=dtype)
+        return VQState(dv=torch.zeros(batch, Hkv, N, D, device=device), counts=torch.zeros(batch, Hkv, N, device=device),
+                       buf_k=z, buf_v=z, next_pos=0)
+
+    def _carry(self, st: VQState, dtype: torch.dtype) -> tuple:
+        B = st.dv.shape[0]
+        return (self.codes().float()[None].expand(B, -1, -1, -1), st.dv.float(), st.counts, st.buf_k.to(dtype),
+                st.buf_v.to(dtype))
+
+    def _state(self, carry: tuple, next_pos: int, shift) -> VQState:
+        _, dv, counts, buf_k, buf_v = carry
+        return VQState(dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, next_pos=next_pos, shift=shift)
+
+    def _merge(self, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
+               vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Add the complete chunk's values to their codewords' running means (eq. 7-10); the codebook stays."""
+        merge = reference.vq_merge_reference if self.use_reference else ops.vq_merge
+        index = (kc @ dk.transpose(-1, -2)).argmax(-1)        # kc are codewords: recovers each key's codeword
+        dv, counts = merge(dv, counts, index, vc)
+        return dk, dv, counts
+
+    def extra_repr(self) -> str:
+        return f"chunk_len={self.chunk_len}, codebook_size={self.codebook.shape[1]}"
