@@ -191,3 +191,23 @@ def test_the_source_is_opened_once_for_weights_freeze_and_teacher(tiny_llama, mo
     with torch.no_grad():
         torch.testing.assert_close(m._teacher[0](x)[0], load_model(tiny_llama).model(x)[0])
     assert not any(p.requires_grad for p in m._teacher[0].parameters())
+
+
+def test_load_model_converts_without_training_where_a_mixer_changes(tiny_llama):
+    """``load_model(mixers=...)`` (what ``evaluate --mixers`` uses) with another mixer for a layer starts as
+    ``fit`` with ``init_from`` does: the teacher's weights load, the new parameters keep their initialisation and
+    are reported, and the model equals the teacher within the window; an override that keeps the mixer still loads
+    exactly, with no conversion report."""
+    teacher = load_model(tiny_llama).model
+    loaded = load_model(tiny_llama, mixers={"attention": KVM_PRE_ROPE})
+    assert loaded.converted["layers"] == list(range(teacher.config.n_layers))
+    assert loaded.converted["new"] and all(".mixer." in k for k in loaded.converted["new"])
+    x = ids(40)
+    with torch.no_grad():
+        want, got = teacher(x)[0], loaded.model(x)[0]
+    assert (got[:, :16] - want[:, :16]).abs().max().item() < 1e-4
+    assert load_model(tiny_llama, mixers={"attention": {"use_reference": True}}).converted is None
+    tova = load_model(tiny_llama, mixers={"attention": {"mixer": "tova", "multi_state": 8}}).converted
+    assert tova is None or tova["new"] == []        # a cache policy on the same weights: nothing new
+    with pytest.raises(ConfigError, match="no place"):
+        load_model(tiny_llama, mixers={"attention": {**KVM_PRE_ROPE, "n_kv_heads": None}})

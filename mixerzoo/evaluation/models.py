@@ -66,6 +66,13 @@ def load_eval_model(path: str, name: str | None = None, tokenizer: str | None = 
 
     loaded = load_model(os.path.expanduser(path), tokenizer=tokenizer, mixers=mixers, device=device, dtype=dtype)
     trained, model = loaded.trained, loaded.model
+    if loaded.converted and loaded.converted["new"]:
+        import sys
+
+        print(f"mixerzoo: {name or path}: layers {loaded.converted['layers']} converted without training; "
+              f"{len(loaded.converted['new'])} new tensors keep their initialisation "
+              f"({', '.join(loaded.converted['new'][:3])}{' ...' if len(loaded.converted['new']) > 3 else ''})",
+              file=sys.stderr)
     data = trained.recipe.get("data", {}) or {}
     args = dict(data.get("init_args") or {})
     cfg = trained.config
@@ -77,7 +84,8 @@ def load_eval_model(path: str, name: str | None = None, tokenizer: str | None = 
             "non_embedding_parameters": model.num_parameters(), "global_step": trained.global_step,
             "training_tokens": trained.training_tokens, "train_seq_len": seq_len,
             "data": data.get("class_path"), "tokenizer": trained.tokenizer_source,
-            **({"pretrained": origin.get("source"), "model_type": origin.get("model_type")} if origin else {})}
+            **({"pretrained": origin.get("source"), "model_type": origin.get("model_type")} if origin else {}),
+            **({"converted_without_training": loaded.converted} if loaded.converted else {})}
     return EvalModel(name=name or _default_name(path), model=model, tokenizer=trained.tokenizer,
                      eos_id=trained.eos_id, train_seq_len=seq_len if isinstance(seq_len, int) else None,
                      data_class=data.get("class_path"), data_args=args, info=info, trained=trained)

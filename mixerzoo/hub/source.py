@@ -39,6 +39,8 @@ class LoadedModel:
         tokenizer: a ``tokenizers.Tokenizer``. eos_id: end-of-text id (None without one).
         trained: the :class:`TrainedModel` it was built from (config after overrides, recipe, origin, metrics).
         kind: ``checkpoint``, ``export`` or ``transformers``.
+        converted: for a model whose ``mixers`` override changed some layers' mixer (a conversion without
+            training): ``{"layers": [indices], "new": [tensor names that kept their initialisation]}``; else None.
     """
 
     model: LanguageModel
@@ -46,6 +48,7 @@ class LoadedModel:
     eos_id: int | None
     trained: TrainedModel
     kind: str
+    converted: dict | None = None
 
     @property
     def chat_template(self) -> str | None:
@@ -158,7 +161,11 @@ def load_model(source: str | os.PathLike, *, tokenizer: str | None = None, mixer
         source: a ``.ckpt``, an export folder / Hub id, a transformers folder or a ``.gguf`` file.
         tokenizer: a tokenizer.json to use instead of the model's own.
         mixers: per-layer-name option overrides merged into ``config.mixers`` before building (e.g.
-            ``{"attention": {"mixer": "tova", "multi_state": 256}}``); the weights must still fit.
+            ``{"attention": {"mixer": "tova", "multi_state": 256}}``). Where an override changes a layer's mixer
+            (``{"attention": {"mixer": "kvm", ...}}``) the model is *converted without training*, as ``fit`` with
+            ``model.init_from`` starts: every weight that fits loads, the new mixer's own parameters keep their
+            initialisation (KVM's and SWA's equal the source's attention while the context fits in their window),
+            and :attr:`LoadedModel.converted` lists them. Otherwise the weights must fit exactly.
         device, dtype: where and in which floating type to run (default: CPU; the dtype of the weights).
         quiet: no progress bar while importing a transformers model.
 
@@ -167,27 +174,55 @@ def load_model(source: str | os.PathLike, *, tokenizer: str | None = None, mixer
         ConfigError also when the overridden layers' parameters do not fit the weights (names them).
     """
     trained, kind = open_source(source, tokenizer=tokenizer, quiet=quiet)
+    original = trained.config
     trained.config = with_mixers(trained.config, mixers)
-    return build_loaded(trained, kind, device=device, dtype=dtype)
+    changed = [i for i, (a, b) in enumerate(zip(trained.config.layer_specs(), original.layer_specs()))
+               if a.mixer != b.mixer]
+    if not changed:
+        return build_loaded(trained, kind, device=device, dtype=dtype)
+    return _build_converted(trained, kind, changed, device=device, dtype=dtype)
+
+
+def _build_converted(trained: TrainedModel, kind: str, layers: list[int], *, device=None, dtype=None
+                     ) -> LoadedModel:
+    """A model whose ``layers`` got another mixer than the weights were trained with: load what fits, keep the
+    new mixers' initialisation (the same start as ``fit`` with ``model.init_from``), refuse weights left over.
+
+    Raises:
+        ConfigError: a source weight that has no place in the converted model (names the first few).
+    """
+    from ..model.config import ConfigError
+    from .checkpoint import load_matching_weights
+
+    model = LanguageModel(trained.config)
+    report = load_matching_weights(model, trained.state_dict)
+    if report["unused"]:
+        raise ConfigError(f"{trained.source}: converting layers {layers} leaves weights with no place in the new "
+                          f"model ({', '.join(report['unused'][:3])}); give the new mixer the source's head layout "
+                          f"(n_heads, n_kv_heads, head_dim) and biases")
+    return build_loaded(trained, kind, device=device, dtype=dtype, model=model.eval(),
+                        converted={"layers": layers, "new": report["new"]})
 
 
 def build_loaded(trained: TrainedModel, kind: str, *, device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None) -> LoadedModel:
+                 dtype: str | torch.dtype | None = None, model: LanguageModel | None = None,
+                 converted: dict | None = None) -> LoadedModel:
     """The model of an already opened source (:func:`open_source`), as :func:`load_model` returns it: every weight
-    loaded exactly, eval mode, on ``device`` in ``dtype`` (default: CPU; the dtype of the weights).
+    loaded exactly (or ``model``, already built and loaded, with its ``converted`` report), eval mode, on
+    ``device`` in ``dtype`` (default: CPU; the dtype of the weights).
 
     Raises:
         ConfigError: the weights do not fit ``trained.config``.
     """
     from .load import _dtype
 
-    model = trained.build_model()
+    model = trained.build_model() if model is None else model
     want = _dtype(dtype) if dtype not in (None, "auto") else next(
         (t.dtype for t in trained.state_dict.values() if t.is_floating_point()), None)
     if want is not None or device is not None:
         model.to(device=device, dtype=want)
     return LoadedModel(model=model, tokenizer=trained.tokenizer, eos_id=trained.eos_id, trained=trained,
-                       kind=kind)
+                       kind=kind, converted=converted)
 
 
 def read_lm_config(source: str | os.PathLike) -> LMConfig:
