@@ -23,14 +23,15 @@ examples, each an input ``x`` of ``io_len`` integers, the function's id, the out
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
-from torch.utils.data import DataLoader, Dataset
 
 from ..model.config import ConfigError
-from .base import IGNORE_INDEX, LMDataModule, check_int
+from .base import IGNORE_INDEX
+from .synthetic import GeneratedTaskDataModule, sample_seed
 
-__all__ = ["PAD", "SEP", "N_SPECIAL", "ICLSpec", "icl_sample", "icl_batch", "accuracy_by_occurrence", "ICLDataset",
+__all__ = ["PAD", "SEP", "N_SPECIAL", "ICLSpec", "icl_sample", "icl_batch", "accuracy_by_occurrence",
            "ICLDataModule"]
 
 PAD, SEP = 0, 1
@@ -132,15 +133,11 @@ def icl_sample(spec: ICLSpec, seq_len: int, generator: torch.Generator
     return ids, labels, torch.cat([torch.zeros(pad, dtype=torch.long), occ_tok.flatten()])
 
 
-def _seed(seed: int, split: int, index: int) -> int:
-    return (int(seed) * 1_000_003 + split * 7_919 + int(index) * 2_654_435_761) % (2 ** 63 - 1)
-
-
 def icl_batch(spec: ICLSpec, batch_size: int, seq_len: int, seed: int = 0, split: int = 0, start: int = 0
               ) -> dict[str, torch.Tensor]:
     """A batch ``{"input_ids", "labels", "occurrence"}``, each ``(B, T)`` long; sample ``i`` depends only on
     ``(seed, split, start + i)`` and the spec."""
-    rows = [icl_sample(spec, seq_len, torch.Generator().manual_seed(_seed(seed, split, start + i)))
+    rows = [icl_sample(spec, seq_len, torch.Generator().manual_seed(sample_seed(seed, split, start + i)))
             for i in range(batch_size)]
     return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(("input_ids", "labels", "occurrence"))}
 
@@ -164,24 +161,7 @@ def accuracy_by_occurrence(hits: torch.Tensor, occurrence: torch.Tensor, max_occ
     return correct, total
 
 
-class ICLDataset(Dataset):
-    """``n_samples`` ICL samples generated on access (deterministic in ``seed``, ``split`` and the index);
-    items are ``{"input_ids", "labels"}`` as every data module's."""
-
-    def __init__(self, spec: ICLSpec, seq_len: int, n_samples: int, seed: int = 0, split: int = 0) -> None:
-        spec.examples(seq_len)                        # fail early on a too-short seq_len
-        self.spec, self.seq_len, self.n_samples, self.seed, self.split = spec, seq_len, n_samples, seed, split
-
-    def __len__(self) -> int:
-        return self.n_samples
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(_seed(self.seed, self.split, index))
-        ids, labels, _ = icl_sample(self.spec, self.seq_len, g)
-        return {"input_ids": ids, "labels": labels}
-
-
-class ICLDataModule(LMDataModule):
+class ICLDataModule(GeneratedTaskDataModule):
     """Long in-context learning of ``f(x) = b + a P x`` (OVQ paper sec. 4.1, app. 8.5) as a data module.
 
     Batches are ``{"input_ids": (B, T) long, "labels": (B, T) long}`` with shifted labels on the output tokens,
@@ -204,21 +184,13 @@ class ICLDataModule(LMDataModule):
     def __init__(self, seq_len: int = 2048, batch_size: int = 16, vocab_size: int = 10_000, io_len: int = 12,
                  n_functions: int = 16, n_function_ids: int = 128, n_train: int = 100_000, n_val: int = 256,
                  num_workers: int = 0, seed: int = 0) -> None:
-        super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed)
+        super().__init__(seq_len, batch_size, n_train, n_val, num_workers, seed)
         self.save_hyperparameters()
-        self.n_train = check_int("data.n_train", n_train, 1)
-        self.n_val = check_int("data.n_val", n_val, 1)
         self.spec = ICLSpec(vocab_size, io_len, n_functions, n_function_ids)
         self.spec.examples(seq_len)
         self.vocab_size = vocab_size
 
-    def setup(self, stage: str | None = None) -> None:
-        self._datasets["train"] = ICLDataset(self.spec, self.seq_len, self.n_train, self.seed, split=0)
-        self._datasets["val"] = ICLDataset(self.spec, self.seq_len, self.n_val, self.seed, split=1)
-
-    def eval_dataloader(self, seq_len: int, n_samples: int | None = None, batch_size: int | None = None,
-                        split: int = 1) -> DataLoader:
-        """Samples of the same task at another context length ``seq_len`` (default ``n_val`` samples)."""
-        ds = ICLDataset(self.spec, seq_len, n_samples or self.n_val, self.seed, split)
-        return DataLoader(ds, batch_size=batch_size or self.batch_size, shuffle=False,
-                          num_workers=self.num_workers)
+    def sampler(self, seq_len: int):
+        """One sample of ``seq_len`` tokens from a generator (raises ConfigError when ``seq_len`` is too short)."""
+        self.spec.examples(seq_len)
+        return functools.partial(icl_sample, self.spec, seq_len)

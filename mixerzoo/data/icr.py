@@ -24,15 +24,16 @@ Token layout (ids 0-3 are special, content tokens are ``4 .. vocab_size-1``)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
-from torch.utils.data import DataLoader, Dataset
 
 from ..model.config import ConfigError
-from .base import IGNORE_INDEX, LMDataModule, check_int
+from .base import IGNORE_INDEX
+from .synthetic import GeneratedTaskDataModule, sample_seed
 
 __all__ = ["PAD", "ARROW", "SEP", "QUERY", "N_SPECIAL", "IGNORE_INDEX", "ICRSpec", "basic_icr", "positional_icr",
-           "icr_sample", "icr_batch", "value_token_accuracy", "ICRDataset", "ICRDataModule"]
+           "icr_sample", "icr_batch", "value_token_accuracy", "ICRDataModule"]
 
 PAD, ARROW, SEP, QUERY = 0, 1, 2, 3
 N_SPECIAL = 4
@@ -189,15 +190,11 @@ def icr_sample(spec: ICRSpec, seq_len: int, generator: torch.Generator) -> tuple
                           generator)
 
 
-def _seed(seed: int, split: int, index: int) -> int:
-    return (int(seed) * 1_000_003 + split * 7_919 + int(index) * 2_654_435_761) % (2 ** 63 - 1)
-
-
 def icr_batch(spec: ICRSpec, batch_size: int, seq_len: int, seed: int = 0, split: int = 0, start: int = 0
               ) -> dict[str, torch.Tensor]:
     """A batch ``{"input_ids": (B, T) long, "labels": (B, T) long}``; sample ``i`` depends only on
     ``(seed, split, start + i, seq_len)``."""
-    ids, labels = zip(*(icr_sample(spec, seq_len, torch.Generator().manual_seed(_seed(seed, split, start + i)))
+    ids, labels = zip(*(icr_sample(spec, seq_len, torch.Generator().manual_seed(sample_seed(seed, split, start + i)))
                         for i in range(batch_size)))
     return {"input_ids": torch.stack(ids), "labels": torch.stack(labels)}
 
@@ -215,23 +212,7 @@ def value_token_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return (logits.argmax(-1)[mask] == labels[mask]).float().mean()
 
 
-class ICRDataset(Dataset):
-    """``n_samples`` ICR samples generated on access (deterministic in ``seed``, ``split`` and the index)."""
-
-    def __init__(self, spec: ICRSpec, seq_len: int, n_samples: int, seed: int = 0, split: int = 0) -> None:
-        spec.context_pairs(seq_len)                   # fail early on a too-short seq_len
-        self.spec, self.seq_len, self.n_samples, self.seed, self.split = spec, seq_len, n_samples, seed, split
-
-    def __len__(self) -> int:
-        return self.n_samples
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(_seed(self.seed, self.split, index))
-        ids, labels = icr_sample(self.spec, self.seq_len, g)
-        return {"input_ids": ids, "labels": labels}
-
-
-class ICRDataModule(LMDataModule):
+class ICRDataModule(GeneratedTaskDataModule):
     """Basic / positional in-context recall as a :class:`~mixerzoo.data.LMDataModule`, generated in process.
 
     Batches are ``{"input_ids": (B, T) long, "labels": (B, T) long}`` with shifted labels (``-100`` ignored),
@@ -256,21 +237,13 @@ class ICRDataModule(LMDataModule):
     def __init__(self, task: str = "basic", seq_len: int = 1024, batch_size: int = 16, vocab_size: int = 10_000,
                  key_len: int = 8, value_len: int = 8, n_queries: int | None = None, n_copies: int = 4,
                  n_train: int = 100_000, n_val: int = 256, num_workers: int = 0, seed: int = 0) -> None:
-        super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed)
+        super().__init__(seq_len, batch_size, n_train, n_val, num_workers, seed)
         self.save_hyperparameters()
-        self.n_train = check_int("data.n_train", n_train, 1)
-        self.n_val = check_int("data.n_val", n_val, 1)
         self.spec = ICRSpec(task, vocab_size, key_len, value_len, n_queries, n_copies)
         self.spec.context_pairs(seq_len)
         self.task, self.vocab_size = task, vocab_size
 
-    def setup(self, stage: str | None = None) -> None:
-        self._datasets["train"] = ICRDataset(self.spec, self.seq_len, self.n_train, self.seed, split=0)
-        self._datasets["val"] = ICRDataset(self.spec, self.seq_len, self.n_val, self.seed, split=1)
-
-    def eval_dataloader(self, seq_len: int, n_samples: int | None = None, batch_size: int | None = None,
-                        split: int = 1) -> DataLoader:
-        """Samples of the same task at another context length ``seq_len`` (default ``n_val`` samples)."""
-        ds = ICRDataset(self.spec, seq_len, n_samples or self.n_val, self.seed, split)
-        return DataLoader(ds, batch_size=batch_size or self.batch_size, shuffle=False,
-                          num_workers=self.num_workers)
+    def sampler(self, seq_len: int):
+        """One sample of ``seq_len`` tokens from a generator (raises ConfigError when ``seq_len`` is too short)."""
+        self.spec.context_pairs(seq_len)
+        return functools.partial(icr_sample, self.spec, seq_len)
