@@ -86,7 +86,7 @@ def main() -> None:
         options = None if mixer == "trellis" else {}
         cmd = [sys.executable, "-m", "mixerzoo.cli", "fit", "--config", str(recipe),
                "--model.layer_types", f"[{mixer}]", "--trainer.logger.init_args.name", name,
-               "--trainer.logger.init_args.version", "v0", "--trainer.default_root_dir", str(ROOT / "runs" / name)]
+               "--trainer.logger.init_args.version", "v0", "--trainer.default_root_dir", str(ROOT / "runs")]
         if options is not None:
             options = dict(overrides)
             cmd += ["--model.mixers", json.dumps({mixer: options})]
