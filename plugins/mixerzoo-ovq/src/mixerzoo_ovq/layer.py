@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection, StreamState
+from mixerzoo.mixers.segments import run_segments, segment_sizes
 from mixerzoo.protocol import Mixer
 from mixerzoo.schedules import build_schedule
 
@@ -202,25 +202,12 @@ class OVQAttention(Mixer):
         q, k, v, _, shift = self.qkv.stream(x, st, shared)
         q, k = self.normalize_qk(q, k)
         carry = self._carry(st, k.dtype)
-        span = L * self.checkpoint_chunks
-        bounds, t = [], 0
-        while t < T:  # segments of checkpoint_chunks chunks (aligned to absolute positions)
-            bounds.append(min(T, (p0 + t) // span * span + span - p0) if span else T)
-            t = bounds[-1]
-        sizes = [b - a for a, b in zip([0] + bounds[:-1], bounds)]
-        outs, pos = [], p0
-        # one split, not slices: a slice's backward is a full-length zero tensor per segment
-        for qs, ks, vs in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)):
-            if span and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-                # recomputed in backward: autograd then keeps one dictionary per segment instead of one
-                # [dictionary ; chunk] key list, value list and bias per chunk (issue #17, paper sec. 3.4)
-                o, *carry = torch.utils.checkpoint.checkpoint(self._segment, qs, ks, vs, pos, *carry,
-                                                              use_reentrant=False)
-            else:
-                o, *carry = self._segment(qs, ks, vs, pos, *carry)
-            outs.append(o)
-            pos += qs.shape[2]
-        o = torch.cat(outs, dim=2)
+        # training: segments of checkpoint_chunks chunks recomputed in backward, so autograd keeps one dictionary
+        # per segment instead of one [dictionary ; chunk] key list, value list and bias per chunk (issue #17,
+        # paper sec. 3.4)
+        recompute = bool(self.checkpoint_chunks) and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        sizes = segment_sizes(T, p0, L * self.checkpoint_chunks if recompute else 0)
+        o, carry = run_segments(self._segment, (q, k, v), sizes, p0, carry, recompute=recompute)
         y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         return y, self._state(carry, p0 + T, shift)
 

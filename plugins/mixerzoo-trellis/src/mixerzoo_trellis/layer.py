@@ -13,10 +13,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection
+from mixerzoo.mixers.segments import run_segments, segment_sizes
 from mixerzoo.protocol import Mixer, MixerState
 
 from .ops import FS, PHIS, TrellisMemory, check_choice, trellis_chunked, trellis_step, zero_memory
@@ -224,22 +224,15 @@ class Trellis(Mixer):
         else:  # training: segments recomputed in backward (issue #17), carrying the memory between them
             if memory is None:
                 memory = zero_memory(B, H, self.num_slots, D, D, q.dtype, q.device)
-            span = self.chunk_len * self.checkpoint_chunks
-            bounds = list(range(span - pos % span, T, span)) + [T]
-            sizes = [b - a for a, b in zip([0] + bounds[:-1], bounds)]
-            outs = []
 
             def segment(q, k, v, a, log_beta, gamma, p, *mem):
-                return trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=TrellisMemory(*mem),
+                o, m = trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=TrellisMemory(*mem),
                                        pos=p, phi=self.phi, f=self.f, detach_inner_grad=self.detach_inner_grad)
+                return (o, *m)
 
-            # one split per input, not slices (a slice's backward is a full-length zero gradient per segment)
-            for q_s, k_s, v_s, a_s, lb_s in zip(*(t.split(sizes, dim=2) for t in (q, k, v, a, log_beta))):
-                o, memory = torch.utils.checkpoint.checkpoint(segment, q_s, k_s, v_s, a_s, lb_s, gamma, pos, *memory,
-                                                              use_reentrant=False)
-                outs.append(o)
-                pos += q_s.shape[2]
-            o = torch.cat(outs, dim=2)
+            o, carry = run_segments(segment, (q, k, v, a, log_beta), segment_sizes(T, pos, self.chunk_len *
+                                    self.checkpoint_chunks), pos, memory, extra=(gamma,))
+            memory = TrellisMemory(*carry)
         return o, memory
 
     def extra_repr(self) -> str:

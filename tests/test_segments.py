@@ -1,0 +1,36 @@
+"""The shared segment loop of chunked mixers (mixerzoo.mixers.segments): where segments are cut, and that
+recomputing them in backward changes neither outputs, nor gradients, nor the carried state."""
+
+import torch
+
+from mixerzoo.mixers.segments import run_segments, segment_sizes
+
+
+def test_segments_are_cut_at_multiples_of_the_span_from_any_start():
+    assert segment_sizes(10, 3, 4) == [1, 4, 4, 1]          # positions 3 | 4-7 | 8-11 | 12
+    assert segment_sizes(8, 0, 4) == [4, 4]
+    assert segment_sizes(3, 1, 4) == [3]
+    assert segment_sizes(5, 2, 0) == [5]                    # span 0: one segment
+
+
+def decayed_sum(x, w, pos, state):
+    """A toy recurrent segment: s_t = 0.5 s_{t-1} + w x_t (+ its position), returns every s_t and the last."""
+    outs = []
+    for t in range(x.shape[2]):
+        state = 0.5 * state + w * x[:, :, t] + (pos + t)
+        outs.append(state)
+    return torch.stack(outs, dim=2), state
+
+
+def test_recomputed_segments_equal_one_pass():
+    x = torch.randn(2, 3, 11, requires_grad=True)
+    w = torch.tensor(1.5, requires_grad=True)
+    s0 = torch.randn(2, 3, requires_grad=True)
+    want, last = decayed_sum(x, w, 5, s0)
+    got, (state,) = run_segments(lambda xs, w, p, s: decayed_sum(xs, w, p, s), (x,), segment_sizes(11, 5, 4), 5,
+                                 (s0,), extra=(w,))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(state, last)
+    g = torch.randn_like(want)
+    torch.testing.assert_close(torch.autograd.grad((got * g).sum() + state.sum(), (x, w, s0)),
+                               torch.autograd.grad((want * g).sum() + last.sum(), (x, w, s0)))
