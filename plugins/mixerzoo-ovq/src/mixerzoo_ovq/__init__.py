@@ -10,5 +10,5 @@ from .ops import chunk_attention, new_centroid_count, update_dictionary
 from .reference import chunk_attention_reference, ovq_attention_reference, update_dictionary_reference
 from .vq import VQAttention, VQState
 
-__all__ = ["OVQAttention", "OVQState", "VQAttention", "VQState", "chunk_attention", "update_dictionary", "new_centroid_count",
-           "chunk_attention_reference", "update_dictionary_reference", "ovq_attention_reference"]
+__all__ = ["OVQAttention", "OVQState", "VQAttention", "VQState", "chunk_attention", "update_dictionary",
+           "new_centroid_count", "chunk_attention_reference", "update_dictionary_reference", "ovq_attention_reference"]

@@ -109,14 +109,16 @@ class OVQAttention(Mixer):
         if not isinstance(chunk_len, int) or chunk_len < 1:
             raise ValueError(f"{self.mixer_name} chunk_len must be a positive integer (paper: 128), got {chunk_len!r}")
         if new_centroids not in ("spread", "random"):
-            raise ValueError(f"{self.mixer_name} new_centroids must be 'spread' (paper) or 'random' (ablation), got {new_centroids!r}")
+            raise ValueError(f"{self.mixer_name} new_centroids must be 'spread' (paper) or 'random' (ablation), "
+                             f"got {new_centroids!r}")
         if centroid_lr is not None and not centroid_lr > 0:
-            raise ValueError(f"{self.mixer_name} centroid_lr must be null (1/count, paper) or a positive float (ablation: 0.25), "
-                             f"got {centroid_lr!r}")
+            raise ValueError(f"{self.mixer_name} centroid_lr must be null (1/count, paper) or a positive float "
+                             f"(ablation: 0.25), got {centroid_lr!r}")
         pos_name = positional if isinstance(positional, str) else getattr(positional, "get", lambda *_: None)("name")
         if pos_name != "nope":
-            raise ValueError(f"{self.mixer_name} positional must be 'nope' (the dictionary merges keys from every position), "
-                             f"got {positional!r}; put RoPE in the interleaved sliding-window layers instead")
+            raise ValueError(f"{self.mixer_name} positional must be 'nope' (the dictionary merges keys from every "
+                             f"position), got {positional!r}; put RoPE in the interleaved sliding-window layers "
+                             f"instead")
         self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim, "nope", None, token_shift,
                                  value_residual, bias)
         self.o_proj = nn.Linear(n_heads * self.qkv.head_dim, d_model, bias=bias)
@@ -197,8 +199,8 @@ class OVQAttention(Mixer):
         st = state if state is not None else self.empty_state(B, x.device)
         p0 = st.next_pos
         if st.buf_k.shape[2] != p0 % L:
-            raise ValueError(f"{self.mixer_name} state holds {st.buf_k.shape[2]} buffered tokens at position {p0}, expected "
-                             f"{p0 % L}: was chunk_len changed mid-sequence?")
+            raise ValueError(f"{self.mixer_name} state holds {st.buf_k.shape[2]} buffered tokens at position {p0}, "
+                             f"expected {p0 % L}: was chunk_len changed mid-sequence?")
         q, k, v, _, shift = self.qkv.stream(x, st, shared)
         q, k = self.normalize_qk(q, k)
         carry = self._carry(st, k.dtype)

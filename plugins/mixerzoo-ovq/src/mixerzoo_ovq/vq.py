@@ -128,8 +128,8 @@ class VQAttention(OVQAttention):
         """The state at the start of a sequence: no key absorbed yet, empty chunk."""
         Hkv, N, D = self.codebook.shape
         z = torch.zeros(batch, Hkv, 0, D, device=device, dtype=dtype)
-        return VQState(dv=torch.zeros(batch, Hkv, N, D, device=device), counts=torch.zeros(batch, Hkv, N, device=device),
-                       buf_k=z, buf_v=z, next_pos=0)
+        return VQState(dv=torch.zeros(batch, Hkv, N, D, device=device),
+                       counts=torch.zeros(batch, Hkv, N, device=device), buf_k=z, buf_v=z, next_pos=0)
 
     def _carry(self, st: VQState, dtype: torch.dtype) -> tuple:
         B = st.dv.shape[0]
