@@ -27,10 +27,30 @@ def test_recomputed_segments_equal_one_pass():
     w = torch.tensor(1.5, requires_grad=True)
     s0 = torch.randn(2, 3, requires_grad=True)
     want, last = decayed_sum(x, w, 5, s0)
-    got, (state,) = run_segments(lambda xs, w, p, s: decayed_sum(xs, w, p, s), (x,), segment_sizes(11, 5, 4), 5,
-                                 (s0,), extra=(w,))
+    got, (state,) = run_segments(decayed_sum, (x,), 5, (s0,), span=4, extra=(w,))
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(state, last)
     g = torch.randn_like(want)
     torch.testing.assert_close(torch.autograd.grad((got * g).sum() + state.sum(), (x, w, s0)),
                                torch.autograd.grad((want * g).sum() + last.sum(), (x, w, s0)))
+
+
+def test_segments_are_recomputed_only_when_training():
+    """With gradients, each segment runs under checkpoint (its forward runs again in backward); without
+    gradients or with span 0, one piece runs once."""
+    calls = []
+
+    def counted(x, w, pos, state):
+        calls.append(x.shape[2])
+        return decayed_sum(x, w, pos, state)
+
+    x, w, s0 = torch.randn(1, 2, 11, requires_grad=True), torch.tensor(1.5), torch.zeros(1, 2)
+    out, _ = run_segments(counted, (x,), 5, (s0,), span=4, extra=(w,))
+    assert calls == [3, 4, 4]                            # positions 5-7 | 8-11 | 12-15
+    out.sum().backward()
+    assert calls == [3, 4, 4, 4, 4, 3]                  # recomputed in backward, last segment first
+    calls.clear()
+    with torch.no_grad():
+        run_segments(counted, (x,), 5, (s0,), span=4, extra=(w,))
+    run_segments(counted, (x,), 5, (s0,), span=0, extra=(w,))
+    assert calls == [11, 11]

@@ -29,7 +29,7 @@ import torch
 
 from ..model.config import ConfigError
 from .base import IGNORE_INDEX
-from .synthetic import GeneratedTaskDataModule, sample_seed
+from .synthetic import GeneratedTaskDataModule, draw_batch
 
 __all__ = ["PAD", "SEP", "N_SPECIAL", "ICLSpec", "icl_sample", "icl_batch", "accuracy_by_occurrence",
            "ICLDataModule"]
@@ -137,9 +137,8 @@ def icl_batch(spec: ICLSpec, batch_size: int, seq_len: int, seed: int = 0, split
               ) -> dict[str, torch.Tensor]:
     """A batch ``{"input_ids", "labels", "occurrence"}``, each ``(B, T)`` long; sample ``i`` depends only on
     ``(seed, split, start + i)`` and the spec."""
-    rows = [icl_sample(spec, seq_len, torch.Generator().manual_seed(sample_seed(seed, split, start + i)))
-            for i in range(batch_size)]
-    return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(("input_ids", "labels", "occurrence"))}
+    columns = draw_batch(functools.partial(icl_sample, spec, seq_len), batch_size, seed, split, start)
+    return dict(zip(("input_ids", "labels", "occurrence"), columns))
 
 
 def accuracy_by_occurrence(hits: torch.Tensor, occurrence: torch.Tensor, max_occurrence: int

@@ -30,7 +30,7 @@ import torch
 
 from ..model.config import ConfigError
 from .base import IGNORE_INDEX
-from .synthetic import GeneratedTaskDataModule, sample_seed
+from .synthetic import GeneratedTaskDataModule, draw_batch
 
 __all__ = ["PAD", "ARROW", "SEP", "QUERY", "N_SPECIAL", "IGNORE_INDEX", "ICRSpec", "basic_icr", "positional_icr",
            "icr_sample", "icr_batch", "value_token_accuracy", "ICRDataModule"]
@@ -194,9 +194,8 @@ def icr_batch(spec: ICRSpec, batch_size: int, seq_len: int, seed: int = 0, split
               ) -> dict[str, torch.Tensor]:
     """A batch ``{"input_ids": (B, T) long, "labels": (B, T) long}``; sample ``i`` depends only on
     ``(seed, split, start + i, seq_len)``."""
-    ids, labels = zip(*(icr_sample(spec, seq_len, torch.Generator().manual_seed(sample_seed(seed, split, start + i)))
-                        for i in range(batch_size)))
-    return {"input_ids": torch.stack(ids), "labels": torch.stack(labels)}
+    ids, labels = draw_batch(functools.partial(icr_sample, spec, seq_len), batch_size, seed, split, start)
+    return {"input_ids": ids, "labels": labels}
 
 
 def value_token_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

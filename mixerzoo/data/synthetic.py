@@ -15,12 +15,25 @@ from torch.utils.data import DataLoader, Dataset
 
 from .base import LMDataModule, check_int
 
-__all__ = ["sample_seed", "GeneratedDataset", "GeneratedTaskDataModule"]
+__all__ = ["sample_seed", "draw_sample", "draw_batch", "GeneratedDataset", "GeneratedTaskDataModule"]
 
 
 def sample_seed(seed: int, split: int, index: int) -> int:
     """The generator seed of sample ``index`` of stream ``split``."""
     return (int(seed) * 1_000_003 + split * 7_919 + int(index) * 2_654_435_761) % (2 ** 63 - 1)
+
+
+def draw_sample(sample: Callable[[torch.Generator], tuple], seed: int, split: int, index: int) -> tuple:
+    """Sample ``index`` of stream ``split``: ``sample`` run on its own seeded generator."""
+    return sample(torch.Generator().manual_seed(sample_seed(seed, split, index)))
+
+
+def draw_batch(sample: Callable[[torch.Generator], tuple], batch_size: int, seed: int = 0, split: int = 0,
+               start: int = 0) -> tuple[torch.Tensor, ...]:
+    """Samples ``start .. start + batch_size - 1`` of stream ``split``, each output of ``sample`` stacked into
+    ``(batch_size, ...)``; the same samples :class:`GeneratedDataset` yields at those indices."""
+    rows = [draw_sample(sample, seed, split, start + i) for i in range(batch_size)]
+    return tuple(torch.stack(column) for column in zip(*rows))
 
 
 class GeneratedDataset(Dataset):
@@ -35,7 +48,7 @@ class GeneratedDataset(Dataset):
         return self.n_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        ids, labels, *_ = self.sample(torch.Generator().manual_seed(sample_seed(self.seed, self.split, index)))
+        ids, labels, *_ = draw_sample(self.sample, self.seed, self.split, index)
         return {"input_ids": ids, "labels": labels}
 
 

@@ -28,25 +28,29 @@ def segment_sizes(length: int, pos: int, span: int) -> list[int]:
     return [b - a for a, b in zip([0] + bounds[:-1], bounds)]
 
 
-def run_segments(segment: Callable[..., tuple], seqs: Sequence[torch.Tensor], sizes: Sequence[int], pos: int,
-                 carry: Sequence, extra: Sequence = (), recompute: bool = True, dim: int = 2
-                 ) -> tuple[torch.Tensor, tuple]:
-    """Run ``segment(*pieces, *extra, pos, *carry) -> (out, *carry)`` over consecutive pieces of ``seqs``.
+def run_segments(segment: Callable[..., tuple], seqs: Sequence[torch.Tensor], pos: int, carry: Sequence,
+                 span: int, extra: Sequence = (), dim: int = 2) -> tuple[torch.Tensor, tuple]:
+    """Run ``segment(*pieces, *extra, pos, *carry) -> (out, *carry)`` over ``seqs``: in one piece, or, when
+    training (gradients enabled and an input requires them) with ``span > 0``, in segments cut at the
+    multiples of ``span`` (:func:`segment_sizes`), each under ``torch.utils.checkpoint`` (non-reentrant) so that
+    backward recomputes it from the state entering it.
 
     Args:
-        segment: the mixer's computation on one segment; ``out`` has the pieces' length along ``dim``.
-        seqs: tensors cut along ``dim`` into ``sizes`` (one ``split`` each, not slices: a slice's backward is a
-            full-length zero gradient per segment).
+        segment: the mixer's computation on one piece; ``out`` has the piece's length along ``dim``.
+        seqs: tensors cut along ``dim`` (one ``split`` each, not slices: a slice's backward is a full-length zero
+            gradient per segment).
         pos: absolute position of the first token; each segment gets its own.
-        carry: the state entering the first segment (tensors); ``extra``: arguments every segment takes.
-        recompute: run each segment under ``torch.utils.checkpoint`` (non-reentrant) so backward recomputes it.
+        carry: the state entering the first piece (tensors); ``extra``: arguments every piece takes.
+        span: tokens per recomputed segment (``chunk_len * checkpoint_chunks``); 0: never recompute.
 
     Returns:
-        The segments' outputs concatenated along ``dim`` and the state after the last one.
+        The pieces' outputs concatenated along ``dim`` and the state after the last one.
     """
+    recompute = bool(span) and torch.is_grad_enabled() and any(t.requires_grad for t in seqs)
+    sizes = segment_sizes(seqs[0].shape[dim], pos, span if recompute else 0)
     outs = []
     carry = tuple(carry)
-    for pieces in zip(*(t.split(list(sizes), dim=dim) for t in seqs)):
+    for pieces in zip(*(t.split(sizes, dim=dim) for t in seqs)):
         if recompute:
             out, *carry = torch.utils.checkpoint.checkpoint(segment, *pieces, *extra, pos, *carry,
                                                             use_reentrant=False)

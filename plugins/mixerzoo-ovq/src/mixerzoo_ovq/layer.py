@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection, StreamState
-from mixerzoo.mixers.segments import run_segments, segment_sizes
+from mixerzoo.mixers.segments import run_segments
 from mixerzoo.protocol import Mixer
 from mixerzoo.schedules import build_schedule
 
@@ -207,9 +207,7 @@ class OVQAttention(Mixer):
         # training: segments of checkpoint_chunks chunks recomputed in backward, so autograd keeps one dictionary
         # per segment instead of one [dictionary ; chunk] key list, value list and bias per chunk (issue #17,
         # paper sec. 3.4)
-        recompute = bool(self.checkpoint_chunks) and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        sizes = segment_sizes(T, p0, L * self.checkpoint_chunks if recompute else 0)
-        o, carry = run_segments(self._segment, (q, k, v), sizes, p0, carry, recompute=recompute)
+        o, carry = run_segments(self._segment, (q, k, v), p0, carry, span=L * self.checkpoint_chunks)
         y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         return y, self._state(carry, p0 + T, shift)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection
-from mixerzoo.mixers.segments import run_segments, segment_sizes
+from mixerzoo.mixers.segments import run_segments
 from mixerzoo.protocol import Mixer, MixerState
 
 from .ops import FS, PHIS, TrellisMemory, check_choice, trellis_chunked, trellis_step, zero_memory
@@ -210,28 +210,24 @@ class Trellis(Mixer):
         """The two-pass memory on ``(B, H, T, .)`` tensors: decode step, chunked form or reference."""
         B, H, T, D = q.shape
         opts = dict(phi=self.phi, f=self.f, pos=pos, detach_inner_grad=self.detach_inner_grad)
+        if memory is None:
+            memory = zero_memory(B, H, self.num_slots, D, D, q.dtype, q.device)
         if self.use_reference:
             o, memory = trellis_reference(q, k, v, a, log_beta.exp(), gamma, chunk_len=self.chunk_len,
                                           memory=memory, **opts)
         elif T == 1:  # decode: one step of the same chunked recurrence
-            if memory is None:
-                memory = zero_memory(B, H, self.num_slots, D, D, q.dtype, q.device)
             o, memory = trellis_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], a[:, :, 0], log_beta[:, :, 0], gamma,
                                      self.chunk_len, memory=memory, **opts)
             o = o[:, :, None]
-        elif not (self.checkpoint_chunks and torch.is_grad_enabled() and q.requires_grad):
-            o, memory = trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=memory, **opts)
-        else:  # training: segments recomputed in backward (issue #17), carrying the memory between them
-            if memory is None:
-                memory = zero_memory(B, H, self.num_slots, D, D, q.dtype, q.device)
+        else:  # one pass, or in training segments recomputed in backward (issue #17), carrying the memory
 
             def segment(q, k, v, a, log_beta, gamma, p, *mem):
                 o, m = trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=TrellisMemory(*mem),
-                                       pos=p, phi=self.phi, f=self.f, detach_inner_grad=self.detach_inner_grad)
+                                       **{**opts, "pos": p})
                 return (o, *m)
 
-            o, carry = run_segments(segment, (q, k, v, a, log_beta), segment_sizes(T, pos, self.chunk_len *
-                                    self.checkpoint_chunks), pos, memory, extra=(gamma,))
+            o, carry = run_segments(segment, (q, k, v, a, log_beta), pos, memory,
+                                    span=self.chunk_len * self.checkpoint_chunks, extra=(gamma,))
             memory = TrellisMemory(*carry)
         return o, memory
 
