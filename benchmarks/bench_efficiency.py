@@ -15,10 +15,15 @@ mixers their defaults.
   ms of ``--decode-steps`` single-token steps.
 - ``--profile MIXER T``: a ``torch.profiler`` table of one training step (top ops by self CPU time, and the
   tracked tensor memory), to commit beside the results.
+- ``--device cuda --dtype bf16 --d-model 1024 --head-dim 128`` (issue #21's GPU table): the same tables on a GPU
+  under bf16 autocast (weights fp32, as in ``bf16-mixed`` training); time is taken after ``cuda.synchronize``
+  and peak memory is ``torch.cuda.max_memory_allocated`` of the step minus what was allocated before it.
 
     python benchmarks/bench_efficiency.py --threads 2 | tee docs/results/efficiency_cpu.md
     python benchmarks/bench_efficiency.py --lengths 4096 --mixers attention kvm-256 --repeats 1     # quick look
     python benchmarks/bench_efficiency.py --profile kvm-256 8192 > docs/results/efficiency_profile_kvm.txt
+    python benchmarks/bench_efficiency.py --device cuda --dtype bf16 --d-model 1024 --head-dim 128 \
+        --lengths 2048 8192 32768 --decode-contexts 1024 16384 65536          # on a GPU (benchmarks/gpu_suite.py)
 """
 
 from __future__ import annotations
@@ -55,13 +60,35 @@ TRAINABLE = [m for m in MIXERS if not m.startswith("tova")]  # TOVA is an infere
 DEFAULT = [m for m in MIXERS if not m.endswith("/keep")]  # "/keep": checkpoint_chunks 0 (no recomputation)
 
 
-def build(name: str):
+def build(name: str, task: dict):
+    """The layer ``name`` of :data:`MIXERS` at the task's width, on its device (weights fp32)."""
     import torch
     from mixerzoo import registry
 
     torch.manual_seed(0)
     kind, options = MIXERS[name]
-    return registry.get(kind)(D_MODEL, n_heads=N_HEADS, **options)
+    d_model = task.get("d_model", D_MODEL)
+    return registry.get(kind)(d_model, n_heads=d_model // task.get("head_dim", D_MODEL // N_HEADS),
+                              **options).to(task.get("device", "cpu"))
+
+
+def autocast(task: dict):
+    """bf16 autocast for ``dtype: bf16`` (weights stay fp32, as under Lightning's ``bf16-mixed``), else nothing."""
+    import contextlib
+
+    import torch
+
+    if task.get("dtype", "fp32") == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(task.get("device", "cpu"), dtype=torch.bfloat16)
+
+
+def sync(task: dict) -> None:
+    """Wait for the device (CUDA work is asynchronous; a timer read without this measures the launch only)."""
+    import torch
+
+    if task.get("device", "cpu") == "cuda":
+        torch.cuda.synchronize()
 
 
 def rss_mib() -> float:
@@ -69,54 +96,68 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def step(layer, x):
-    y, _ = layer(x)
-    y.square().mean().backward()
+def step(layer, x, task: dict | None = None):
+    with autocast(task or {}):
+        y, _ = layer(x)
+    y.float().square().mean().backward()
 
 
 def worker(task: dict) -> dict:
     import torch
 
     torch.set_num_threads(task["threads"])
+    device, d_model = task.get("device", "cpu"), task.get("d_model", D_MODEL)
     if task["what"] == "time":
-        layers = {name: build(name) for name in task["mixers"]}
-        x = torch.randn(1, task["T"], D_MODEL, requires_grad=True)
-        for layer in layers.values():  # warm-up (lazy initialisation) outside the timed rounds
-            step(layer, x[:, :1024])
+        layers = {name: build(name, task) for name in task["mixers"]}
+        x = torch.randn(1, task["T"], d_model, device=device, requires_grad=True)
+        for layer in layers.values():  # warm-up (lazy initialisation, kernel autotuning) outside the timed rounds
+            step(layer, x[:, :1024], task)
         times = {name: [] for name in layers}
         for _ in range(task["repeats"]):
             for name, layer in layers.items():
+                sync(task)
                 t0 = time.perf_counter()
-                step(layer, x)
+                step(layer, x, task)
+                sync(task)
                 times[name].append(time.perf_counter() - t0)
                 x.grad = None
         return times
-    layer = build(task["mixer"])
+    layer = build(task["mixer"], task)
     if task["what"] == "memory":
-        step(layer, torch.randn(1, 1024, D_MODEL, requires_grad=True))
+        step(layer, torch.randn(1, 1024, d_model, device=device, requires_grad=True), task)
         layer.zero_grad(set_to_none=True)
-        x = torch.randn(1, task["T"], D_MODEL, requires_grad=True)
+        x = torch.randn(1, task["T"], d_model, device=device, requires_grad=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step(layer, x, task)
+            torch.cuda.synchronize()
+            return {"peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
         base = rss_mib()
-        step(layer, x)
+        step(layer, x, task)
         return {"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base}
     if task["what"] == "decode":
-        return {"ms_per_token": decode_ms_per_token(layer, task["T"], task["steps"])}
+        return {"ms_per_token": decode_ms_per_token(layer, task["T"], task["steps"], d_model, task)}
     raise ValueError(task)
 
 
-def decode_ms_per_token(layer, T: int, steps: int, d_model: int = D_MODEL) -> float:
+def decode_ms_per_token(layer, T: int, steps: int, d_model: int = D_MODEL, task: dict | None = None) -> float:
     """Mean ms of ``steps`` single-token calls after a no-grad prefill of ``T`` tokens in pieces of 4,096."""
     import torch
 
+    task = task or {}
     layer.eval()
-    x = torch.randn(1, T + steps, d_model)
-    with torch.no_grad():
+    x = torch.randn(1, T + steps, d_model, device=task.get("device", "cpu"))
+    with torch.no_grad(), autocast(task):
         state = None
         for a in range(0, T, 4096):
             _, state = layer(x[:, a:min(a + 4096, T)], state)
+        sync(task)
         t0 = time.perf_counter()
         for t in range(T, T + steps):
             _, state = layer(x[:, t:t + 1], state)
+        sync(task)
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
@@ -130,19 +171,31 @@ def run(task: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def profile(name: str, T: int, threads: int, rows: int = 25) -> None:
-    """Print torch.profiler's top ops (self CPU time) of one training step and its tracked tensor peak."""
+def profile(name: str, T: int, task: dict, rows: int = 25) -> None:
+    """Print torch.profiler's top ops (self CPU time, or self CUDA time on a GPU) of one training step and its
+    tracked tensor peak."""
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
 
-    torch.set_num_threads(threads)
-    layer = build(name)
-    x = torch.randn(1, T, D_MODEL, requires_grad=True)
-    step(layer, x[:, :1024])
-    with tprofile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(layer, x)
-    print(f"# torch.profiler: {name}, one training step (forward + backward) at T = {T}, {threads} threads")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    torch.set_num_threads(task["threads"])
+    layer = build(name, task)
+    cuda = task.get("device", "cpu") == "cuda"
+    x = torch.randn(1, T, task.get("d_model", D_MODEL), device=task.get("device", "cpu"), requires_grad=True)
+    step(layer, x[:, :1024], task)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with tprofile(activities=activities, profile_memory=True) as prof:
+        step(layer, x, task)
+        sync(task)
+    print(f"# torch.profiler: {name}, one training step (forward + backward) at T = {T}, {describe(task)}")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                    row_limit=rows))
+
+
+def describe(task: dict) -> str:
+    """One line of the run's settings for the tables' headers."""
+    d_model, head_dim = task.get("d_model", D_MODEL), task.get("head_dim", D_MODEL // N_HEADS)
+    return (f"{task.get('device', 'cpu')}, {task.get('dtype', 'fp32')}, {task['threads']} threads, d_model "
+            f"{d_model}, {d_model // head_dim} heads x {head_dim}, batch 1")
 
 
 def fmt_len(n: int) -> str:
@@ -162,35 +215,47 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--profile", nargs=2, metavar=("MIXER", "T"), help="print a profiler table and exit")
     ap.add_argument("--json", help="also write every figure here")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, weights fp32")
+    ap.add_argument("--d-model", type=int, default=D_MODEL)
+    ap.add_argument("--head-dim", type=int, default=D_MODEL // N_HEADS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return
-    if args.profile:
-        profile(args.profile[0], int(args.profile[1]), args.threads)
-        return
+    if args.d_model % args.head_dim:
+        ap.error(f"--d-model {args.d_model} is not a multiple of --head-dim {args.head_dim}")
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but torch.cuda.is_available() is False (a CPU build of torch, or no GPU)")
+    base = {"threads": args.threads, "device": args.device, "dtype": args.dtype, "d_model": args.d_model,
+            "head_dim": args.head_dim}
+    if args.profile:
+        profile(args.profile[0], int(args.profile[1]), base)
+        return
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     print(f"# bench_efficiency.py  {' '.join(sys.argv[1:])}")
-    print(f"# {cpu}, {os.cpu_count()} cores, {args.threads} threads, load avg {os.getloadavg()[0]:.1f} at start; "
+    print(f"# {cpu}{gpu}, {os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f} at start; "
           f"torch {torch.__version__} {platform.machine()}")
-    print(f"# one layer, d_model {D_MODEL}, {N_HEADS} heads x {D_MODEL // N_HEADS}, batch 1, fp32; options: "
+    print(f"# one layer, {describe(base)}; options: "
           + "; ".join(f"{n}: {MIXERS[n][0]} {MIXERS[n][1]}" for n in args.mixers))
     limits = {m: int(t) for m, t in (s.split("=") for s in args.max_len)}
     trainable = [m for m in args.mixers if m in TRAINABLE]
     out = {"train": {}, "decode": {}}
-    print(f"\n## Training step (forward + backward), median of {args.repeats} interleaved rounds; peak = extra resident "
-          "memory of one step in a fresh process (after a warm-up step)\n")
+    peak = "CUDA memory allocated" if args.device == "cuda" else "resident memory"
+    print(f"\n## Training step (forward + backward), median of {args.repeats} interleaved rounds; peak = extra {peak} "
+          "of one step in a fresh process (after a warm-up step)\n")
     print("| T | mixer | time s | speed vs attention | peak MiB | memory vs attention |")
     print("|---|---|---|---|---|---|")
     for T in args.lengths:
         mixers = [m for m in trainable if T <= limits.get(m, T)]
         if "attention" not in mixers:
             mixers.insert(0, "attention")
-        times = run({"what": "time", "T": T, "mixers": mixers, "repeats": args.repeats, "threads": args.threads})
+        times = run({**base, "what": "time", "T": T, "mixers": mixers, "repeats": args.repeats})
         for m in mixers:
-            mem = run({"what": "memory", "mixer": m, "T": T, "threads": args.threads})
+            mem = run({**base, "what": "memory", "mixer": m, "T": T})
             if "error" in times or "error" in mem:
                 print(f"| {fmt_len(T)} | {m} | error: {times.get('error') or mem.get('error')} | | | |", flush=True)
                 continue
@@ -206,8 +271,7 @@ def main() -> None:
         print("| mixer | " + " | ".join(fmt_len(c) for c in ctx) + f" | {fmt_len(ctx[-1])} / {fmt_len(ctx[0])} |")
         print("|---" * (len(ctx) + 2) + "|")
     for m in args.mixers if ctx else []:
-        cells = [run({"what": "decode", "mixer": m, "T": c, "steps": args.decode_steps, "threads": args.threads})
-                 for c in ctx]
+        cells = [run({**base, "what": "decode", "mixer": m, "T": c, "steps": args.decode_steps}) for c in ctx]
         out["decode"][m] = {c: cell.get("ms_per_token") for c, cell in zip(ctx, cells)}
         if any("error" in c for c in cells):
             print(f"| {m} | error: {next(c['error'] for c in cells if 'error' in c)} |", flush=True)

@@ -22,6 +22,13 @@ Usage (from the repository root)::
     python benchmarks/bench_train_throughput.py                      # d_model 256, 4 layers, batch 4 x 512
     python benchmarks/bench_train_throughput.py --compile            # + torch.compile'd mixerzoo arm
     python benchmarks/bench_train_throughput.py --profile            # + torch.profiler top ops per model
+    python benchmarks/bench_train_throughput.py --device cuda --dtype bf16 --d-model 768 --n-layers 12 \
+        --n-heads 12 --seq-len 2048 --batch 8 --vocab 32000 --steps 5 --warmup 2 --repeats 5 --compile \
+        --matmul-n 8192                                              # issue #21's ~120M GPU comparison
+
+On a GPU the step runs under bf16 autocast (weights fp32, as Lightning's ``bf16-mixed``) with fused AdamW, the
+timer waits for the device (``cuda.synchronize``), and the peak is a bf16 matmul's measured rate (or
+``--peak-tflops``, e.g. 989 for an H100 SXM's dense bf16, for MFU against the data sheet).
 
 It prints a table; it is not a test.
 """
@@ -91,45 +98,70 @@ def flop_params(model: torch.nn.Module, embedding: torch.nn.Embedding, tied: boo
 
 
 # ------------------------------------------------------------------------------------------- training -----
-def make_step(model, kind: str, lr: float, vocab: int):
-    """One optimizer step on ``(x, y)``: zero_grad, forward, mean cross-entropy, backward, AdamW step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+def autocast(device: str, dtype: str):
+    """bf16 autocast (weights stay fp32) for ``--dtype bf16``; nothing for fp32."""
+    import contextlib
+
+    return contextlib.nullcontext() if dtype == "fp32" else torch.autocast(device, dtype=torch.bfloat16)
+
+
+def sync(device: str) -> None:
+    """Wait for queued CUDA work, so a timer measures the step and not its launch."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_step(model, kind: str, lr: float, vocab: int, device: str = "cpu", dtype: str = "fp32"):
+    """One optimizer step on ``(x, y)``: zero_grad, forward, mean cross-entropy, backward, AdamW step (fused on
+    CUDA), the forward and loss under :func:`autocast`."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device == "cuda")
     model.train()
     if kind == "llama":
         def loss_fn(x, y):
-            return F.cross_entropy(model(input_ids=x, use_cache=False).logits.view(-1, vocab), y.view(-1))
+            return F.cross_entropy(model(input_ids=x, use_cache=False).logits.view(-1, vocab).float(), y.view(-1))
     else:
         def loss_fn(x, y):
-            return F.cross_entropy(model(x)[0].view(-1, vocab), y.view(-1))
+            return F.cross_entropy(model(x)[0].view(-1, vocab).float(), y.view(-1))
         if kind == "compiled":
             loss_fn = torch.compile(loss_fn)
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(x, y)
+        with autocast(device, dtype):
+            loss = loss_fn(x, y)
         loss.backward()
         opt.step()
         return float(loss.detach())
 
+    step.device = device
     return step
 
 
 def time_step(step, x, y) -> tuple[float, float]:
-    """Wall and process-CPU seconds of one optimizer step."""
+    """Wall and process-CPU seconds of one optimizer step (after the device has finished it)."""
+    device = getattr(step, "device", "cpu")
+    sync(device)
     c0, t0 = time.process_time(), time.perf_counter()
     step(x, y)
+    sync(device)
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def matmul_rate(n: int, threads: int, reps: int = 3) -> tuple[float, float]:
-    """Best FLOP/s of an ``n x n @ n x n`` fp32 matmul (``2 n^3`` FLOPs) over ``reps`` calls, by wall clock and
-    by process CPU time per thread (the rate the threads reach while they are on a core)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_rate(n: int, threads: int, reps: int = 3, device: str = "cpu", dtype: str = "fp32"
+                ) -> tuple[float, float]:
+    """Best FLOP/s of an ``n x n @ n x n`` matmul (``2 n^3`` FLOPs; fp32, or bf16 for ``dtype: bf16``) over
+    ``reps`` calls, by wall clock and by process CPU time per thread (the rate the threads reach while they are
+    on a core; meaningless on a GPU, where the wall-clock rate is the peak)."""
+    kind = torch.float32 if dtype == "fp32" else torch.bfloat16
+    a, b = torch.randn(n, n, device=device, dtype=kind), torch.randn(n, n, device=device, dtype=kind)
     torch.mm(a, b)
     wall = cpu = float("inf")
     for _ in range(reps):
+        sync(device)
         c0, t0 = time.process_time(), time.perf_counter()
         torch.mm(a, b)
+        sync(device)
         wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, (time.process_time() - c0) / threads)
     return 2 * n ** 3 / wall, 2 * n ** 3 / max(cpu, 1e-9)
 
@@ -156,14 +188,17 @@ def profile(step, x, y, name: str, rows: int) -> dict[str, tuple[int, float]]:
     """Print torch.profiler's top ops of 2 training steps; return ``{op: (calls, self CPU ms)}``."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
+    cuda = getattr(step, "device", "cpu") == "cuda"
     step(x, y)
-    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+    with tprofile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(2):
             step(x, y)
+        sync("cuda" if cuda else "cpu")
     events = prof.key_averages()
-    print(f"\n## torch.profiler: {name}, 2 training steps, top {rows} ops by self CPU time (profiler times are "
+    clock = "CUDA" if cuda else "CPU"
+    print(f"\n## torch.profiler: {name}, 2 training steps, top {rows} ops by self {clock} time (profiler times are "
           f"wall-clock per op, so inflated when other processes share the cores)")
-    print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=50))
+    print(events.table(sort_by=f"self_{clock.lower()}_time_total", row_limit=rows, max_name_column_width=50))
     return {e.key: (e.count, e.self_cpu_time_total / 1e3) for e in events if e.key.startswith("aten::")}
 
 
@@ -209,8 +244,14 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="print torch.profiler top ops of each eager model")
     p.add_argument("--profile-rows", type=int, default=18, help="ops per profiler table")
     p.add_argument("--seed", type=int, default=0, help="seed of the init and the token batch")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, weights fp32")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak for MFU (e.g. 989 for an H100 SXM's dense bf16); default: the measured matmul rate")
     args = p.parse_args(argv)
     args.d_ff = args.d_ff or default_d_ff("swiglu", args.d_model)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch.cuda.is_available() is False (a CPU build of torch, or no GPU)")
 
     import transformers
 
@@ -221,16 +262,18 @@ def main(argv=None) -> None:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    print("# bench_train_throughput: mixerzoo attention LM vs transformers LlamaForCausalLM, training, CPU fp32")
+    gpu = f" {torch.cuda.get_device_name()!r}" if args.device == "cuda" else ""
+    print(f"# bench_train_throughput: mixerzoo attention LM vs transformers LlamaForCausalLM, training, "
+          f"{args.device}{gpu} {args.dtype}")
     print(f"# date {datetime.datetime.now().isoformat(timespec='seconds')}  cpu {cpu!r}  logical cpus "
           f"{os.cpu_count()}  torch threads {args.threads}  load avg {os.getloadavg()[0]:.2f}")
     print(f"# torch {torch.__version__}  transformers {transformers.__version__}  python "
           f"{platform.python_version()}")
     print(f"# command: python {' '.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}")
 
-    ours = build_ours(args, args.vocab)
+    ours = build_ours(args, args.vocab).to(args.device)
     vocab = ours.config.padded_vocab_size
-    llama = build_llama(args, vocab)
+    llama = build_llama(args, vocab).to(args.device)
     n_ours, n_llama = count_params(ours), count_params(llama)
     f_ours = flop_params(ours, ours.embed, args.tie)
     f_llama = flop_params(llama, llama.model.embed_tokens, args.tie)
@@ -247,10 +290,12 @@ def main(argv=None) -> None:
 
     g = torch.Generator().manual_seed(args.seed)
     data = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g)
-    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    x, y = data[:, :-1].contiguous().to(args.device), data[:, 1:].contiguous().to(args.device)
     print(f"# Llama SDPA: {check_llama_sdpa_causal(llama, x)}")
 
-    arms = {"mixerzoo": make_step(ours, "ours", args.lr, vocab), "llama": make_step(llama, "llama", args.lr, vocab)}
+    on = (args.device, args.dtype)
+    arms = {"mixerzoo": make_step(ours, "ours", args.lr, vocab, *on),
+            "llama": make_step(llama, "llama", args.lr, vocab, *on)}
     labels = {"mixerzoo": "mixerzoo attention (eager)", "llama": "HF LlamaForCausalLM sdpa",
               "compiled": "mixerzoo + torch.compile"}
     for name, step in arms.items():  # first-touch warmup, untimed
@@ -262,7 +307,7 @@ def main(argv=None) -> None:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
             atexit.register(shutil.rmtree, cache, True)
         compiled_model = copy.deepcopy(ours)
-        step = make_step(compiled_model, "compiled", args.lr, vocab)
+        step = make_step(compiled_model, "compiled", args.lr, vocab, *on)
         print(f"# torch.compile (inductor, default mode) of mixerzoo forward + loss (backward via AOTAutograd), "
               f"{'warm' if args.compile_warm_cache else 'cold'} cache; {args.compile_warmup} untimed warmup steps:",
               flush=True)
@@ -288,7 +333,7 @@ def main(argv=None) -> None:
           f"alternating; tokens/s by wall clock, then by CPU time (tokens / (process CPU s / threads)), then the "
           f"share of its threads' cores the process got (CPU s / (wall s * threads))")
     for r in range(args.repeats):
-        peaks.append(matmul_rate(args.matmul_n, args.threads))
+        peaks.append(matmul_rate(args.matmul_n, args.threads, device=args.device, dtype=args.dtype))
         order = names if r % 2 == 0 else names[::-1]
         line = [f"repeat {r}: matmul {peaks[-1][0] / 1e9:5.1f} / {peaks[-1][1] / 1e9:5.1f} GFLOP/s"]
         for n in order:
@@ -300,12 +345,18 @@ def main(argv=None) -> None:
             share[n].append(sum(cpus) / (sum(walls) * args.threads))
             line.append(f"{n} {wall_rate[n][-1]:6.0f} / {cpu_rate[n][-1]:6.0f} ({share[n][-1]:.0%})")
         print("  " + " | ".join(line), flush=True)
-    peaks.append(matmul_rate(args.matmul_n, args.threads))
+    peaks.append(matmul_rate(args.matmul_n, args.threads, device=args.device, dtype=args.dtype))
+    if args.peak_tflops:
+        peaks = [(args.peak_tflops * 1e12, args.peak_tflops * 1e12)]
 
     peak_wall, peak_cpu = max(p[0] for p in peaks), max(p[1] for p in peaks)
     print(f"\n## results: median over {args.repeats} interleaved repeats [min-max]")
-    print(f"peak = best fp32 {args.matmul_n}x{args.matmul_n} matmul, {args.threads} thread(s), {len(peaks)} probes "
-          f"in this run: {peak_wall / 1e9:.1f} GFLOP/s by wall clock, {peak_cpu / 1e9:.1f} GFLOP/s by CPU time")
+    if args.peak_tflops:
+        print(f"peak = --peak-tflops {args.peak_tflops:g} (given, not measured)")
+    else:
+        print(f"peak = best {args.dtype} {args.matmul_n}x{args.matmul_n} matmul on {args.device}, {args.threads} "
+              f"thread(s), {len(peaks)} probes in this run: {peak_wall / 1e9:.1f} GFLOP/s by wall clock, "
+              f"{peak_cpu / 1e9:.1f} GFLOP/s by CPU time")
     print("MFU = tokens/s * FLOPs/token / peak, each on the same clock (wall: what a user waits; CPU: robust to "
           "other processes sharing the cores)")
     head = (f"{'model':<27} {'params':>10} {'tok/s wall [min-max]':>21} {'MFU wall':>8} "

@@ -88,9 +88,11 @@ def test_distillation_loss_is_the_tempered_kl():
     assert distillation_loss(s, t, torch.full_like(labels, -100), T, 10).item() == 0.0
 
 
-def test_fit_distils_and_trains_only_the_converted_layers(tiny_llama, tmp_path, in_tmp):
-    """``fit`` with a teacher and ``freeze: unconverted``: the converted layer's mixer moves, everything else
-    keeps the source's weights, and both loss terms are logged."""
+@pytest.mark.parametrize("freeze", ["unconverted", "new"])
+def test_fit_distils_and_trains_only_the_converted_layers(tiny_llama, tmp_path, in_tmp, freeze):
+    """``fit`` with a teacher: with ``freeze: unconverted`` the converted layer's mixer moves and everything else
+    keeps the source's weights; with ``freeze: new`` only the parameters the source lacked move (KVM's LN_s,
+    temperatures and merge gate, not its loaded q/k/v/o), also after resuming. Both loss terms are logged."""
     (in_tmp / "corpus.txt").write_text("\n\n".join(" ".join(f"t{(i * 7 + j) % VOCAB}" for j in range(40))
                                                    for i in range(60)))
     src = load_model(tiny_llama).model.state_dict()
@@ -99,7 +101,7 @@ model:
   init_from: {tiny_llama}
   layer_types: [attention, kvm, attention]
   mixers: {{kvm: {json.dumps(KVM_PRE_ROPE)}}}
-  freeze: unconverted
+  freeze: {freeze}
   distill_from: {tiny_llama}
   distill_weight: 0.7
   distill_temperature: 2.0
@@ -113,8 +115,17 @@ trainer: {{max_steps: 3, enable_progress_bar: false, limit_val_batches: 1, val_c
     assert main(["fit", "--config", "r.yaml"]) == 0
     ckpt = next(in_tmp.glob("runs/mixerzoo/version_0/checkpoints/last.ckpt"))
     trained = load_model(ckpt).model.state_dict()
-    moved = {k for k in src if not torch.equal(src[k], trained[k])}
+    moved = {k for k in trained if k not in src or not torch.equal(src[k], trained[k])}
     assert moved and all(k.startswith("blocks.1.mixer.") for k in moved), sorted(moved)[:5]
+    loaded_moved = {k for k in moved if k in src}
+    if freeze == "new":
+        assert not loaded_moved and {"blocks.1.mixer.tau_state", "blocks.1.mixer.ln_s.weight"} <= moved
+        assert main(["fit", "--config", "r.yaml", "--trainer.max_steps", "5", "--ckpt_path", str(ckpt)]) == 0
+        resumed = load_model(next(in_tmp.glob("runs/mixerzoo/version_1/checkpoints/last.ckpt"))).model.state_dict()
+        assert all(torch.equal(src[k], resumed[k]) for k in src)
+        assert not torch.equal(resumed["blocks.1.mixer.tau_state"], trained["blocks.1.mixer.tau_state"])
+    else:
+        assert any(k.startswith("blocks.1.mixer.qkv.") for k in loaded_moved), sorted(moved)[:5]
     metrics = next(in_tmp.glob("runs/mixerzoo/version_0/metrics.csv")).read_text().splitlines()[0]
     assert "train/distill_loss" in metrics and "train/lm_loss" in metrics
 
@@ -136,6 +147,8 @@ def test_conversion_bad_input_against_the_source(tiny_llama, tmp_path):
         converted(tiny_llama, {"attention": KVM_PRE_ROPE}, n_layers=6, freeze="unconverted")
     with pytest.raises(ConfigError, match="no layer differs from the source"):
         converted(tiny_llama, {}, freeze="unconverted")
+    with pytest.raises(ConfigError, match=r"model\.freeze=new but every parameter was loaded"):
+        converted(tiny_llama, {"attention": SWA_SINKS}, freeze="new")
     with pytest.raises(ConfigError, match=r"model\.mixers\.attention.*memory_keys|kvm.*memory_keys: pre_rope"):
         converted(tiny_llama, {"attention": {"mixer": "kvm"}})  # full RoPE: the paper's memory keys cannot work
     other = tmp_path / "other"

@@ -19,7 +19,7 @@ from ..data.tokenizers import id_tokenizer  # noqa: F401 - kept importable from 
 from ..model import LanguageModel, LMConfig
 from ..model.config import ConfigError
 
-__all__ = ["TrainedModel", "read_checkpoint", "load_checkpoint", "load_weights", "load_matching_weights",
+__all__ = ["TrainedModel", "read_checkpoint", "load_checkpoint", "load_weights", "load_matching_weights", "match_weights",
            "id_tokenizer", "TOKENIZER_KEY"]
 
 TOKENIZER_KEY = "tokenizer_json"  # what LMDataModule.state_dict() stores
@@ -124,6 +124,24 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], where
     model.load_state_dict(weights, strict=False)
 
 
+def match_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """Which tensors of ``weights`` fit ``model`` by name and shape, without loading anything: returns
+    ``(fit, report)`` with the report of :func:`load_matching_weights` (``loaded`` naming what would load)."""
+    alias_of = _tied_names(model)
+    own = model.state_dict()
+    fit, unused = {}, []
+    for name, tensor in weights.items():
+        if name not in own:
+            unused.append(name)
+        elif tuple(tensor.shape) != tuple(own[name].shape):
+            unused.append(f"{name}: file {tuple(tensor.shape)} vs model {tuple(own[name].shape)}")
+        else:
+            fit[name] = tensor
+    new = sorted(k for k in own if k not in fit and not any(a in fit for a in alias_of.get(k, [])))
+    return fit, {"loaded": sorted(fit), "new": new, "unused": sorted(unused)}
+
+
 def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     """Copy into ``model`` every tensor of ``weights`` whose name and shape it has (a model initialised from a
     pretrained one whose layers were partly changed); returns what happened, so nothing is dropped in silence:
@@ -136,20 +154,9 @@ def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tenso
 
     Names the model ties to a loaded one (``head.weight`` tied to ``embed.weight``) count as loaded.
     """
-    alias_of = _tied_names(model)
-    own = model.state_dict()
-    fit, unused = {}, []
-    for name, tensor in weights.items():
-        if name not in own:
-            unused.append(name)
-        elif tuple(tensor.shape) != tuple(own[name].shape):
-            unused.append(f"{name}: file {tuple(tensor.shape)} vs model {tuple(own[name].shape)}")
-        else:
-            fit[name] = tensor
+    fit, report = match_weights(model, weights)
     model.load_state_dict(fit, strict=False)
-    loaded = sorted(fit)
-    new = sorted(k for k in own if k not in fit and not any(a in fit for a in alias_of.get(k, [])))
-    return {"loaded": loaded, "new": new, "unused": sorted(unused)}
+    return report
 
 
 def _has_tokenizer(class_path: str | None) -> bool | None:

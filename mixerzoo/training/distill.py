@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from ..model import LanguageModel, LMConfig
 from ..model.config import ConfigError
 
-__all__ = ["FREEZE_MODES", "distillation_loss", "load_teacher", "converted_layers", "freeze_unconverted",
+__all__ = ["FREEZE_MODES", "distillation_loss", "load_teacher", "converted_layers", "freeze_unconverted", "freeze_loaded",
            "check_distill_options"]
 
-FREEZE_MODES = ("none", "unconverted")
+FREEZE_MODES = ("none", "unconverted", "new")
 IGNORE_INDEX = -100
 
 
@@ -93,7 +93,28 @@ def freeze_unconverted(model: LanguageModel, converted: list[int]) -> dict[str, 
     if not converted:
         raise ConfigError("model.freeze=unconverted but no layer differs from the source's; convert some layers "
                           "with model.mixers (e.g. {attention: {mixer: kvm, ...}}) or set model.freeze none")
-    train = {id(p) for i in converted for p in model.blocks[i].mixer.parameters()}
+    return _train_only(model, {id(p) for i in converted for p in model.blocks[i].mixer.parameters()})
+
+
+def freeze_loaded(model: LanguageModel, new: list[str]) -> dict[str, Any]:
+    """``freeze: new``: train only the parameters the source did not provide (``new``: their names, the ``new``
+    list of :func:`mixerzoo.hub.checkpoint.match_weights`, e.g. a converted KVM layer's ``LN_s``, temperatures
+    and merge gate); every loaded weight stays as the teacher had it. Returns the parameter counts.
+
+    Raises:
+        ConfigError: every parameter was loaded from the source (nothing would train).
+    """
+    params = dict(model.named_parameters())
+    train = {id(params[name]) for name in new if name in params}
+    if not train:
+        raise ConfigError("model.freeze=new but every parameter was loaded from model.init_from, so nothing would "
+                          "train; convert a layer to a mixer with parameters of its own (e.g. kvm) or use "
+                          "model.freeze unconverted")
+    return _train_only(model, train)
+
+
+def _train_only(model: LanguageModel, train: set[int]) -> dict[str, Any]:
+    """``requires_grad`` on exactly the parameters whose ``id`` is in ``train``; returns the counts."""
     counts = {"trainable": 0, "frozen": 0}
     for p in model.parameters():  # each shared (tied) parameter once
         keep = id(p) in train

@@ -18,7 +18,8 @@ from torchmetrics.classification import MulticlassAccuracy
 from ..model import LanguageModel, LMConfig
 from ..model.config import ConfigError, check_mixer_options
 from .checkpoints import collect_rng_states, set_rng_states
-from .distill import check_distill_options, converted_layers, distillation_loss, freeze_unconverted, load_teacher
+from .distill import (check_distill_options, converted_layers, distillation_loss, freeze_loaded, freeze_unconverted,
+                      load_teacher)
 from .optim import build_optimizer, lr_lambda
 
 __all__ = ["LMModule", "NonFiniteLossError"]
@@ -103,9 +104,11 @@ class LMModule(L.LightningModule):
             layers and keeps the rest. Every weight whose name and shape fit is loaded; the parameters it lacks
             (a new mixer's own) keep their initialisation, and both lists are printed at the start of training
             (``init_report``). Ignored when resuming (``--ckpt_path``): the checkpoint has the weights.
-        freeze: ``none`` (train everything) or ``unconverted``: with ``init_from``, train only the mixers of the
+        freeze: ``none`` (train everything); ``unconverted``: with ``init_from``, train only the mixers of the
             layers whose mixer or options differ from the source's (the converted ones); embeddings, norms,
-            channel mixers and unchanged layers keep the source's weights.
+            channel mixers and unchanged layers keep the source's weights; ``new``: train only the parameters
+            the source lacked (a converted KVM layer's ``LN_s``, temperatures and merge gate), every loaded weight
+            stays the teacher's (the first stage of a conversion: fit the new pieces around a fixed model).
         distill_from: A frozen teacher (any source, usually the same as ``init_from``) for a distillation loss:
             ``(1 - distill_weight) * LM loss + distill_weight * T^2 KL(teacher || student)`` at temperature
             ``distill_temperature`` over the labelled positions (:mod:`mixerzoo.training.distill`). The teacher
@@ -191,8 +194,11 @@ class LMModule(L.LightningModule):
         opened = None  # the init_from source, opened once for the weights, the freeze and a same-source teacher
         if self.hparams.get("init_from") and not resuming:
             self.init_report, opened = _load_init_weights(self.model, self.hparams.init_from)
-        if self.hparams.get("freeze", "none") == "unconverted":
+        freeze = self.hparams.get("freeze", "none")
+        if freeze == "unconverted":
             self._freeze_unconverted(None if opened is None else opened[0].config)
+        elif freeze == "new":
+            opened = self._freeze_new(opened)
         if self._distill_weight > 0 and not self._teacher:
             same = opened if self.hparams.distill_from == self.hparams.get("init_from") else None
             self._teacher.append(load_teacher(self.hparams.distill_from, self.model.config.vocab_size, same))
@@ -219,6 +225,25 @@ class LMModule(L.LightningModule):
         counts = freeze_unconverted(self.model, converted)
         rank_zero_info(f"model.freeze=unconverted: training the mixers of layers {converted} "
                        f"({counts['trainable']:,} parameters); {counts['frozen']:,} frozen")
+
+    def _freeze_new(self, opened: tuple | None) -> tuple:
+        """``freeze: new``: only the parameters the init_from source lacks train. On resume nothing was loaded
+        from the source, so it is opened and matched by name and shape (without loading) to find them; returns the
+        opened source for a same-source teacher."""
+        from lightning.pytorch.utilities import rank_zero_info
+
+        from ..hub.checkpoint import match_weights
+        from ..hub.source import open_source
+
+        if self.init_report is not None:
+            new = self.init_report["new"]
+        else:
+            opened = opened or open_source(self.hparams.init_from)
+            new = match_weights(self.model, opened[0].state_dict)[1]["new"]
+        counts = freeze_loaded(self.model, new)
+        rank_zero_info(f"model.freeze=new: training the {counts['trainable']:,} parameters model.init_from lacks; "
+                       f"{counts['frozen']:,} frozen")
+        return opened
 
     # -- steps --------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, states: list | None = None):

@@ -1,0 +1,72 @@
+"""``benchmarks/gpu_suite.py``: the GPU suite's plumbing, checked on the CPU (its ``--dry-run`` and ``--list``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = ROOT / "benchmarks" / "gpu_suite.py"
+
+
+def _suite():
+    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_every_step_names_files_that_exist(tmp_path, dry):
+    suite = _suite()
+    args = suite.parse_args(["--out", str(tmp_path), "--wheels", str(tmp_path)] + (["--dry-run"] if dry else []))
+    steps = suite.plan(args)
+    assert [s.name for s in steps] == suite.STEPS
+    for s in steps:
+        for token in s.cmd[1:]:
+            if token.endswith((".py", ".yaml")) and not token.startswith("-"):
+                assert (ROOT / token).is_file(), f"{s.name}: {token} does not exist"
+    by_name = {s.name: s.cmd for s in steps}
+    assert ("cuda" not in by_name["efficiency"]) == dry and ("cuda" not in by_name["throughput"]) == dry
+    assert by_name["resume"][-2:] == ["--ckpt_path", "last"]
+    assert by_name["resume"][by_name["resume"].index("--trainer.max_steps") + 1] == str(2 * args.train_steps)
+
+
+def test_the_training_step_is_a_valid_fit_command(tmp_path):
+    """The recipe and every override of the train step parse (``--print_config``: no training)."""
+    suite = _suite()
+    cmd = next(s.cmd for s in suite.plan(suite.parse_args(["--out", str(tmp_path), "--dry-run"]))
+               if s.name == "train")
+    done = subprocess.run(cmd + ["--print_config"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "d_model: 64" in done.stdout and "accumulate_grad_batches: 1" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_without_cuda_the_full_suite_refuses_with_the_way_out(tmp_path):
+    done = subprocess.run([sys.executable, str(SUITE), "--out", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "use --dry-run" in done.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_dry_run_of_the_benchmarks_writes_their_tables(tmp_path):
+    """The efficiency and throughput steps at toy sizes on the CPU (bf16 autocast): exit 0, tables written, and
+    the summary records each step."""
+    done = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(tmp_path), "--only", "efficiency",
+                           "throughput"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, (tmp_path / "summary.md").read_text() if (tmp_path / "summary.md").exists() else done
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(r["step"], r["rc"]) for r in summary] == [("efficiency", 0), ("throughput", 0)]
+    table = (tmp_path / "efficiency.md").read_text()
+    assert "| 1k | kvm-256 |" in table and "cpu, bf16" in table
+    figures = json.loads((tmp_path / "efficiency.json").read_text())
+    assert set(figures["train"]) == {"attention", "kvm-256"}
+    assert "ratio mixerzoo / llama" in (tmp_path / "throughput.txt").read_text()
