@@ -14,8 +14,11 @@ the mixers installed here (core baselines and every plugin, third-party ones inc
    differs from training), and measures the recurrent state's bytes after reading a sequence of each length;
 3. it writes ``results.json``, ``results.md`` (one table row per run) and ``fig2.png`` under ``--out``.
 
-Runs already scored (``runs/<mixer>-d<d_model>/score.json``) are kept, and a run that crashed resumes from its
-``last.ckpt`` (``--ckpt_path last``), so the command can simply be started again.
+Runs already scored (``runs/<mixer>-d<d_model>[-lr<lr>]/score.json``) are kept, and a run that crashed resumes
+from its ``last.ckpt`` (``--ckpt_path last``), so the command can simply be started again. The report covers every
+run scored in ``--out``, also those of earlier commands (e.g. a learning-rate sweep of the mixers that did not
+train at the recipe's rate, ``--mixers gdn trellis --lrs 1e-3``); with several learning rates for one mixer and
+d_model, the table marks the ones that are not its best and the figure shows only the best (Zoology's protocol).
 
 Usage (the CPU grid as recorded in docs/results/zoology_fig2/, about 1.5 hours on 2 cores: d_model 64 trains
 longer, as two-layer attention at that width needed more than 800 steps; the full grid for a GPU is in the
@@ -67,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-seq-lens", nargs="+", type=int, default=[64, 128])
     p.add_argument("--eval-kv-pairs", nargs="+", type=int, default=[4, 8, 16, 32])
     p.add_argument("--samples", type=int, default=256, help="examples scored per cell")
+    p.add_argument("--lrs", nargs="+", type=float, default=None,
+                   help="learning rates to sweep per mixer and d_model (Zoology's protocol; the figure keeps each "
+                        "one's best by mean accuracy over the grid); default: the recipe's model.lr")
     p.add_argument("--threads", type=int, default=None, help="torch threads for training and scoring")
     return p.parse_args(argv)
 
@@ -81,13 +87,13 @@ def recipe_data(recipe: str) -> dict:
         return dict((yaml.safe_load(f) or {}).get("data", {}).get("init_args") or {})
 
 
-def train(run_dir: Path, mixer: str, d_model: int, options: dict, args: argparse.Namespace) -> float:
+def train(run_dir: Path, mixer: str, d_model: int, options: dict, args: argparse.Namespace, lr: float) -> float:
     """``mixerzoo fit`` of one row in a subprocess (the command a user runs), resuming a crashed run; returns the
     wall-clock seconds of this call."""
     cmd = [sys.executable, "-c", "from mixerzoo.cli import main; main()", "fit", "--config", args.recipe,
            "--model.d_model", str(d_model), "--model.layer_types", json.dumps([mixer]),
-           "--model.mixers", json.dumps({mixer: options}), "--trainer.default_root_dir", str(run_dir),
-           "--ckpt_path", "last"]
+           "--model.mixers", json.dumps({mixer: options}), "--model.lr", str(lr),
+           "--trainer.default_root_dir", str(run_dir), "--ckpt_path", "last"]
     if args.train_seq_len:
         cmd += ["--data.init_args.seq_len", str(args.train_seq_len)]
     if args.train_kv_pairs:
@@ -139,6 +145,18 @@ def score(ckpt: Path, args: argparse.Namespace, vocab_size: int) -> dict:
             "global_step": em.info["global_step"]}
 
 
+def best_runs(runs: dict) -> list[str]:
+    """Per (mixer, d_model), the run with the highest mean accuracy over its cells (the learning-rate sweep's
+    pick, as Zoology reports the best learning rate per point)."""
+    best: dict[tuple, str] = {}
+    for name, r in runs.items():
+        key = (r["mixer"], r["d_model"])
+        mean = sum(r["cells"].values()) / max(len(r["cells"]), 1)
+        if key not in best or mean > sum(runs[best[key]]["cells"].values()) / max(len(runs[best[key]]["cells"]), 1):
+            best[key] = name
+    return list(best.values())
+
+
 def write_report(out: Path, results: dict, args: argparse.Namespace) -> None:
     """results.json, results.md (a row per run, a column per cell) and fig2.png."""
     write_text(out / "results.json", json.dumps(results, indent=1))
@@ -148,14 +166,18 @@ def write_report(out: Path, results: dict, args: argparse.Namespace) -> None:
     T_max = str(max(args.eval_seq_lens))
     lines = [f"# Zoology-format MQAR accuracy (columns: sequence length / kv pairs)\n",
              f"{results['machine']}\n", f"Command: `{results['command']}`\n",
-             "| mixer | d_model | options | params | state KiB @" + T_max + " | train min | " + " | ".join(cells) + " |",
-             "|---|---|---|---|---|---|" + "---|" * len(cells)]
+             "| mixer | d_model | lr | options | params | state KiB @" + T_max + " | train min | " + " | ".join(cells)
+             + " |", "|---|---|---|---|---|---|---|" + "---|" * len(cells)]
+    best = best_runs(runs)
     for name, r in runs.items():
         opts = json.dumps(r["options"], separators=(",", ":")) if r["options"] else "defaults"
         accs = " | ".join(f"{100 * r['cells'][c]:.1f}" if c in r["cells"] else "-" for c in cells)
-        lines.append(f"| {r['mixer']} | {r['d_model']} | `{opts}` | {r['parameters'] / 1e3:.0f}k | "
-                     f"{r['state_bytes'][T_max] / 1024:.1f} | {r['train_s'] / 60:.1f} | {accs} |")
+        mark = "" if name in best or len(best) == len(runs) else " (not best)"
+        lines.append(f"| {r['mixer']} | {r['d_model']} | {r.get('lr', '?'):g}{mark} | `{opts}` | "
+                     f"{r['parameters'] / 1e3:.0f}k | {r['state_bytes'][T_max] / 1024:.1f} | {r['train_s'] / 60:.1f} "
+                     f"| {accs} |")
     text = "\n".join(lines) + "\n"
+    runs = {name: runs[name] for name in best}  # the figure: each mixer and d_model at its best learning rate
     write_text(out / "results.md", text)
     print(text)
     try:
@@ -225,6 +247,7 @@ def main(argv=None) -> int:
         with open(args.mixer_options) as f:
             options = yaml.safe_load(f) or {}
     vocab_size = recipe_data(args.recipe).get("vocab_size", 256)
+    recipe_lr = float(yaml.safe_load(open(args.recipe))["model"].get("lr", 1e-3))
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                "unknown CPU") if os.path.exists("/proc/cpuinfo") else "unknown CPU"
     results = {"machine": f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} "
@@ -233,21 +256,31 @@ def main(argv=None) -> int:
                "recipe": args.recipe, "runs": {}}
     for mixer in mixers:
         for d in args.d_models:
-            run_dir = out / "runs" / f"{mixer}-d{d}"
-            run_dir.mkdir(parents=True, exist_ok=True)
-            done = run_dir / "score.json"
-            if done.exists():
-                results["runs"][run_dir.name] = json.loads(done.read_text())
-                continue
-            print(f"== {mixer} d_model={d}: training", flush=True)
-            train_s = train(run_dir, mixer, d, options.get(mixer) or {}, args)
-            r = {"mixer": mixer, "d_model": d, "options": options.get(mixer) or {}, "train_s": train_s,
-                 **score(last_checkpoint(run_dir), args, vocab_size)}
-            write_text(done, json.dumps(r, indent=1))
-            results["runs"][run_dir.name] = r
-            print(f"   {train_s / 60:.1f} min; " + ", ".join(f"{c}: {a:.3f}" for c, a in r["cells"].items()), flush=True)
+            for lr in args.lrs or [recipe_lr]:
+                run(out, mixer, d, lr, recipe_lr, options, args, vocab_size, results)
+    for done in sorted((out / "runs").glob("*/score.json")):  # runs scored by earlier commands into this folder
+        if done.parent.name not in results["runs"]:
+            results["runs"][done.parent.name] = {"lr": recipe_lr, **json.loads(done.read_text())}
     write_report(out, results, args)
     return 0
+
+
+def run(out: Path, mixer: str, d: int, lr: float, recipe_lr: float, options: dict, args: argparse.Namespace,
+        vocab_size: int, results: dict) -> None:
+    """Train (or resume) and score one model; a run scored before is read back."""
+    run_dir = out / "runs" / (f"{mixer}-d{d}" + ("" if lr == recipe_lr else f"-lr{lr:g}"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    done = run_dir / "score.json"
+    if done.exists():
+        results["runs"][run_dir.name] = {"lr": recipe_lr, **json.loads(done.read_text())}
+        return
+    print(f"== {mixer} d_model={d} lr={lr:g}: training", flush=True)
+    train_s = train(run_dir, mixer, d, options.get(mixer) or {}, args, lr)
+    r = {"mixer": mixer, "d_model": d, "lr": lr, "options": options.get(mixer) or {}, "train_s": train_s,
+         **score(last_checkpoint(run_dir), args, vocab_size)}
+    write_text(done, json.dumps(r, indent=1))
+    results["runs"][run_dir.name] = r
+    print(f"   {train_s / 60:.1f} min; " + ", ".join(f"{c}: {a:.3f}" for c, a in r["cells"].items()), flush=True)
 
 
 if __name__ == "__main__":
