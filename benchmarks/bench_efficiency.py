@@ -52,6 +52,7 @@ MIXERS = {  # name in the tables: (registry name, options)
     "ovq/keep": ("ovq", dict(chunk_len=128, max_size=2048, checkpoint_chunks=0)),
     "trellis": ("trellis", {}),
     "gdn": ("gdn", {}),
+    "gdn/keep": ("gdn", dict(checkpoint_chunks=0)),
     "gsa": ("gsa", {}),
     "swa-512": ("swa", dict(window=512, positional=HALF_ROPE)),
     "tova-512": ("tova", dict(multi_state=512, positional=HALF_ROPE)),

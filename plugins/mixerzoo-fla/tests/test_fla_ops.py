@@ -56,11 +56,15 @@ def test_gdn_chunked_matches_our_reference(T, chunk_len):
     torch.testing.assert_close(s, s_ref, atol=ATOL, rtol=0)
 
 
-def test_gdn_chunked_gradients_match_reference():
+@pytest.mark.parametrize("checkpoint_chunks", [0, 1, 2])
+def test_gdn_chunked_gradients_match_reference(checkpoint_chunks):
+    """Also when trained in recomputed segments of 1 or 2 chunks (6 chunks of 4 tokens, the last partial)."""
     inputs = [t.clone().requires_grad_(True) for t in gdn_inputs(T=21, B=1)]
     o_ref, s_ref = reference.gated_delta_rule_recurrent(*inputs[:5], initial_state=inputs[5])
     grads_ref = torch.autograd.grad((o_ref.square().sum() + s_ref.sum()), inputs)
-    o, s = ops.chunk_gated_delta_rule(*inputs[:5], initial_state=inputs[5], chunk_len=8)
+    o, s = ops.chunk_gated_delta_rule(*inputs[:5], initial_state=inputs[5], chunk_len=4,
+                                      checkpoint_chunks=checkpoint_chunks)
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=0)
     grads = torch.autograd.grad((o.square().sum() + s.sum()), inputs)
     for name, a, b in zip("q k v g beta s0".split(), grads, grads_ref):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"gradient of {name}")

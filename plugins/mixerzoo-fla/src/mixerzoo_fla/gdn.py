@@ -71,6 +71,9 @@ class GatedDeltaNet(Mixer):
         norm_eps: RMSNorm epsilon.
         output_gate_activation: ``swish`` (= ``silu``) or ``sigmoid``.
         chunk_len: chunk length of the CPU/PyTorch path (the fla kernels choose their own tiling).
+        checkpoint_chunks: training memory of the CPU/PyTorch path: segments of this many chunks are recomputed
+            in backward (:func:`mixerzoo_fla.ops.chunk_gated_delta_rule`); 0 keeps everything (faster, more
+            memory). The fla kernels have their own backward and ignore it.
         backend: ``auto`` (fla kernels on CUDA, PyTorch elsewhere), ``torch`` or ``fla``
             (see :mod:`mixerzoo_fla.backend`).
 
@@ -87,7 +90,7 @@ class GatedDeltaNet(Mixer):
                  n_v_heads: int | None = None, use_gate: bool = True, use_short_conv: bool = True,
                  conv_size: int = 4, conv_bias: bool = False, allow_neg_eigval: bool = False, norm_eps: float = 1e-5,
                  output_gate_activation: str = "swish", chunk_len: int = 64, backend: str = "auto",
-                 use_decay: bool = True) -> None:
+                 use_decay: bool = True, checkpoint_chunks: int = 16) -> None:
         super().__init__()
         if n_heads < 1:
             raise ValueError(f"n_heads must be >= 1, got {n_heads}")
@@ -104,6 +107,9 @@ class GatedDeltaNet(Mixer):
                              f"change expand_v or head_dim")
         if chunk_len < 1:
             raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
+        if not isinstance(checkpoint_chunks, int) or isinstance(checkpoint_chunks, bool) or checkpoint_chunks < 0:
+            raise ValueError(f"gdn checkpoint_chunks must be an integer >= 0 (0: no recomputation), "
+                             f"got {checkpoint_chunks!r}")
         if output_gate_activation not in ("swish", "silu", "sigmoid"):
             raise ValueError(f"output_gate_activation must be swish, silu or sigmoid, got {output_gate_activation!r}")
         _backend.check_backend(backend)
@@ -111,7 +117,7 @@ class GatedDeltaNet(Mixer):
         self.head_k_dim, self.head_v_dim = head_dim, round(head_v_dim)
         self.key_dim, self.value_dim = n_heads * head_dim, n_v_heads * self.head_v_dim
         self.use_gate, self.use_short_conv, self.allow_neg_eigval = use_gate, use_short_conv, allow_neg_eigval
-        self.chunk_len, self.backend = chunk_len, backend
+        self.chunk_len, self.backend, self.checkpoint_chunks = chunk_len, backend, checkpoint_chunks
 
         self.q_proj = nn.Linear(d_model, self.key_dim, bias=False)
         self.k_proj = nn.Linear(d_model, self.key_dim, bias=False)
@@ -173,7 +179,7 @@ class GatedDeltaNet(Mixer):
             g = gdn_log_decay(a, self.A_log, self.dt_bias) if self.use_decay else \
                 b.new_zeros(B, T, self.n_v_heads, dtype=torch.float32)  # DeltaNet: log alpha = 0
             o, s = chunk_gated_delta_rule(l2_normalize(q), l2_normalize(k), v, g, beta, initial_state=s0,
-                                          chunk_len=self.chunk_len)
+                                          chunk_len=self.chunk_len, checkpoint_chunks=self.checkpoint_chunks)
         o = o.to(x.dtype)
         if self.use_gate:
             o = self.o_norm(o, self.g_proj(x).view(B, T, self.n_v_heads, self.head_v_dim))

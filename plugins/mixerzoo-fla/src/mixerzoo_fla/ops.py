@@ -21,6 +21,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from mixerzoo.mixers.segments import run_segments
 
 __all__ = ["l2_normalize", "gdn_log_decay", "chunk_gated_delta_rule", "chunk_gsa"]
 
@@ -93,7 +94,7 @@ def _pairwise_decay(b: torch.Tensor, per_slot: bool = False) -> torch.Tensor:
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            scale: float | None = None, initial_state: torch.Tensor | None = None,
-                           chunk_len: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk_len: int = 64, checkpoint_chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule in chunkwise-parallel (WY / UT-transform) form (GDN paper, section 3.2).
 
     Same definition and calling convention as :func:`mixerzoo_fla.reference.gated_delta_rule_recurrent` and
@@ -111,6 +112,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         scale: query scale, default ``K ** -0.5``.
         initial_state: ``[B, HV, K, V]`` or None.
         chunk_len: tokens per chunk (any ``T`` works; the last chunk is padded).
+        checkpoint_chunks: when training, run segments of this many chunks under ``torch.utils.checkpoint``
+            (:func:`mixerzoo.mixers.segments.run_segments`): autograd keeps the state entering each segment instead
+            of every chunk's UT factors, decays and states, and backward recomputes one segment at a time (same
+            results; more compute). 0: one pass.
 
     Returns:
         ``o [B, T, HV, V]`` and the final state ``[B, HV, K, V]``, float32.
@@ -133,10 +138,18 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     q, k, v = (_to_chunks(x, N, C) for x in (q.float() * scale, k.float(), v.float()))   # [B, HV, N, C, D]
     g, beta = (_to_chunks(x.float()[..., None], N, C)[..., 0] for x in (g, beta))       # [B, HV, N, C]
 
-    eye = torch.eye(C, device=q.device)
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.float()
+    o, (S,) = run_segments(_delta_rule_chunks, (q, k, v, g, beta), 0, (S,), checkpoint_chunks, dim=2)
+    return _from_chunks(o, T), S
+
+
+def _delta_rule_chunks(q, k, v, g, beta, pos: int, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks ``[B, HV, n, C, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: ``(o, S after)``.
+    ``pos`` (the first chunk's index, from :func:`~mixerzoo.mixers.segments.run_segments`) is not needed."""
+    C = q.shape[3]
+    eye = torch.eye(C, device=q.device)
     outs = []
-    for blk in _blocks(N, BLOCK_CHUNKS):      # blocks of chunks: batched products, data still in cache
+    for blk in _blocks(q.shape[2], BLOCK_CHUNKS):      # blocks of chunks: batched products, data still in cache
         qb, kb, vb, bb = q[:, :, blk], k[:, :, blk], v[:, :, blk], beta[:, :, blk]
         gamma = g[:, :, blk].cumsum(-1)
         decay = _pairwise_decay(gamma)                                                  # [B, HV, n, C, C]
@@ -153,7 +166,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             v_new = u[:, :, n] - w[:, :, n] @ S
             outs.append(q_decayed[:, :, n] @ S + attn[:, :, n] @ v_new)
             S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
-    return _from_chunks(torch.stack(outs, dim=2), T), S
+    return torch.stack(outs, dim=2), S
 
 
 def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
