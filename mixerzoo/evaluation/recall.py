@@ -14,7 +14,7 @@ gives ``{"na": reason}`` instead of an accuracy.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -139,6 +139,18 @@ def mqar_sweep(em: EvalModel, lengths: Sequence[int], samples: int = 64, batch_s
     return out
 
 
+def _checked_spec(em: EvalModel, vocab_size: int, make: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``(make(), None)`` for a cell a sweep can score, else ``(None, reason)``: the model's vocabulary is smaller
+    than the task's, or ``make`` (the task's spec at the cell's size) raises :class:`ConfigError`."""
+    reason = _vocab_check(em, vocab_size)
+    if reason is not None:
+        return None, reason
+    try:
+        return make(), None
+    except ConfigError as e:
+        return None, str(e)
+
+
 def icr_sweep(em: EvalModel, task: str, lengths: Sequence[int], samples: int = 64, batch_size: int = 16,
               chunk: int = 1024, seed: int = 0, options: dict | None = None,
               on_chunk: Callable[[int], None] | None = None) -> dict:
@@ -149,19 +161,15 @@ def icr_sweep(em: EvalModel, task: str, lengths: Sequence[int], samples: int = 6
     """
     opts = options or icr_options(em, task)
     out: dict = {"options": opts, "lengths": {}}
-    try:
+
+    def make_spec(L: int) -> ICRSpec:
         spec = ICRSpec(opts["task"], opts["vocab_size"], opts["key_len"], opts["value_len"], opts["n_queries"],
                        opts["n_copies"])
-        bad_spec = None
-    except ConfigError as e:
-        spec, bad_spec = None, str(e)
+        spec.context_pairs(L)  # raises where L cannot hold the task
+        return spec
+
     for L in lengths:
-        reason = bad_spec or _vocab_check(em, opts["vocab_size"])
-        if reason is None:
-            try:
-                spec.context_pairs(L)
-            except ConfigError as e:
-                reason = str(e)
+        spec, reason = _checked_spec(em, opts["vocab_size"], lambda: make_spec(L))
         if reason is not None:
             out["lengths"][str(L)] = {"na": reason}
             continue
@@ -189,14 +197,13 @@ def icl_sweep(em: EvalModel, seq_len: int, function_counts: Sequence[int], sampl
     """
     opts = options or icl_options(em)
     out: dict = {"options": opts, "seq_len": seq_len, "functions": {}}
+    def make_spec(F: int) -> ICLSpec:
+        spec = ICLSpec(opts["vocab_size"], opts["io_len"], F, opts["n_function_ids"])
+        spec.examples(seq_len)  # raises where seq_len cannot hold the task
+        return spec
+
     for F in function_counts:
-        reason = _vocab_check(em, opts["vocab_size"])
-        if reason is None:
-            try:
-                spec = ICLSpec(opts["vocab_size"], opts["io_len"], F, opts["n_function_ids"])
-                spec.examples(seq_len)
-            except ConfigError as e:
-                reason = str(e)
+        spec, reason = _checked_spec(em, opts["vocab_size"], lambda: make_spec(F))
         if reason is not None:
             out["functions"][str(F)] = {"na": reason}
             continue
