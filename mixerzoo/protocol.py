@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["MixerState", "Mixer", "MixerLike", "state_nbytes", "map_state_tensors"]
+__all__ = ["MixerState", "Mixer", "MixerLike", "state_nbytes", "map_state_tensors", "state_tensors"]
 
 
 def map_state_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -35,6 +35,14 @@ def map_state_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> A
     if isinstance(obj, dict):
         return {k: map_state_tensors(v, fn) for k, v in obj.items()}
     return obj
+
+
+def state_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside a (possibly nested) state, in the order :func:`map_state_tensors` visits them (a
+    :class:`MixerState`'s fields in declaration order), so two states of one type pair up tensor by tensor."""
+    found: list[torch.Tensor] = []
+    map_state_tensors(obj, lambda t: found.append(t) or t)
+    return found
 
 
 def state_nbytes(obj: Any) -> int:

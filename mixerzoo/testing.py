@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .protocol import state_nbytes
+from .protocol import state_nbytes, state_tensors
 
 __all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
            "check_state", "check_cuda_bf16", "check_autocast_bf16", "run_conformance", "decode_stepwise",
@@ -254,7 +254,7 @@ def check_autocast_bf16(mixer: nn.Module, d_model: int, seq_len: int = 48, split
         raise ConformanceError(f"autocast-bf16: the bf16 pass differs from fp32 from position {first} on (max abs "
                                f"diff {err:.3g}). Keep states and running statistics in fp32 (sums, counts, "
                                f"normalisers), and softmax/normalisation inputs in fp32")
-    bad = [t for t in _state_tensors(state) if t.is_floating_point() and not torch.isfinite(t).all()]
+    bad = [t for t in state_tensors(state) if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise ConformanceError("autocast-bf16: the state after a bf16 pass holds non-finite values")
     for name, out in (("continuation", torch.cat([y1, y2], dim=1)), ("decode", stepped)):
@@ -274,14 +274,6 @@ def check_autocast_bf16(mixer: nn.Module, d_model: int, seq_len: int = 48, split
     mixer.zero_grad(set_to_none=True)
     mixer.train(was_training)
     mixer.cpu()
-
-
-def _state_tensors(state: Any) -> list[torch.Tensor]:
-    from .protocol import map_state_tensors
-
-    found: list[torch.Tensor] = []
-    map_state_tensors(state, lambda t: found.append(t) or t)
-    return found
 
 
 @dataclasses.dataclass

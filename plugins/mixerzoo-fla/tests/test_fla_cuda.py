@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mixerzoo.protocol import state_tensors
 from mixerzoo_fla import GatedDeltaNet, GatedSlotAttention
 from mixerzoo_fla import backend as fla_backend
 
@@ -28,23 +29,13 @@ LAYERS = {
 TOLERANCE = {"fp32": 2e-4, "bf16": 3e-2}  # largest |a - b| / largest |b|, per tensor
 
 
-def _states(state) -> list[torch.Tensor]:
-    out = []
-    for value in vars(state).values():
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, tuple):
-            out.extend(v for v in value if isinstance(v, torch.Tensor))
-    return out
-
-
 def _run(layer, x, dtype: str):
     x = x.clone().requires_grad_()
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
         y, state = layer(x)
     (y.float() * torch.linspace(-1, 1, y.shape[-1], device=y.device)).sum().backward()
     grads = {name: p.grad.float() for name, p in layer.named_parameters() if p.grad is not None}
-    return y.float(), [s.float() for s in _states(state)], x.grad.float(), grads
+    return y.float(), [s.float() for s in state_tensors(state)], x.grad.float(), grads
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float, what: str) -> None:

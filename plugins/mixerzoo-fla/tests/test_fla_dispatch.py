@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mixerzoo.protocol import state_tensors
 from mixerzoo_fla import GatedDeltaNet, GatedSlotAttention
 from mixerzoo_fla import backend as fla_backend
 from mixerzoo_fla import ops, reference
@@ -142,7 +143,7 @@ def test_fla_branch_matches_torch_branch(factory, fake_fla, monkeypatch):
         y_ref, s_ref = ours(x)
         y, s = theirs(x)                                     # T = 70 > 64: chunk kernels
         torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-4)
-        for a, b in zip(_tensors(s), _tensors(s_ref)):        # same state layout on both branches
+        for a, b in zip(state_tensors(s), state_tensors(s_ref), strict=True):  # one state layout on both branches
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
         y1, s1 = theirs(x[:, :40])                           # prefill on the fla branch ...
         y2, _ = ours(x[:, 40:41], s1)                        # ... decode on the torch branch
@@ -162,12 +163,3 @@ def test_fla_branch_matches_torch_branch(factory, fake_fla, monkeypatch):
         theirs(x[:, :5])
         assert [c for c in fake_fla.calls if c != "causal_conv1d"] == [chunk]
 
-
-def _tensors(state):
-    out = []
-    for f in vars(state).values():
-        if isinstance(f, torch.Tensor):
-            out.append(f)
-        elif isinstance(f, tuple):
-            out.extend(f)
-    return out
