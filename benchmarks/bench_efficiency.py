@@ -40,6 +40,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _device import add_device_args, autocast, check_device, sync  # noqa: E402 - beside this script
+
 D_MODEL, N_HEADS = 256, 2
 HALF_ROPE = {"name": "rope", "rotary_fraction": 0.5}
 KVM = dict(chunk_len=256, n_bswa_chunks=2, positional=HALF_ROPE, qk_norm="layernorm")
@@ -70,26 +72,12 @@ def build(name: str, task: dict):
     kind, options = MIXERS[name]
     d_model = task.get("d_model", D_MODEL)
     return registry.get(kind)(d_model, n_heads=d_model // task.get("head_dim", D_MODEL // N_HEADS),
-                              **options).to(task.get("device", "cpu"))
+                              **options).to(on(task)[0])
 
 
-def autocast(task: dict):
-    """bf16 autocast for ``dtype: bf16`` (weights stay fp32, as under Lightning's ``bf16-mixed``), else nothing."""
-    import contextlib
-
-    import torch
-
-    if task.get("dtype", "fp32") == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(task.get("device", "cpu"), dtype=torch.bfloat16)
-
-
-def sync(task: dict) -> None:
-    """Wait for the device (CUDA work is asynchronous; a timer read without this measures the launch only)."""
-    import torch
-
-    if task.get("device", "cpu") == "cuda":
-        torch.cuda.synchronize()
+def on(task: dict) -> tuple[str, str]:
+    """The task's ``(device, dtype)``, for :func:`_device.autocast` and (its device) :func:`_device.sync`."""
+    return task.get("device", "cpu"), task.get("dtype", "fp32")
 
 
 def rss_mib() -> float:
@@ -98,7 +86,7 @@ def rss_mib() -> float:
 
 
 def step(layer, x, task: dict | None = None):
-    with autocast(task or {}):
+    with autocast(*on(task or {})):
         y, _ = layer(x)
     y.float().square().mean().backward()
 
@@ -107,7 +95,7 @@ def worker(task: dict) -> dict:
     import torch
 
     torch.set_num_threads(task["threads"])
-    device, d_model = task.get("device", "cpu"), task.get("d_model", D_MODEL)
+    device, d_model = on(task)[0], task.get("d_model", D_MODEL)
     if task["what"] == "time":
         layers = {name: build(name, task) for name in task["mixers"]}
         x = torch.randn(1, task["T"], d_model, device=device, requires_grad=True)
@@ -116,10 +104,10 @@ def worker(task: dict) -> dict:
         times = {name: [] for name in layers}
         for _ in range(task["repeats"]):
             for name, layer in layers.items():
-                sync(task)
+                sync(device)
                 t0 = time.perf_counter()
                 step(layer, x, task)
-                sync(task)
+                sync(device)
                 times[name].append(time.perf_counter() - t0)
                 x.grad = None
         return times
@@ -129,11 +117,11 @@ def worker(task: dict) -> dict:
         layer.zero_grad(set_to_none=True)
         x = torch.randn(1, task["T"], d_model, device=device, requires_grad=True)
         if device == "cuda":
-            torch.cuda.synchronize()
+            sync(device)
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             step(layer, x, task)
-            torch.cuda.synchronize()
+            sync(device)
             return {"peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
         base = rss_mib()
         step(layer, x, task)
@@ -147,18 +135,18 @@ def decode_ms_per_token(layer, T: int, steps: int, d_model: int = D_MODEL, task:
     """Mean ms of ``steps`` single-token calls after a no-grad prefill of ``T`` tokens in pieces of 4,096."""
     import torch
 
-    task = task or {}
+    device, dtype = on(task or {})
     layer.eval()
-    x = torch.randn(1, T + steps, d_model, device=task.get("device", "cpu"))
-    with torch.no_grad(), autocast(task):
+    x = torch.randn(1, T + steps, d_model, device=device)
+    with torch.no_grad(), autocast(device, dtype):
         state = None
         for a in range(0, T, 4096):
             _, state = layer(x[:, a:min(a + 4096, T)], state)
-        sync(task)
+        sync(device)
         t0 = time.perf_counter()
         for t in range(T, T + steps):
             _, state = layer(x[:, t:t + 1], state)
-        sync(task)
+        sync(device)
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
@@ -180,13 +168,14 @@ def profile(name: str, T: int, task: dict, rows: int = 25) -> None:
 
     torch.set_num_threads(task["threads"])
     layer = build(name, task)
-    cuda = task.get("device", "cpu") == "cuda"
-    x = torch.randn(1, T, task.get("d_model", D_MODEL), device=task.get("device", "cpu"), requires_grad=True)
+    device = on(task)[0]
+    cuda = device == "cuda"
+    x = torch.randn(1, T, task.get("d_model", D_MODEL), device=device, requires_grad=True)
     step(layer, x[:, :1024], task)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with tprofile(activities=activities, profile_memory=True) as prof:
         step(layer, x, task)
-        sync(task)
+        sync(device)
     print(f"# torch.profiler: {name}, one training step (forward + backward) at T = {T}, {describe(task)}")
     print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                                     row_limit=rows))
@@ -195,7 +184,7 @@ def profile(name: str, T: int, task: dict, rows: int = 25) -> None:
 def describe(task: dict) -> str:
     """One line of the run's settings for the tables' headers."""
     d_model, head_dim = task.get("d_model", D_MODEL), task.get("head_dim", D_MODEL // N_HEADS)
-    return (f"{task.get('device', 'cpu')}, {task.get('dtype', 'fp32')}, {task['threads']} threads, d_model "
+    return (f"{', '.join(on(task))}, {task['threads']} threads, d_model "
             f"{d_model}, {d_model // head_dim} heads x {head_dim}, batch 1")
 
 
@@ -216,8 +205,7 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--profile", nargs=2, metavar=("MIXER", "T"), help="print a profiler table and exit")
     ap.add_argument("--json", help="also write every figure here")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, weights fp32")
+    add_device_args(ap)
     ap.add_argument("--d-model", type=int, default=D_MODEL)
     ap.add_argument("--head-dim", type=int, default=D_MODEL // N_HEADS)
     args = ap.parse_args()
@@ -228,8 +216,7 @@ def main() -> None:
         ap.error(f"--d-model {args.d_model} is not a multiple of --head-dim {args.head_dim}")
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda but torch.cuda.is_available() is False (a CPU build of torch, or no GPU)")
+    check_device(ap, args.device)
     base = {"threads": args.threads, "device": args.device, "dtype": args.dtype, "d_model": args.d_model,
             "head_dim": args.head_dim}
     if args.profile:

@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from _device import add_device_args, autocast, check_device, sync  # noqa: E402 - beside this script
 from mixerzoo.model import LanguageModel, LMConfig  # noqa: E402
 from mixerzoo.model.channel_mixers import default_d_ff  # noqa: E402
 
@@ -98,19 +99,6 @@ def flop_params(model: torch.nn.Module, embedding: torch.nn.Embedding, tied: boo
 
 
 # ------------------------------------------------------------------------------------------- training -----
-def autocast(device: str, dtype: str):
-    """bf16 autocast (weights stay fp32) for ``--dtype bf16``; nothing for fp32."""
-    import contextlib
-
-    return contextlib.nullcontext() if dtype == "fp32" else torch.autocast(device, dtype=torch.bfloat16)
-
-
-def sync(device: str) -> None:
-    """Wait for queued CUDA work, so a timer measures the step and not its launch."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def make_step(model, kind: str, lr: float, vocab: int, device: str = "cpu", dtype: str = "fp32"):
     """One optimizer step on ``(x, y)``: zero_grad, forward, mean cross-entropy, backward, AdamW step (fused on
     CUDA), the forward and loss under :func:`autocast`."""
@@ -244,14 +232,12 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="print torch.profiler top ops of each eager model")
     p.add_argument("--profile-rows", type=int, default=18, help="ops per profiler table")
     p.add_argument("--seed", type=int, default=0, help="seed of the init and the token batch")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, weights fp32")
+    add_device_args(p)
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak for MFU (e.g. 989 for an H100 SXM's dense bf16); default: the measured matmul rate")
     args = p.parse_args(argv)
     args.d_ff = args.d_ff or default_d_ff("swiglu", args.d_model)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda but torch.cuda.is_available() is False (a CPU build of torch, or no GPU)")
+    check_device(p, args.device)
 
     import transformers
 

@@ -1,0 +1,37 @@
+"""Device and precision plumbing shared by the benchmark scripts (``--device``, ``--dtype``): bf16 autocast with
+fp32 weights (as Lightning's ``bf16-mixed``), waiting for CUDA before a timer is read, and refusing ``--device
+cuda`` where torch has no CUDA. Not a benchmark itself; the scripts import it from their own folder."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    """``--device {cpu,cuda}`` and ``--dtype {fp32,bf16}`` (bf16: autocast, weights fp32)."""
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, weights fp32")
+
+
+def check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """Exit through ``parser.error`` for ``--device cuda`` without CUDA."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch.cuda.is_available() is False (a CPU build of torch, or no GPU)")
+
+
+def autocast(device: str, dtype: str):
+    """bf16 autocast on ``device`` for ``dtype: bf16``; nothing for fp32."""
+    import torch
+
+    return contextlib.nullcontext() if dtype == "fp32" else torch.autocast(device, dtype=torch.bfloat16)
+
+
+def sync(device: str) -> None:
+    """Wait for queued CUDA work, so that a timer measures the work and not its launch (nothing on the CPU)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
