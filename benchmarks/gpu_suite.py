@@ -148,8 +148,8 @@ def copy_metrics(runs: Path, dest: Path) -> None:
 
 
 def write_summary(out: Path, results: list[dict], dry: bool) -> None:
-    lines = [f"# gpu_suite {'dry run (CPU, toy sizes)' if dry else 'on CUDA'}: "
-             f"{time.strftime('%Y-%m-%d %H:%M:%S')}", "", "| step | exit code | minutes | output |", "|---|---|---|---|"]
+    lines = [f"# gpu_suite {'dry run (CPU, toy sizes)' if dry else 'on CUDA'}: {time.strftime('%Y-%m-%d %H:%M:%S')}",
+             "", "| step | exit code | minutes | output |", "|---|---|---|---|"]
     lines += [f"| {r['step']} | {r['rc']} | {r['minutes']} | `{r['output']}` |" for r in results]
     lines += ["", "Commands:", ""] + [f"- {r['step']}: `{r['command'][:400]}`" for r in results]
     (out / "summary.md").write_text("\n".join(lines) + "\n")

@@ -260,9 +260,14 @@ def main(argv=None) -> int:
                 run(out, mixer, d, lr, recipe_lr, options, args, vocab_size, results)
     for done in sorted((out / "runs").glob("*/score.json")):  # runs scored by earlier commands into this folder
         if done.parent.name not in results["runs"]:
-            results["runs"][done.parent.name] = {"lr": recipe_lr, **json.loads(done.read_text())}
+            results["runs"][done.parent.name] = read_score(done, recipe_lr)
     write_report(out, results, args)
     return 0
+
+
+def read_score(done: Path, recipe_lr: float) -> dict:
+    """A scored run's ``score.json``; runs scored before ``--lrs`` existed trained at the recipe's rate."""
+    return {"lr": recipe_lr, **json.loads(done.read_text())}
 
 
 def run(out: Path, mixer: str, d: int, lr: float, recipe_lr: float, options: dict, args: argparse.Namespace,
@@ -272,7 +277,7 @@ def run(out: Path, mixer: str, d: int, lr: float, recipe_lr: float, options: dic
     run_dir.mkdir(parents=True, exist_ok=True)
     done = run_dir / "score.json"
     if done.exists():
-        results["runs"][run_dir.name] = {"lr": recipe_lr, **json.loads(done.read_text())}
+        results["runs"][run_dir.name] = read_score(done, recipe_lr)
         return
     print(f"== {mixer} d_model={d} lr={lr:g}: training", flush=True)
     train_s = train(run_dir, mixer, d, options.get(mixer) or {}, args, lr)

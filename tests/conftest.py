@@ -1,4 +1,6 @@
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,3 +23,16 @@ def shared_data() -> Path:
 def in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@pytest.fixture
+def benchmark_script():
+    """``load(name)``: the module of ``benchmarks/<name>.py`` (a script, not a package), imported from its file
+    and registered in ``sys.modules`` (dataclasses look their module up there)."""
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    return load

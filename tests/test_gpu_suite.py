@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,17 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
 
 
-def _suite():
-    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("dry", [False, True])
-def test_every_step_names_files_that_exist(tmp_path, dry):
-    suite = _suite()
+def test_every_step_names_files_that_exist(tmp_path, dry, benchmark_script):
+    suite = benchmark_script("gpu_suite")
     args = suite.parse_args(["--out", str(tmp_path), "--wheels", str(tmp_path)] + (["--dry-run"] if dry else []))
     steps = suite.plan(args)
     assert [s.name for s in steps] == suite.STEPS
@@ -39,9 +30,9 @@ def test_every_step_names_files_that_exist(tmp_path, dry):
     assert by_name["resume"][by_name["resume"].index("--trainer.max_steps") + 1] == str(2 * args.train_steps)
 
 
-def test_the_training_step_is_a_valid_fit_command(tmp_path):
+def test_the_training_step_is_a_valid_fit_command(tmp_path, benchmark_script):
     """The recipe and every override of the train step parse (``--print_config``: no training)."""
-    suite = _suite()
+    suite = benchmark_script("gpu_suite")
     cmd = next(s.cmd for s in suite.plan(suite.parse_args(["--out", str(tmp_path), "--dry-run"]))
                if s.name == "train")
     done = subprocess.run(cmd + ["--print_config"], cwd=ROOT, capture_output=True, text=True)

@@ -2,32 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("zoology_fig2", ROOT / "benchmarks" / "zoology_fig2.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_best_run_per_mixer_and_width_is_the_highest_mean_accuracy():
+def test_best_run_per_mixer_and_width_is_the_highest_mean_accuracy(benchmark_script):
     runs = {"a": {"mixer": "gdn", "d_model": 64, "cells": {"64/4": 0.2, "64/8": 0.0}},
             "b": {"mixer": "gdn", "d_model": 64, "cells": {"64/4": 0.1, "64/8": 0.3}},
             "c": {"mixer": "gdn", "d_model": 128, "cells": {"64/4": 0.0}},
             "d": {"mixer": "kvm", "d_model": 64, "cells": {"64/4": 0.9}}}
-    assert sorted(_script().best_runs(runs)) == ["b", "c", "d"]
+    assert sorted(benchmark_script("zoology_fig2").best_runs(runs)) == ["b", "c", "d"]
 
 
-def test_a_learning_rate_sweep_trains_one_run_per_rate_and_reports_every_scored_run(tmp_path):
-    fig2 = _script()
+def test_a_learning_rate_sweep_trains_one_run_per_rate_and_reports_every_scored_run(tmp_path, benchmark_script):
+    fig2 = benchmark_script("zoology_fig2")
     out = tmp_path / "fig2"
     earlier = out / "runs" / "kvm-d16"  # scored by an earlier command into the same folder
     earlier.mkdir(parents=True)

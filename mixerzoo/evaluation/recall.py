@@ -197,6 +197,7 @@ def icl_sweep(em: EvalModel, seq_len: int, function_counts: Sequence[int], sampl
     """
     opts = options or icl_options(em)
     out: dict = {"options": opts, "seq_len": seq_len, "functions": {}}
+
     def make_spec(F: int) -> ICLSpec:
         spec = ICLSpec(opts["vocab_size"], opts["io_len"], F, opts["n_function_ids"])
         spec.examples(seq_len)  # raises where seq_len cannot hold the task

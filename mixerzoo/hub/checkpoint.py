@@ -19,8 +19,8 @@ from ..data.tokenizers import id_tokenizer  # noqa: F401 - kept importable from 
 from ..model import LanguageModel, LMConfig
 from ..model.config import ConfigError
 
-__all__ = ["TrainedModel", "read_checkpoint", "load_checkpoint", "load_weights", "load_matching_weights", "match_weights",
-           "id_tokenizer", "TOKENIZER_KEY"]
+__all__ = ["TrainedModel", "read_checkpoint", "load_checkpoint", "load_weights", "load_matching_weights",
+           "match_weights", "id_tokenizer", "TOKENIZER_KEY"]
 
 TOKENIZER_KEY = "tokenizer_json"  # what LMDataModule.state_dict() stores
 _MODEL_PREFIX = "model."  # LMModule keeps the LanguageModel as ``self.model``

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from ..model import LanguageModel, LMConfig
 from ..model.config import ConfigError
 
-__all__ = ["FREEZE_MODES", "distillation_loss", "load_teacher", "converted_layers", "freeze_unconverted", "freeze_loaded",
-           "check_distill_options"]
+__all__ = ["FREEZE_MODES", "distillation_loss", "load_teacher", "converted_layers", "freeze_unconverted",
+           "freeze_loaded", "check_distill_options"]
 
 FREEZE_MODES = ("none", "unconverted", "new")
 IGNORE_INDEX = -100
