@@ -352,6 +352,24 @@ def test_measure_cost_state_bytes_by_hand(ckpts):
     # K and V of 2 layers, 2 heads x 16 channels, fp32; 3 decode steps + 1 warm-up step add 4 positions
     assert r["state_bytes"] == 2 * 2 * 50 * 32 * 4 and r["state_bytes_after_decode"] == 2 * 2 * 54 * 32 * 4
     assert r["peak_mem_bytes"] >= r["state_bytes"] and r["peak_mem_method"].startswith("live tensor")
+    assert r["state_bytes_per_token"] == 2 * 2 * 32 * 4  # attention keeps K and V of every token, every layer
+
+
+def test_cost_without_peak_memory_skips_the_counted_run(ckpts, tmp_path, monkeypatch):
+    """--cost_peak_memory off: no LiveTensorBytes run (the counter is never entered), peak memory None and the
+    report cell '-', the other columns as with it on."""
+    entered = []
+    monkeypatch.setattr(LiveTensorBytes, "__enter__", lambda self: entered.append(1) or self)
+    assert main(["evaluate", "--ckpt", str(ckpts["attention"]), "--out", str(tmp_path), "--tasks", "cost",
+                 "--lengths", "40", "--chunk", "16", "--decode_tokens", "2", "--cost_peak_memory", "off"]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())["results"]["cost"]["attention"]
+    cell = result["lengths"]["40"]
+    assert not entered and cell["peak_mem_bytes"] is None and cell["peak_mem_method"].startswith("not measured")
+    assert cell["state_bytes"] == 2 * 2 * 40 * 32 * 4 and cell["decode_ms_per_token"] > 0
+    assert result["options"]["peak_memory"] is False
+    report = (tmp_path / "report.md").read_text()
+    peak_table = report[report.index("Cost: peak memory"):]
+    assert "| 40 | - |" in peak_table.split("\n\n")[1]
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode_tokens", type=int, default=d.decode_tokens, help="cost: timed decode steps")
     p.add_argument("--cost_batch", type=int, default=d.cost_batch,
                    help="cost: rows decoded together (tokens/s count every row; state bytes are for all rows)")
+    p.add_argument("--cost_peak_memory", choices=["on", "off"], default="on" if d.cost_peak_memory else "off",
+                   help="cost on CPU: off skips the second, untimed prefill that counts peak memory (several times "
+                        "slower than the timed one); on CUDA peak memory is always measured")
     p.add_argument("--mqar_vocab", type=int, default=None,
                    help="MQAR vocabulary (default: the training value of an MQAR checkpoint, else the model's)")
     p.add_argument("--mqar_format", choices=["mixerzoo", "zoology"], default=None,
@@ -134,7 +137,8 @@ def main(argv: list[str], out: IO[str] | None = None) -> int:
             chunk=args.chunk, segments=args.segments, max_docs=args.max_docs, data=args.data, split=args.split,
             samples=args.samples, batch_size=args.batch_size, seed=args.seed, niah_depths=args.niah_depths,
             niah_trials=args.niah_trials, niah_needles=args.niah_needles, decode_tokens=args.decode_tokens,
-            cost_batch=args.cost_batch, mqar_vocab=args.mqar_vocab, mqar_kv_pairs=args.mqar_kv_pairs,
+            cost_batch=args.cost_batch, cost_peak_memory=args.cost_peak_memory == "on", mqar_vocab=args.mqar_vocab,
+            mqar_kv_pairs=args.mqar_kv_pairs,
             mqar_format=args.mqar_format, icr_vocab=args.icr_vocab,
             icr_key_len=args.icr_key_len, icr_value_len=args.icr_value_len)
         settings.check()

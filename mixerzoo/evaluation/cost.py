@@ -17,6 +17,11 @@ For a context of ``L`` tokens in each of ``batch_size`` rows (random token ids, 
   from earlier frees, so a separate untimed run of the same prefill and a few decode steps counts the bytes of
   the live tensor storages created by every operator (:class:`LiveTensorBytes`, a ``TorchDispatchMode``) and
   reports their peak; it does not see scratch memory inside a kernel (``peak_mem_method`` names the method).
+  That run repeats the prefill under a Python hook on every operator (a few times slower than the timed run);
+  ``peak_memory=False`` skips it (``peak_mem_bytes`` is then None), for long contexts on slow machines where only
+  speed and state size are wanted.
+- **state_bytes_per_token**: ``state_bytes / (batch_size * L)``: what each token of context costs to keep
+  (constant for attention, falling as ``1/L`` for a bounded state).
 
 Timings synchronise CUDA before reading the clock (``torch.cuda.synchronize``), so they are wall times of the work
 itself, not of its launch.
@@ -116,6 +121,13 @@ class LiveTensorBytes(TorchDispatchMode):
             del self._live[ptr]
 
 
+class _NotMeasured:
+    """Stands for a memory counter when ``peak_memory=False`` on CPU."""
+
+    method = "not measured (--cost_peak_memory off)"
+    peak_bytes = None
+
+
 def _run(model, ids: torch.Tensor, chunk: int, decode_tokens: int, device: torch.device) -> dict:
     """Prefill ``ids`` then greedy-decode ``decode_tokens`` steps (after one untimed warm-up step), timing both."""
     vocab = model_vocab(model)
@@ -140,13 +152,17 @@ def _run(model, ids: torch.Tensor, chunk: int, decode_tokens: int, device: torch
 
 @torch.no_grad()
 def measure_cost(model, length: int, chunk: int = 1024, decode_tokens: int = 32, seed: int = 0,
-                 batch_size: int = 1) -> dict:
+                 batch_size: int = 1, peak_memory: bool = True) -> dict:
     """Prefill/decode speed, peak memory and state bytes for one context length of ``batch_size`` rows (see the
     module docstring).
 
+    Args:
+        peak_memory: on CPU, measure peak memory in a second, untimed run under :class:`LiveTensorBytes`
+            (False: skip it, ``peak_mem_bytes`` None). CUDA measures it during the timed run either way.
+
     Returns:
         ``{"prefill_s", "prefill_tokens_per_s", "decode_ms_per_token", "decode_tokens_per_s", "state_bytes",
-        "state_bytes_after_decode", "peak_mem_bytes", "peak_mem_method", "device"}``.
+        "state_bytes_per_token", "state_bytes_after_decode", "peak_mem_bytes", "peak_mem_method", "device"}``.
 
     Raises:
         ConfigError: ``length``, ``decode_tokens`` or ``batch_size`` below 1.
@@ -162,6 +178,8 @@ def measure_cost(model, length: int, chunk: int = 1024, decode_tokens: int = 32,
             run = _run(model, ids, chunk, decode_tokens, device)
     else:
         run = _run(model, ids, chunk, decode_tokens, device)
+        mem = _NotMeasured()
+    if device.type != "cuda" and peak_memory:
         weights = [*model.parameters(), *model.buffers(), ids] if hasattr(model, "parameters") else [ids]
         with LiveTensorBytes(exclude=weights) as mem:
             _run(model, ids, chunk, min(decode_tokens, 4), device)
@@ -169,22 +187,25 @@ def measure_cost(model, length: int, chunk: int = 1024, decode_tokens: int = 32,
     tokens = batch_size * length
     return {"prefill_s": prefill_s, "prefill_tokens_per_s": tokens / prefill_s if prefill_s > 0 else float("inf"),
             "decode_ms_per_token": ms, "decode_tokens_per_s": batch_size * 1e3 / ms if ms > 0 else float("inf"),
-            "state_bytes": run["state_bytes"], "state_bytes_after_decode": run["state_bytes_after_decode"],
+            "state_bytes": run["state_bytes"], "state_bytes_per_token": run["state_bytes"] / tokens,
+            "state_bytes_after_decode": run["state_bytes_after_decode"],
             "peak_mem_bytes": mem.peak_bytes, "peak_mem_method": mem.method, "device": str(device)}
 
 
 def cost_sweep(model, lengths: Sequence[int], chunk: int = 1024, decode_tokens: int = 32, seed: int = 0,
-               on_length: Callable[[int], None] | None = None, batch_size: int = 1) -> dict:
-    """:func:`measure_cost` at each length after one untimed warm-up pass (kernels, allocator).
+               on_length: Callable[[int], None] | None = None, batch_size: int = 1, peak_memory: bool = True) -> dict:
+    """:func:`measure_cost` at each length after one untimed warm-up pass (kernels, allocator) of at most one
+    ``chunk`` (every longer prefill runs in chunks of that size, so a longer warm-up would only cost time).
 
     Returns ``{"options": {"chunk", "decode_tokens", "batch_size"}, "lengths": {str(L): {...}}}``; a length
     that fails with out-of-memory gives ``{"na": "out of memory ..."}``.
     """
-    measure_cost(model, min(lengths), chunk, 2, seed, batch_size)  # warm-up at the first length, discarded
-    out: dict = {"options": {"chunk": chunk, "decode_tokens": decode_tokens, "batch_size": batch_size}, "lengths": {}}
+    measure_cost(model, min(*lengths, chunk), chunk, 2, seed, batch_size, peak_memory=False)  # warm-up, discarded
+    out: dict = {"options": {"chunk": chunk, "decode_tokens": decode_tokens, "batch_size": batch_size,
+                             "peak_memory": peak_memory}, "lengths": {}}
     for L in lengths:
         try:
-            out["lengths"][str(L)] = measure_cost(model, L, chunk, decode_tokens, seed, batch_size)
+            out["lengths"][str(L)] = measure_cost(model, L, chunk, decode_tokens, seed, batch_size, peak_memory)
         except torch.cuda.OutOfMemoryError as e:  # the same class as torch.OutOfMemoryError (torch >= 2.5)
             if model_device(model).type == "cuda":
                 torch.cuda.empty_cache()

@@ -31,7 +31,8 @@ COST_METRICS = (("prefill_tokens_per_s", "prefill tokens/s", "{:,.0f}"),
                 ("decode_ms_per_token", "decode ms/token", "{:.2f}"),
                 ("decode_tokens_per_s", "decode tokens/s", "{:,.1f}"),
                 ("peak_mem_bytes", "peak memory (MiB)", "mib"),
-                ("state_bytes", "state after prefill (KiB)", "kib"))
+                ("state_bytes", "state after prefill (KiB)", "kib"),
+                ("state_bytes_per_token", "state bytes per token of context", "{:,.1f}"))
 
 
 def _fmt(value: Any, how: str) -> str:
@@ -206,8 +207,8 @@ def write_figures(results: dict, out_dir: Path) -> tuple[list[str], str | None]:
         fig.tight_layout()
         paths.append(_save(fig, out_dir / "recall.png", plt))
     if res.get("cost"):
-        fig, axes = plt.subplots(1, 4, figsize=(15, 3.4))
         metrics = [m for m in COST_METRICS if m[0] != "decode_tokens_per_s"]
+        fig, axes = plt.subplots(1, len(metrics), figsize=(3.75 * len(metrics), 3.4))
         for ax, (key, label, how) in zip(axes, metrics):
             for n, r in res["cost"].items():
                 scale = 2**20 if how == "mib" else 2**10 if how == "kib" else 1

@@ -76,6 +76,7 @@ class EvalSettings:
     niah_needles: int = 4
     decode_tokens: int = 32
     cost_batch: int = 1
+    cost_peak_memory: bool = True
     mqar_vocab: int | None = None
     mqar_kv_pairs: int | None = None
     mqar_format: str | None = None
@@ -211,7 +212,7 @@ def run_evaluation(models: Sequence[EvalModel], settings: EvalSettings, console=
                 bar = progress.add_task(f"cost {em.name}", total=len(lengths))
                 res[em.name] = cost_sweep(em.model, lengths, settings.chunk, settings.decode_tokens, settings.seed,
                                           on_length=lambda L, b=bar: progress.advance(b),
-                                          batch_size=settings.cost_batch)
+                                          batch_size=settings.cost_batch, peak_memory=settings.cost_peak_memory)
             done("cost")
     return results
 
