@@ -105,7 +105,7 @@ def main() -> None:
           f"fp32, {args.threads} thread(s), median of {args.repeats} after 1 warm-up")
     print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared, loaded), "
           f"torch {torch.__version__}, python {platform.python_version()}")
-    print(f"# options: " + "; ".join(f"{m}: {DEFAULTS.get(m, {}) or 'defaults'}" for m in mixers))
+    print("# options: " + "; ".join(f"{m}: {DEFAULTS.get(m, {}) or 'defaults'}" for m in mixers))
     print(f"{'mixer':<10} {'T':>6} {'fwd+bwd s':>10} {'tok/s':>9} {'peak MiB':>9} {'state MiB':>10} {'params':>8}")
     for T in args.lengths:
         for m in mixers:

@@ -164,7 +164,7 @@ def write_report(out: Path, results: dict, args: argparse.Namespace) -> None:
     cells = [f"{T}/{K}" for T in args.eval_seq_lens for K in args.eval_kv_pairs
              if any(f"{T}/{K}" in r["cells"] for r in runs.values())]
     T_max = str(max(args.eval_seq_lens))
-    lines = [f"# Zoology-format MQAR accuracy (columns: sequence length / kv pairs)\n",
+    lines = ["# Zoology-format MQAR accuracy (columns: sequence length / kv pairs)\n",
              f"{results['machine']}\n", f"Command: `{results['command']}`\n",
              "| mixer | d_model | lr | options | params | state KiB @" + T_max + " | train min | " + " | ".join(cells)
              + " |", "|---|---|---|---|---|---|---|" + "---|" * len(cells)]

@@ -20,7 +20,6 @@ transformers = pytest.importorskip("transformers")
 from mixerzoo.cli import main  # noqa: E402
 from mixerzoo.hub import import_pretrained, load_model  # noqa: E402
 from mixerzoo.hub.pretrained import UnsupportedArchitectureError, lm_config_from_hf  # noqa: E402
-from mixerzoo.model.config import ConfigError  # noqa: E402
 from mixerzoo.model.generation import generate  # noqa: E402
 
 VOCAB = 96

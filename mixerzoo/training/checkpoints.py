@@ -11,7 +11,6 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ..hub.checkpoint import load_checkpoint  # noqa: F401 - kept importable from here
 from ..atomic import atomic_write
-from ..errors import ConfigError
 
 __all__ = ["check_ckpt_path", "load_checkpoint", "AtomicCheckpointIO", "collect_rng_states", "set_rng_states"]
 
