@@ -132,7 +132,7 @@ def _check_config_files(argv: list[str]) -> None:
 
 
 def _lightning_cli(args: list[str] | None):
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, Timer
     from lightning.pytorch.cli import LightningCLI
 
     from .data import LMDataModule
@@ -180,6 +180,10 @@ def _lightning_cli(args: list[str] | None):
             # Learning rates are logged by default, unless there is no logger (Lightning refuses the monitor then).
             if config.get("logger") is not False and not any(isinstance(c, LearningRateMonitor) for c in given):
                 callbacks = [*callbacks, LearningRateMonitor(logging_interval="step")]
+            # Training wall time is kept in every checkpoint (Timer's state, summed over resumes): reports and model
+            # cards state what a model cost to train.
+            if not any(isinstance(c, Timer) for c in given):
+                callbacks = [*callbacks, Timer(verbose=False)]
             return super()._instantiate_trainer(config, callbacks)
 
         def _parse_ckpt_path(self) -> None:

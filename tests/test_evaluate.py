@@ -473,3 +473,15 @@ def test_cost_counts_every_row_of_a_batch():
     assert three["state_bytes_after_decode"] == 3 * 2 * 2 * (40 + 1 + 2) * 32 * 4  # warm-up step + 2 timed steps
     with pytest.raises(ConfigError, match="--cost_batch"):
         measure_cost(model, 40, batch_size=0)
+
+
+def test_checkpoints_table_shows_training_minutes_where_recorded():
+    """The report's Checkpoints table carries each checkpoint's training wall time (Timer state), '-' without it."""
+    from mixerzoo.evaluation.report import build_tables
+
+    info = {"layer_types": ["kvm"], "parameters": 2_000_000, "global_step": 200, "train_seq_len": 512,
+            "tokenizer": "t"}
+    tables = build_tables({"models": {"a": {**info, "training_minutes": 57.26}, "b": info}, "results": {}})
+    table = next(t for t in tables if t["title"] == "Checkpoints")
+    col = table["header"].index("training minutes")
+    assert [row[col] for row in table["rows"]] == ["57.3", "-"]

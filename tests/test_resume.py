@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixerzoo.hub.checkpoint import read_checkpoint
 from mixerzoo.training.checkpoints import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,6 +133,8 @@ def test_sigkilled_fit_resumes_step_for_step(tmp_path, data):
         assert dm_state["train_position"]["epoch"] == KILL_AT // STEPS_PER_EPOCH
         assert dm_state["train_position"]["batches"] == KILL_AT % STEPS_PER_EPOCH
     assert "rng_states" in ckpt
+    killed_s = ckpt["callbacks"]["Timer"]["time_elapsed"]["train"]  # the default Timer's wall time up to the kill
+    assert killed_s > 0
 
     # resume in the killed run's folder: `last` finds runs/mixerzoo/version_0/checkpoints/last.ckpt
     code, out = _wait(_fit(tmp_path / "crash", tmp_path, "--ckpt_path", "last"))
@@ -149,6 +152,9 @@ def test_sigkilled_fit_resumes_step_for_step(tmp_path, data):
     assert {s: ref_rng[s] for s in res_rng} == res_rng
     # the resumed run did learn something different from its first steps (the comparison is not vacuous)
     assert len({round(v, 6) for v in res_loss.values()}) == len(res_loss)
+    # training time is summed over the resume: the final checkpoint's minutes include the killed run's
+    final = read_checkpoint(next((tmp_path / "crash").glob("runs/mixerzoo/version_1/checkpoints/last.ckpt")))
+    assert final.metrics["training minutes"] * 60 > killed_s
 
 
 def test_sampler_resume_skips_exactly_the_consumed_batches():

@@ -83,6 +83,7 @@ def load_eval_model(path: str, name: str | None = None, tokenizer: str | None = 
             "parameters": model.num_parameters(non_embedding=False),
             "non_embedding_parameters": model.num_parameters(), "global_step": trained.global_step,
             "training_tokens": trained.training_tokens, "train_seq_len": seq_len,
+            "training_minutes": trained.metrics.get("training minutes"),
             "data": data.get("class_path"), "tokenizer": trained.tokenizer_source,
             **({"pretrained": origin.get("source"), "model_type": origin.get("model_type")} if origin else {}),
             **({"converted_without_training": loaded.converted} if loaded.converted else {})}

@@ -60,11 +60,13 @@ def build_tables(results: dict) -> list[dict]:
     out: list[dict] = []
     res = results["results"]
     info = results["models"]
-    out.append({"title": "Checkpoints", "header": ["name", "layers", "parameters", "steps", "train length",
-                                                     "tokenizer"],
+    out.append({"title": "Checkpoints", "header": ["name", "layers", "parameters", "steps", "training minutes",
+                                                     "train length", "tokenizer"],
                 "rows": [[n, ",".join(info[n]["layer_types"]), f"{info[n]['parameters'] / 1e6:.2f}M",
-                          str(info[n].get("global_step")), str(info[n].get("train_seq_len")),
-                          str(info[n].get("tokenizer"))] for n in names], "notes": []})
+                          str(info[n].get("global_step")), _fmt(info[n].get("training_minutes"), "{:,.1f}"),
+                          str(info[n].get("train_seq_len")), str(info[n].get("tokenizer"))] for n in names],
+                "notes": ["training minutes: wall time in fit (summed over resumes; '-' where the checkpoint does "
+                          "not record it)"]})
     loss = {n: r for n, r in (res.get("loss") or {}).items() if "na" not in r}
     if loss:
         any_res = next(iter(loss.values()))

@@ -41,7 +41,9 @@ class TrainedModel:
             ``global_step`` with gradient accumulation).
         training_tokens: ``batches * batch_size * seq_len`` (per process), or None when the data
             hyper-parameters are unknown.
-        metrics: scalars (ModelCheckpoint's monitored metric, best and current score, epoch, step).
+        metrics: scalars (ModelCheckpoint's monitored metric, best and current score, epoch, step, and
+            ``training minutes``: wall time in ``fit``, summed over resumes, from Lightning's ``Timer`` callback
+            that ``mixerzoo fit`` adds; absent from checkpoints written without it).
         source: the checkpoint's path.
         origin: for an imported pretrained model, where it came from (source, model_type, transformers config);
             written to config.json under ``mixerzoo.origin``. None for models trained here.
@@ -227,6 +229,10 @@ def _plain(obj: Any) -> Any:
 def _metrics(ckpt: dict) -> dict:
     out: dict[str, Any] = {"epoch": ckpt.get("epoch"), "global_step": ckpt.get("global_step")}
     for key, state in (ckpt.get("callbacks") or {}).items():
+        if key == "Timer" and isinstance(state, dict):
+            seconds = (state.get("time_elapsed") or {}).get("train")
+            if isinstance(seconds, (int, float)) and seconds > 0:
+                out["training minutes"] = seconds / 60
         if not str(key).startswith("ModelCheckpoint") or not isinstance(state, dict) or not state.get("monitor"):
             continue
         monitor = state["monitor"]
