@@ -41,6 +41,28 @@ def test_lean_equals_reference_values_and_gradients(pre_rope, layout):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("pre_rope", [False, True], ids=["paper", "pre_rope"])
+def test_grid_given_as_blocks_equals_the_whole_grid(pre_rope):
+    """Keys and values passed as consecutive chunk-sized blocks: the same output, and each block's gradient is its
+    own tensor (no view of a grid-sized buffer, which autograd would keep alive until every block is done)."""
+    args = _inputs(pre_rope, 5, R=6, shared_mask=False)
+    q, grid_k, grid_v = args[:3]
+    C = args[8]
+    blocks_k, blocks_v = grid_k.split(C, dim=1), grid_v.split(C, dim=1)
+    whole = memory_window_attention(*args)
+    by_blocks = memory_window_attention(q, blocks_k, blocks_v, *args[3:])
+    torch.testing.assert_close(by_blocks, whole, atol=1e-6, rtol=1e-6)
+    for a, b in zip(_grads(by_blocks, args), _grads(whole, args)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    leaves = [torch.randn(b.shape, requires_grad=True) for b in blocks_k + blocks_v]
+    out = memory_window_attention(q.detach(), leaves[:len(blocks_k)], leaves[len(blocks_k):], *args[3:])
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == len(grads)
+    assert all(g.untyped_storage().nbytes() == g.numel() * g.element_size() for g in grads)
+    with pytest.raises(ValueError, match="key blocks but"):
+        memory_window_attention(q, blocks_k, blocks_v[:-1], *args[3:])
+
+
 def test_lean_bf16_close_to_fp32_reference():
     args32 = _inputs(False, 3, 5, False)
     args16 = _inputs(False, 3, 5, False, dtype=torch.bfloat16)

@@ -62,9 +62,15 @@ def _keys_values(mem_k: torch.Tensor, mem_v: torch.Tensor, win_k: torch.Tensor, 
     return keys, values
 
 
+def _joined(grid) -> torch.Tensor:
+    """A grid given as consecutive row blocks, as one tensor."""
+    return grid if isinstance(grid, torch.Tensor) else grid[0] if len(grid) == 1 else torch.cat(list(grid), dim=1)
+
+
 def memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask, window: int, chunk_len: int,
                                       pre_rope: bool, scale: float) -> torch.Tensor:
     """The readable form of :func:`memory_window_attention` (plain autograd: stores the concatenated keys)."""
+    grid_k, grid_v = _joined(grid_k), _joined(grid_v)
     keys = joint_keys(mem_k, [_windows(grid_k, window, chunk_len) * tau[:, None, None, None]], pre_rope, dim=2)
     values = torch.cat([mem_v, _windows(grid_v, window, chunk_len)], dim=2)
     dt = q.dtype
@@ -76,7 +82,10 @@ class _MemoryWindowAttention(torch.autograd.Function):
     anyway); the backward rebuilds the key lists."""
 
     @staticmethod
-    def forward(ctx, q, grid_k, grid_v, tau, mem_k, mem_v, mask, L: int, C: int, pre_rope: bool, scale: float):
+    def forward(ctx, q, tau, mem_k, mem_v, mask, L: int, C: int, pre_rope: bool, scale: float, n_blocks: int,
+                *blocks):
+        grid_k, grid_v = _joined(blocks[:n_blocks]), _joined(blocks[n_blocks:])
+        ctx.block_rows = [b.shape[1] for b in blocks[:n_blocks]]
         keys, values = _keys_values(mem_k, mem_v, _windows(grid_k, L, C), _windows(grid_v, L, C), tau, pre_rope,
                                     q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, attn_mask=mask,
@@ -116,8 +125,11 @@ class _MemoryWindowAttention(torch.autograd.Function):
             else:
                 g_grid_k[:, j:n * C + j].view(-1, n, C, D).add_(g_win[:, :, j:j + w])
                 g_grid_v[:, j:n * C + j].view(-1, n, C, D).add_(g_wv[:, :, j:j + w])
-        return (gq, g_grid_k.to(grid_k.dtype), g_grid_v.to(grid_v.dtype), g_tau.to(tau.dtype), g_mem_k, g_mem_v,
-                None, None, None, None, None)
+        # one gradient per block, each its own copy: a view would keep the whole grid-sized gradient alive until
+        # autograd has the gradients of every block, and with overlapping windows that is every group's
+        g_blocks = [g.to(grid.dtype, copy=True) for g, grid in ((g_grid_k, grid_k), (g_grid_v, grid_v))
+                    for g in g.split(ctx.block_rows, dim=1)]
+        return (gq, g_tau.to(tau.dtype), g_mem_k, g_mem_v, None, None, None, None, None, None, *g_blocks)
 
 
 def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch.Tensor, tau: torch.Tensor,
@@ -133,6 +145,9 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
         q: ``(N, n, Lq, E)`` queries of ``n`` chunks (``N`` = batch x key/value heads; grouped query heads
             stacked along ``Lq``); ``E = D``, or ``2D`` with ``pre_rope`` (:func:`mixerzoo_kvm.ops.joint_queries`).
         grid_k, grid_v: ``(N, (n - 1) C + window, D)`` keys and values; window ``c`` is rows ``c C .. c C + window``.
+            Either may be a sequence of consecutive row blocks (the same number for both): each block then gets
+            its own gradient, instead of a view of one grid-sized gradient that autograd would keep alive until
+            every block's gradient is in (blocks shared by the overlapping windows of several calls).
         tau: ``(N,)`` inverse temperature of the window keys (``tau_bswa`` per row).
         mem_k, mem_v: ``(N, n, R, D)`` memory rows, already normalised and scaled (``tau_state * LN_s(s_k)`` and
             the value readout).
@@ -147,5 +162,9 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
     if q.device.type != "cpu" or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         return memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask, window, chunk_len,
                                                  pre_rope, scale)
-    return _MemoryWindowAttention.apply(q, grid_k, grid_v, tau, mem_k, mem_v, mask.to(q.dtype), window, chunk_len,
-                                        pre_rope, scale)
+    blocks_k = (grid_k,) if isinstance(grid_k, torch.Tensor) else tuple(grid_k)
+    blocks_v = (grid_v,) if isinstance(grid_v, torch.Tensor) else tuple(grid_v)
+    if len(blocks_k) != len(blocks_v):
+        raise ValueError(f"memory_window_attention: {len(blocks_k)} key blocks but {len(blocks_v)} value blocks")
+    return _MemoryWindowAttention.apply(q, tau, mem_k, mem_v, mask.to(q.dtype), window, chunk_len, pre_rope, scale,
+                                        len(blocks_k), *blocks_k, *blocks_v)

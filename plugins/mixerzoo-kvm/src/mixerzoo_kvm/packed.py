@@ -182,10 +182,19 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     G = Hq // H
     dev = q.device
     p0, p1 = state.next_pos, state.next_pos + T
-    K = torch.cat([state.win_k.to(k.dtype), k], dim=2)  # positions [kpos0, p1)
-    V = torch.cat([state.win_v.to(v.dtype), v], dim=2)
-    Gt = None if g is None else torch.cat([state.win_g.to(g.dtype), g], dim=2)
     kpos0 = p0 - state.win_k.shape[2]
+    cq0, cq1 = p0 // C, (p1 - 1) // C
+    n_q = cq1 - cq0 + 1
+    # With more than one query chunk the windows are read from a chunk-aligned grid of positions [gs, ge): zero
+    # rows before the first key and after the last. Keys and values are written once, with that padding, so the
+    # grid is a view of them instead of a second padded copy that autograd would keep too (issue #17).
+    gs, ge = (cq0 - nb + 1) * C, (cq1 + 1) * C
+    front, end = (max(kpos0 - gs, 0), ge - p1) if n_q > 1 else (0, 0)
+    KP, VP = (torch.cat([t.new_zeros(B, t.shape[1], front, t.shape[3]), w.to(t.dtype), t,
+                         t.new_zeros(B, t.shape[1], end, t.shape[3])],
+                        dim=2) for t, w in ((k, state.win_k), (v, state.win_v)))
+    K, V = KP[:, :, front:KP.shape[2] - end], VP[:, :, front:VP.shape[2] - end]  # positions [kpos0, p1)
+    Gt = None if g is None else torch.cat([state.win_g.to(g.dtype), g], dim=2)
 
     # -- 1 + 2: folds happen where a chunk c >= nb starts inside [p0, p1) -----------------------------
     cf0 = max(nb, -(-p0 // C))
@@ -210,8 +219,6 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         del kbar
 
     # -- 3: query chunks, each with its state snapshot and its window ------------------------------------
-    cq0, cq1 = p0 // C, (p1 - 1) // C
-    n_q = cq1 - cq0 + 1
     # snapshot of every query chunk: the incoming state until the first fold here, then one fold per chunk
     entry = [0] * (n_q - n_folds) + list(range(1, n_folds + 1))
     rows = [sizes[e] for e in entry]
@@ -227,15 +234,19 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         q_off = 0
     else:  # chunk-aligned grid: queries padded to whole chunks; the window of chunk c is grid chunks c .. c + nb - 1
         q_off = p0 - cq0 * C
-        qb = F.pad(q, (0, 0, q_off, (cq1 + 1) * C - p1)).view(B, Hq, n_q, C, E)
+        q_end = (cq1 + 1) * C - p1
+        qb = (F.pad(q, (0, 0, q_off, q_end)) if q_off or q_end else q).view(B, Hq, n_q, C, E)  # no copy if whole chunks
         q_pos = torch.arange(cq0 * C, (cq1 + 1) * C, device=dev).view(n_q, C)
-        gs, ge = (cq0 - nb + 1) * C, (cq1 + 1) * C
-        start = max(gs, kpos0)
-        pad = (0, 0, start - gs, ge - p1)
-        grid_k, grid_v = F.pad(K[:, :, start - kpos0:], pad), F.pad(V[:, :, start - kpos0:], pad)
+        grid_k, grid_v = KP[:, :, max(gs - kpos0, 0):], VP[:, :, max(gs - kpos0, 0):]
         k_pos = torch.arange(gs, ge, device=dev).unfold(0, nb * C, C)  # (n_q, L)
     L = k_pos.shape[1]
-    win_mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & ((k_pos >= max(kpos0, 0)) & (k_pos < p1))[:, None, :]
+
+    def win_mask(a: int, b: int) -> torch.Tensor:
+        """``(b - a, Cq, L)``: which window keys chunks ``a .. b-1`` may see (made per group: for all chunks at once
+        it would be ``n_q x Cq x L`` booleans, growing with the input)."""
+        kp, qp = k_pos[a:b], q_pos[a:b]
+        return (kp[:, None, :] <= qp[:, :, None]) & ((kp >= max(kpos0, 0)) & (kp < p1))[:, None, :]
+
     Cq = q_pos.shape[1]
     groups = _group_chunks(rows, max_chunks=spec.checkpoint_chunks or 16)
     # grouped-query heads: the G query heads of one key/value head are stacked along the query axis
@@ -263,11 +274,10 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         cnt = None if count is None else count[:, :, local, :R]
         mem_v = read_values(s_v[:, :, local, :R], rho[:, :, None, :R], cnt, spec.value_norm, spec.eps)
         rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
-        mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask[a:b]], dim=2)  # (n, Cq, S)
+        mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask(a, b)], dim=2)  # (n, Cq, S)
         mask = additive_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1), q.dtype)
         half = len(pieces) // 2
-        wk, wv = (ps[0] if len(ps) == 1 else torch.cat(ps, dim=1) for ps in (pieces[:half], pieces[half:]))
-        o = memory_window_attention(q_g, wk, wv, tau_w, mem_k, mem_v.reshape(B * H, n, R, D), mask, L, C, two,
+        o = memory_window_attention(q_g, pieces[:half], pieces[half:], tau_w, mem_k, mem_v.reshape(B * H, n, R, D), mask, L, C, two,
                                     D ** -0.5)
         return o, s_k[:, :, -1], s_v[:, :, -1], rho, None if count is None else count[:, :, -1]
 
