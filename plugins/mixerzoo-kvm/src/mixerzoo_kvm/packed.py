@@ -146,13 +146,17 @@ def _snapshots(spec: KVMSpec, params: KVMParams, state: KVMState, kbar: torch.Te
     return s_k, s_v, rho, count
 
 
-def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) -> list[tuple[int, int]]:
+def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4, window: int = 0,
+                  max_keys: int | None = None) -> list[tuple[int, int]]:
     """Split consecutive query chunks into groups whose state sizes stay within ``growth`` x the group's first
     (a state only grows), so padding every snapshot of a group to its largest wastes little, and of at most
-    ``max_chunks`` chunks, so one group's transient key/value lists stay small at any length."""
+    ``max_chunks`` chunks, so one group's transient key/value lists stay small at any length. With ``max_keys``,
+    a group also holds at most that many keys over its chunks (``rows + window`` each; at least one chunk), so a
+    growing state (``power_law`` schedule) reads in smaller groups as it grows."""
     groups, start = [], 0
     for i in range(1, len(rows)):
-        if rows[i] > growth * rows[start] or i - start >= max_chunks:
+        too_many = max_keys is not None and (i - start + 1) * (rows[i] + window) > max_keys
+        if rows[i] > growth * rows[start] or i - start >= max_chunks or too_many:
             groups.append((start, i))
             start = i
     groups.append((start, len(rows)))
@@ -248,7 +252,10 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         return (kp[:, None, :] <= qp[:, :, None]) & ((kp >= max(kpos0, 0)) & (kp < p1))[:, None, :]
 
     Cq = q_pos.shape[1]
-    groups = _group_chunks(rows, max_chunks=spec.checkpoint_chunks or 16)
+    # at most checkpoint_chunks chunks of a state no larger than the window per group: a fixed budget of 256 rows
+    # and a 512-token window reads 4 chunks at a time, a sqrt budget's 1.3k rows at 8k tokens 2
+    n_max = spec.checkpoint_chunks or 16
+    groups = _group_chunks(rows, max_chunks=n_max, window=L, max_keys=n_max * 2 * L)
     # grouped-query heads: the G query heads of one key/value head are stacked along the query axis
     qg = qb.reshape(B, H, G, n_q, Cq, E).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n_q, G * Cq, E)
     grid_k, grid_v = (t.reshape(B * H, -1, D).to(q.dtype) for t in (grid_k, grid_v))
@@ -279,7 +286,9 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         half = len(pieces) // 2
         o = memory_window_attention(q_g, pieces[:half], pieces[half:], tau_w, mem_k, mem_v.reshape(B * H, n, R, D), mask, L, C, two,
                                     D ** -0.5)
-        return o, s_k[:, :, -1], s_v[:, :, -1], rho, None if count is None else count[:, :, -1]
+        # copies: a view of the last snapshot would keep every snapshot of the group alive as the next group's input
+        last = (s_k[:, :, -1].clone(), s_v[:, :, -1].clone(), None if count is None else count[:, :, -1].clone())
+        return o, last[0], last[1], rho, last[2]
 
     carry = (state.s_k, state.s_v.to(state.s_k.dtype), state.rho, state.count)
     lean = spec.checkpoint_chunks > 0 and torch.is_grad_enabled() and any(
