@@ -246,8 +246,9 @@ class OVQAttention(Mixer):
         outs, t = [], 0
         # one split, not slices (a slice's backward is a segment-length zero tensor per chunk)
         for qc, kn, vn in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)):
-            kc = torch.cat([buf_k, kn], dim=2)
-            vc = torch.cat([buf_v, vn], dim=2)
+            # a chunk that starts here is a view of k and v: a copy would be kept for backward, one per chunk
+            kc = kn if buf_k.shape[2] == 0 else torch.cat([buf_k, kn], dim=2)
+            vc = vn if buf_v.shape[2] == 0 else torch.cat([buf_v, vn], dim=2)
             outs.append(attend(qc, dk.to(q.dtype), dv.to(q.dtype), counts.log(), kc, vc))
             t += qc.shape[2]
             if kc.shape[2] == L:                          # the chunk is complete: merge it (eq. 17-19)

@@ -47,35 +47,86 @@ def random_scores(chunk_idx: int, batch: int, n_kv_heads: int, chunk_len: int, s
     return torch.rand(batch, n_kv_heads, chunk_len, generator=g).to(device)
 
 
+def _keys_values_mask(dk, dv, log_counts, kc, vc, G: int, Lq: int, dtype):
+    """``keys, values (B, H_kv, n + Lk, D)`` = ``[D_k ; K_c]``, ``[D_v ; V_c]`` and the additive mask
+    ``(B, H_kv, G Lq, n + Lk)`` = ``[log c ; causal]`` for the ``G`` query heads of each key/value head stacked
+    along the query axis (query ``i`` of the chunk sees chunk keys ``j <= Lk - Lq + i``)."""
+    B, Hkv, n, _ = dk.shape
+    Lk = kc.shape[2]
+    keys, values = torch.cat([dk, kc], dim=2), torch.cat([dv, vc], dim=2)
+    i = torch.arange(Lk - Lq, Lk, device=kc.device).repeat(G)[:, None]
+    j = torch.arange(Lk, device=kc.device)[None, :]
+    causal = torch.zeros(G * Lq, Lk, dtype=dtype, device=kc.device).masked_fill(j > i, float("-inf"))
+    mask = torch.cat([log_counts.to(dtype)[:, :, None, :].expand(B, Hkv, G * Lq, n),
+                      causal.expand(B, Hkv, G * Lq, Lk)], dim=-1)
+    return keys, values, mask
+
+
+class _LeanChunkAttention(torch.autograd.Function):
+    """Eq. 15 on PyTorch's CPU flash-attention kernels, keeping for backward only the sources (queries, the
+    dictionary, the chunk's keys and values, which exist anyway), the output and the log-sum-exp: the
+    concatenated ``[D ; chunk]`` keys and values and the prior/causal mask are rebuilt in backward instead of
+    being stored per chunk (they were most of OVQ's training memory above attention's, issue #17). The counts
+    get no gradient (they count assignments)."""
+
+    @staticmethod
+    def forward(ctx, q, dk, dv, log_counts, kc, vc):
+        B, H, Lq, D = q.shape
+        Hkv = kc.shape[1]
+        G = H // Hkv
+        qs = q.reshape(B, Hkv, G * Lq, D)  # query head h = kv head h // G (repeat_interleave's order)
+        keys, values, mask = _keys_values_mask(dk, dv, log_counts, kc, vc, G, Lq, q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, keys, values, attn_mask=mask,
+                                                                              scale=1.0)
+        ctx.save_for_backward(qs, dk, dv, log_counts, kc, vc, out, lse)
+        ctx.shape = q.shape
+        return out.reshape(B, H, Lq, D)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qs, dk, dv, log_counts, kc, vc, out, lse = ctx.saved_tensors
+        B, H, Lq, D = ctx.shape
+        Hkv, n = kc.shape[1], dk.shape[2]
+        keys, values, mask = _keys_values_mask(dk, dv, log_counts, kc, vc, H // Hkv, Lq, qs.dtype)
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.reshape(B, Hkv, -1, D).contiguous(), qs, keys, values, out, lse, 0.0, False, attn_mask=mask,
+            scale=1.0)
+        del keys, values, mask
+        # the chunk's key/value gradients as copies: they wait in autograd for the other chunks of the segment,
+        # and a view would keep this chunk's whole [D ; chunk]-sized gradient alive with them
+        return gq.reshape(B, H, Lq, D), gk[:, :, :n], gv[:, :, :n], None, gk[:, :, n:].clone(), gv[:, :, n:].clone()
+
+
 def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_counts: torch.Tensor,
                     kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
-    """Eq. 15: ``softmax(q [D_k ; K_c]^T + [log c ; 0] + M) [D_v ; V_c]`` with SDPA (scale 1).
+    """Eq. 15: ``softmax(q [D_k ; K_c]^T + [log c ; 0] + M) [D_v ; V_c]`` (scale 1).
 
     The dictionary rows are visible to every query; the chunk's own raw (never quantized) keys are causal.
     The chunk may have started earlier (decode, continuation): the ``Lq`` queries are the last ``Lq`` of the
-    ``Lk`` chunk positions, so query ``i`` sees chunk keys ``j <= Lk - Lq + i``.
+    ``Lk`` chunk positions, so query ``i`` sees chunk keys ``j <= Lk - Lq + i``. On CPU with one dtype throughout
+    it runs on the flash kernels with a backward that rebuilds the concatenated keys (:class:`_LeanChunkAttention`);
+    elsewhere (CUDA, mixed dtypes) through ``scaled_dot_product_attention`` with autograd.
 
     Args:
         q: ``(B, H, Lq, D)`` queries, already unit-norm and multiplied by the precision ``beta * sqrt(D)``.
         dk, dv: ``(B, H_kv, n, D)`` key and value dictionaries (``n`` may be 0).
-        log_counts: ``(B, H_kv, n)`` log of the counts (the log-prior of eq. 14).
+        log_counts: ``(B, H_kv, n)`` log of the counts (the log-prior of eq. 14; no gradient flows to it).
         kc, vc: ``(B, H_kv, Lk, D)`` the chunk's keys and values so far, ``Lk >= Lq``.
 
     Returns:
         ``(B, H, Lq, D)``.
     """
-    B, H, Lq, _ = q.shape
-    Hkv, n, Lk = kc.shape[1], dk.shape[2], kc.shape[2]
-    keys, values = torch.cat([dk, kc], dim=2), torch.cat([dv, vc], dim=2)
-    i = torch.arange(Lk - Lq, Lk, device=q.device)[:, None]
-    j = torch.arange(Lk, device=q.device)[None, :]
-    causal = torch.zeros(Lq, Lk, dtype=q.dtype, device=q.device).masked_fill(j > i, float("-inf"))
-    bias = torch.cat([log_counts.to(q.dtype)[:, :, None, :].expand(B, Hkv, Lq, n),
-                      causal.expand(B, Hkv, Lq, Lk)], dim=-1)
+    B, H, Lq, D = q.shape
+    Hkv = kc.shape[1]
+    lean = (q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+            and all(t.dtype == q.dtype for t in (dk, dv, kc, vc)))
+    if lean:
+        return _LeanChunkAttention.apply(q, dk, dv, log_counts.detach(), kc, vc)
+    keys, values, mask = _keys_values_mask(dk, dv, log_counts, kc, vc, 1, Lq, q.dtype)
     if H != Hkv:
         g = H // Hkv
-        keys, values, bias = (t.repeat_interleave(g, dim=1) for t in (keys, values, bias))
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)
+        keys, values, mask = (t.repeat_interleave(g, dim=1) for t in (keys, values, mask))
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0)
 
 
 def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
