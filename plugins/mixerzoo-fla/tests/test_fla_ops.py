@@ -129,7 +129,7 @@ def test_gsa_fast_forgetting_gates_halve_the_chunk(monkeypatch):
     # log alpha = -3 per token: a 32-token chunk decays by 96 nats > GSA_MAX_LOG_SPAN, so 16-token chunks are used
     seen = []
     inner = ops._chunk_gsa
-    monkeypatch.setattr(ops, "_chunk_gsa", lambda *a, **kw: seen.append((a[7], kw["exact"])) or inner(*a, **kw))
+    monkeypatch.setattr(ops, "_chunk_gsa", lambda *a: seen.append((a[7], a[8])) or inner(*a))  # (C, exact)
     q, k, v, s, g, h0 = gsa_inputs(T=40)
     g = torch.full_like(g, -3.0)
     s = 1 - g.exp()
@@ -151,7 +151,11 @@ def test_gsa_extreme_gates_stay_finite():
     torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=0)
 
 
-def test_gsa_chunked_gradients_match_reference():
+@pytest.mark.parametrize("checkpoint_chunks,form", [(0, "split"), (1, "split"), (2, "split"), (2, "exact")])
+def test_gsa_chunked_gradients_match_reference(checkpoint_chunks, form, monkeypatch):
+    """Also when trained in recomputed segments of 1 or 2 chunks (3 chunks of 8 tokens, the last partial)."""
+    if form == "exact":
+        monkeypatch.setattr(ops, "GSA_MAX_LOG_SPAN", -1.0)
     q, k, v, s, g, (hk0, hv0) = gsa_inputs(T=19, B=1)
     inputs = [t.clone().requires_grad_(True) for t in (q, k, v, s, g, hk0, hv0)]
 
@@ -159,7 +163,8 @@ def test_gsa_chunked_gradients_match_reference():
         o, (hk, hv) = fn(*inputs[:5], initial_state=(inputs[5], inputs[6]), **kw)
         return torch.autograd.grad(o.square().sum() + hk.sum() + hv.sum(), inputs)
 
-    for name, a, b in zip("q k v s g hk0 hv0".split(), loss(ops.chunk_gsa, chunk_len=8), loss(reference.gsa_recurrent)):
+    chunked = loss(ops.chunk_gsa, chunk_len=8, checkpoint_chunks=checkpoint_chunks)
+    for name, a, b in zip("q k v s g hk0 hv0".split(), chunked, loss(reference.gsa_recurrent)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"gradient of {name}")
 
 

@@ -21,7 +21,7 @@ from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
 from .modules import GatedRMSNorm, ShortConvolution, short_conv_qkv
-from .ops import chunk_gated_delta_rule, gdn_log_decay, l2_normalize
+from .ops import check_checkpoint_chunks, chunk_gated_delta_rule, gdn_log_decay, l2_normalize
 
 __all__ = ["GatedDeltaNet", "GDNState"]
 
@@ -107,9 +107,7 @@ class GatedDeltaNet(Mixer):
                              f"change expand_v or head_dim")
         if chunk_len < 1:
             raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
-        if not isinstance(checkpoint_chunks, int) or isinstance(checkpoint_chunks, bool) or checkpoint_chunks < 0:
-            raise ValueError(f"gdn checkpoint_chunks must be an integer >= 0 (0: no recomputation), "
-                             f"got {checkpoint_chunks!r}")
+        check_checkpoint_chunks(checkpoint_chunks, "gdn")
         if output_gate_activation not in ("swish", "silu", "sigmoid"):
             raise ValueError(f"output_gate_activation must be swish, silu or sigmoid, got {output_gate_activation!r}")
         _backend.check_backend(backend)

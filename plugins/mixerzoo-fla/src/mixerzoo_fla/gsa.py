@@ -21,7 +21,7 @@ from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
 from .modules import ShortConvolution, short_conv_qkv
-from .ops import chunk_gsa
+from .ops import check_checkpoint_chunks, chunk_gsa
 
 __all__ = ["GatedSlotAttention", "GSAState"]
 
@@ -67,6 +67,8 @@ class GatedSlotAttention(Mixer):
             uses eps 1e-5 there, whatever its ``norm_eps``; the default here is the same 1e-5).
         scale: query scale in the slot scores; fla's layer uses 1.0.
         chunk_len: chunk length of the CPU/PyTorch path (the fla kernels choose their own tiling).
+        checkpoint_chunks: training memory of the CPU/PyTorch path: segments of this many chunks are recomputed
+            in backward (:func:`mixerzoo_fla.ops.chunk_gsa`); 0 keeps everything (faster, more memory).
         backend: ``auto`` (fla kernels on CUDA, PyTorch elsewhere), ``torch`` or ``fla``.
 
     fla 0.6.0 also takes ``use_output_gate`` and ``use_norm`` but its forward ignores them; they are not
@@ -85,7 +87,7 @@ class GatedSlotAttention(Mixer):
                  expand_v: float = 1.0, num_slots: int = 64, use_short_conv: bool = False, conv_size: int = 4,
                  conv_bias: bool = False, feature_map: str = "swish", gate_logit_normalizer: float = 8,
                  norm_eps: float = 1e-5, elementwise_affine: bool = True, scale: float = 1.0, chunk_len: int = 32,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", checkpoint_chunks: int = 16) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if n_heads < 1 or n_kv_heads < 1 or n_heads % n_kv_heads:
@@ -102,13 +104,14 @@ class GatedSlotAttention(Mixer):
             raise ValueError(f"gate_logit_normalizer must be > 0, got {gate_logit_normalizer}")
         if chunk_len < 1:
             raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
+        check_checkpoint_chunks(checkpoint_chunks, "gsa")
         _backend.check_backend(backend)
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.key_dim, self.value_dim = round(key_dim), round(value_dim)
         self.head_k_dim, self.head_v_dim = self.key_dim // n_heads, self.value_dim // n_heads
         self.num_slots, self.use_short_conv, self.feature_map = num_slots, use_short_conv, feature_map
         self.gate_logit_normalizer, self.scale = gate_logit_normalizer, scale
-        self.chunk_len, self.backend = chunk_len, backend
+        self.chunk_len, self.backend, self.checkpoint_chunks = chunk_len, backend, checkpoint_chunks
         kv_key_dim, kv_value_dim = n_kv_heads * self.head_k_dim, n_kv_heads * self.head_v_dim
 
         self.q_proj = nn.Linear(d_model, self.key_dim, bias=False)
@@ -165,7 +168,7 @@ class GatedSlotAttention(Mixer):
         else:
             g = F.logsigmoid(f.float()) / self.gate_logit_normalizer
             o, (hk, hv) = chunk_gsa(q, k, v, 1 - g.exp(), g, scale=self.scale, initial_state=initial,
-                                    chunk_len=self.chunk_len)
+                                    chunk_len=self.chunk_len, checkpoint_chunks=self.checkpoint_chunks)
         o = F.silu(o.to(x.dtype).reshape(B, T, self.value_dim))
         return self.o_proj(self.g_norm(o)), GSAState(hk=hk, hv=hv, conv=conv)
 

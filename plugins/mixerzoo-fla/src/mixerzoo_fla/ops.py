@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from mixerzoo.mixers.segments import run_segments
 
-__all__ = ["l2_normalize", "gdn_log_decay", "chunk_gated_delta_rule", "chunk_gsa"]
+__all__ = ["l2_normalize", "gdn_log_decay", "chunk_gated_delta_rule", "chunk_gsa", "check_checkpoint_chunks"]
 
 # Chunks processed together: their intra-chunk products are batched, and a block's tensors stay small enough
 # to remain in cache while the state walks through it (about 1k tokens at the default chunk lengths).
@@ -35,6 +35,13 @@ GSA_MAX_LOG_SPAN = 60.0
 GSA_MIN_SPLIT_CHUNK = 4
 # GSA exact fallback: elements of the (chunk, chunk, slots) decay tensor built at once (about 64 MB).
 GSA_BLOCK_ELEMENTS = 1 << 24
+
+
+def check_checkpoint_chunks(value, mixer: str) -> int:
+    """The layers' ``checkpoint_chunks`` option: an integer >= 0, else ValueError naming the mixer and the fix."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{mixer} checkpoint_chunks must be an integer >= 0 (0: no recomputation), got {value!r}")
+    return value
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -171,7 +178,8 @@ def _delta_rule_chunks(q, k, v, g, beta, pos: int, S: torch.Tensor) -> tuple[tor
 
 def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
               scale: float | None = None, initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-              chunk_len: int = 32) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+              chunk_len: int = 32, checkpoint_chunks: int = 0
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Gated Slot Attention in chunked two-pass form (GSA paper, section 3: two GLA passes joined by a softmax).
 
     Same definition and calling convention as :func:`mixerzoo_fla.reference.gsa_recurrent` (and fla's
@@ -198,6 +206,9 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
         scale: default ``K ** -0.5`` (the GSA layer passes 1.0, as fla's layer does).
         initial_state: ``(Hk [B, H, K, M], Hv [B, H, M, V])`` or None.
         chunk_len: tokens per chunk.
+        checkpoint_chunks: when training, run segments of this many chunks under ``torch.utils.checkpoint``
+            (:func:`mixerzoo.mixers.segments.run_segments`, as :func:`chunk_gated_delta_rule`): autograd keeps the
+            two states entering each segment instead of every chunk's states, scores and decays. 0: one pass.
 
     Returns:
         ``o [B, T, HQ, V]`` and ``(Hk, Hv)``, float32.
@@ -216,25 +227,36 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
     while True:
         span = -_to_chunks(g, math.ceil(T / C), C).sum(-2).min().item()      # largest decay inside a chunk
         if span <= GSA_MAX_LOG_SPAN:
-            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact=False)
+            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, False, checkpoint_chunks)
         if C <= GSA_MIN_SPLIT_CHUNK:
-            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact=True)
+            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, True, checkpoint_chunks)
         C = math.ceil(C / 2)
 
 
-def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact):
+def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact, checkpoint_chunks):
     B, T, HQ, K = q.shape
     H, V, M = k.shape[2], v.shape[3], s.shape[3]
     scale = K ** -0.5 if scale is None else scale
     G = HQ // H
     N = math.ceil(T / C)
-    # queries carry a group axis: [B, H, G, N, C, K]; everything else is per key/value head: [B, H, N, C, *]
-    q = _to_chunks(q.float() * scale, N, C).unflatten(1, (H, G))
+    # queries carry a group axis: [B, H, N, G, C, K] (chunks on axis 2, where run_segments cuts every input);
+    # everything else is per key/value head: [B, H, N, C, *]
+    q = _to_chunks(q.float() * scale, N, C).unflatten(1, (H, G)).transpose(2, 3)
     k, v, s, g = (_to_chunks(x.float(), N, C) for x in (k, v, s, g))
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    per_block = max(1, GSA_BLOCK_ELEMENTS // max(1, B * H * C * C * M)) if exact else BLOCK_CHUNKS
     hk = q.new_zeros(B, H, K, M) if initial_state is None else initial_state[0].float()
     hv = q.new_zeros(B, H, M, V) if initial_state is None else initial_state[1].float()
+    o, (hk, hv) = run_segments(_gsa_chunks, (q, k, v, s, g), 0, (hk, hv), checkpoint_chunks, extra=(exact,), dim=2)
+    return _from_chunks(o.transpose(2, 3).flatten(1, 2), T), (hk, hv)
+
+
+def _gsa_chunks(q, k, v, s, g, exact: bool, pos: int, hk: torch.Tensor, hv: torch.Tensor):
+    """The chunks of :func:`chunk_gsa` (``q [B, H, n, G, C, K]``, the rest ``[B, H, n, C, *]``) from the states
+    ``hk, hv``: ``(o [B, H, n, G, C, V], hk, hv)`` after them. ``pos`` (from
+    :func:`~mixerzoo.mixers.segments.run_segments`) is not needed."""
+    B, H, N, C, M = s.shape
+    q = q.transpose(2, 3)  # [B, H, G, n, C, K]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    per_block = max(1, GSA_BLOCK_ELEMENTS // max(1, B * H * C * C * M)) if exact else BLOCK_CHUNKS
     outs = []
     for blk in _blocks(N, per_block):         # both passes, a block of chunks at a time
         qb, kb, vb, sb = q[:, :, :, blk], k[:, :, blk], v[:, :, blk], s[:, :, blk]
@@ -274,4 +296,4 @@ def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact):
         else:
             scores = (p_decayed @ s_from_start[:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)
         outs.append(o + scores @ vb[:, :, None])
-    return _from_chunks(torch.cat(outs, dim=3).flatten(1, 2), T), (hk, hv)
+    return torch.cat(outs, dim=3).transpose(2, 3), hk, hv

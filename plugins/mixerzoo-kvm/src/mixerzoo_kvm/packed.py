@@ -284,8 +284,8 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask(a, b)], dim=2)  # (n, Cq, S)
         mask = additive_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1), q.dtype)
         half = len(pieces) // 2
-        o = memory_window_attention(q_g, pieces[:half], pieces[half:], tau_w, mem_k, mem_v.reshape(B * H, n, R, D), mask, L, C, two,
-                                    D ** -0.5)
+        o = memory_window_attention(q_g, pieces[:half], pieces[half:], tau_w, mem_k, mem_v.reshape(B * H, n, R, D),
+                                    mask, L, C, two, D ** -0.5)
         # copies: a view of the last snapshot would keep every snapshot of the group alive as the next group's input
         last = (s_k[:, :, -1].clone(), s_v[:, :, -1].clone(), None if count is None else count[:, :, -1].clone())
         return o, last[0], last[1], rho, last[2]
