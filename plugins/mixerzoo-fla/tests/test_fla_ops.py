@@ -227,6 +227,29 @@ def test_short_conv_hand_computed_and_streaming():
     torch.testing.assert_close(torch.cat(outs, 1), y)
 
 
+def test_short_conv_training_recomputes_and_keeps_gradients():
+    """With gradients the convolution is recomputed in backward (torch.utils.checkpoint): outputs, input/weight
+    gradients (also through a carried cache) equal nn.Conv1d's definition, and the cache is not a view of the
+    padded input."""
+    torch.manual_seed(0)
+    conv = ShortConvolution(6, 4, bias=True)
+    x = torch.randn(2, 9, 6, requires_grad=True)
+    w = torch.randn(2, 9, 6)
+
+    def definition(x):
+        return F.silu(torch.nn.Conv1d.forward(conv, x.transpose(1, 2))[..., :9]).transpose(1, 2)
+
+    conv.padding = (3,)  # the definition's padding (ShortConvolution pads by hand)
+    want = torch.autograd.grad((definition(x) * w).sum(), [x, conv.weight, conv.bias])
+    conv.padding = (0,)
+    y1, c = conv(x[:, :5])
+    y2, c2 = conv(x[:, 5:], c)
+    got = torch.autograd.grad((torch.cat([y1, y2], 1) * w).sum(), [x, conv.weight, conv.bias])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() == 2 * 6 * 4 * 4 for t in (c, c2))
+
+
 def test_short_conv_matches_fla_definition():
     conv_mod = _fla("fla.modules")
     torch.manual_seed(0)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -62,11 +63,20 @@ class ShortConvolution(nn.Conv1d):
                 output_final_state=True, activation=self.activation)
             return y, new_cache
         past = x.new_zeros(B, D, W - 1) if cache is None else cache[..., 1:].to(x.dtype)
+        if T > 1 and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            # training: the padded input and the pre-activation output (two more [B, T, D] tensors) are
+            # recomputed in backward instead of kept, a depthwise convolution being cheap (issue #17)
+            y = torch.utils.checkpoint.checkpoint(self._conv, past, x, use_reentrant=False)
+        else:
+            y = self._conv(past, x)
+        # the last W inputs as their own tensor (a view would keep the whole input alive in the state)
+        return y, torch.cat([past, x[:, -W:].transpose(1, 2)], dim=-1)[..., -W:].contiguous()
+
+    def _conv(self, past: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``silu(conv(cat(past, x)))`` truncated to ``x``'s ``T`` steps: ``[B, T, D]``."""
         window = torch.cat([past, x.transpose(1, 2)], dim=-1)            # [B, D, W - 1 + T]
-        y = F.conv1d(window, self.weight, self.bias, groups=D).transpose(1, 2)
-        if self.activation is not None:
-            y = F.silu(y)
-        return y, window[..., -W:]
+        y = F.conv1d(window, self.weight, self.bias, groups=x.shape[2]).transpose(1, 2)
+        return F.silu(y) if self.activation is not None else y
 
 
 def short_conv_qkv(layer: nn.Module, x: torch.Tensor, conv_state: tuple | None, use_fla: bool):
