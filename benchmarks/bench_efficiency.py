@@ -15,6 +15,9 @@ mixers their defaults.
   ms of ``--decode-steps`` single-token steps.
 - ``--profile MIXER T``: a ``torch.profiler`` table of one training step (top ops by self CPU time, and the
   tracked tensor memory), to commit beside the results.
+- ``--memory-profile MIXER T``: what is alive at the peak of one training step: the tensor storages created by
+  the step, counted by :class:`mixerzoo.evaluation.cost.LiveTensorBytes`, grouped by the operator that made them
+  and their shape (the view a memory optimisation needs; independent of the machine's load).
 - ``--device cuda --dtype bf16 --d-model 1024 --head-dim 128`` (issue #21's GPU table): the same tables on a GPU
   under bf16 autocast (weights fp32, as in ``bf16-mixed`` training); time is taken after ``cuda.synchronize``
   and peak memory is ``torch.cuda.max_memory_allocated`` of the step minus what was allocated before it.
@@ -181,6 +184,57 @@ def profile(name: str, T: int, task: dict, rows: int = 25) -> None:
                                     row_limit=rows))
 
 
+def memory_profile(name: str, T: int, task: dict, rows: int = 20) -> None:
+    """Print the peak of the live tensor storages created by one training step (after a warm-up step) and what
+    was alive then, grouped by (operator, shape): the storages a memory optimisation has to remove."""
+    import collections
+
+    import torch
+    from mixerzoo.evaluation.cost import LiveTensorBytes
+
+    class AtPeak(LiveTensorBytes):
+        """LiveTensorBytes that also remembers which operator made each storage and what was alive at the peak."""
+
+        def __init__(self, exclude):
+            super().__init__(exclude)
+            self.made_by, self.alive_at_peak, self._op = {}, {}, "?"
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self._op = str(func).removesuffix(".default")
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _track(self, t):
+            ptr, peak = t.untyped_storage().data_ptr(), self.peak
+            if ptr not in self._live:  # a new storage (a view of a live one keeps its maker)
+                self.made_by[ptr] = (self._op, tuple(t.shape))
+            super()._track(t)
+            if self.peak > peak:
+                self.alive_at_peak = {p: (entry[0], self.made_by.get(p)) for p, entry in self._live.items()}
+
+        def _release(self, ptr):
+            super()._release(ptr)
+            if ptr not in self._live:
+                self.made_by.pop(ptr, None)
+
+    torch.set_num_threads(task["threads"])
+    layer = build(name, task)
+    x = torch.randn(1, T, task.get("d_model", D_MODEL), requires_grad=True)
+    step(layer, x[:, :1024], task)
+    layer.zero_grad(set_to_none=True)
+    with AtPeak(exclude=[*layer.parameters(), x]) as mem:
+        step(layer, x, task)
+    total, count = collections.Counter(), collections.Counter()
+    for nbytes, origin in mem.alive_at_peak.values():
+        total[origin] += nbytes
+        count[origin] += 1
+    print(f"# live tensors at the peak of one training step: {name}, T = {T}, {describe(task)}: "
+          f"{mem.peak / 2**20:.1f} MiB")
+    print("\n| MiB | storages | made by | shape |\n|---|---|---|---|")
+    for origin, nbytes in total.most_common(rows):
+        op, shape = origin or ("?", ())
+        print(f"| {nbytes / 2**20:.1f} | {count[origin]} | {op} | {tuple(shape)} |")
+
+
 def describe(task: dict) -> str:
     """One line of the run's settings for the tables' headers."""
     d_model, head_dim = task.get("d_model", D_MODEL), task.get("head_dim", D_MODEL // N_HEADS)
@@ -204,6 +258,8 @@ def main() -> None:
     ap.add_argument("--decode-contexts", type=int, nargs="*", default=[1024, 16384], help="none: skip decode")
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--profile", nargs=2, metavar=("MIXER", "T"), help="print a profiler table and exit")
+    ap.add_argument("--memory-profile", nargs=2, metavar=("MIXER", "T"),
+                    help="print the tensors alive at the peak of one training step, by operator and shape, and exit")
     ap.add_argument("--json", help="also write every figure here")
     add_device_args(ap)
     ap.add_argument("--d-model", type=int, default=D_MODEL)
@@ -221,6 +277,9 @@ def main() -> None:
             "head_dim": args.head_dim}
     if args.profile:
         profile(args.profile[0], int(args.profile[1]), base)
+        return
+    if args.memory_profile:
+        memory_profile(args.memory_profile[0], int(args.memory_profile[1]), base)
         return
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""

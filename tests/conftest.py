@@ -28,8 +28,11 @@ def in_tmp(tmp_path, monkeypatch):
 @pytest.fixture
 def benchmark_script():
     """``load(name)``: the module of ``benchmarks/<name>.py`` (a script, not a package), imported from its file
-    and registered in ``sys.modules`` (dataclasses look their module up there)."""
+    and registered in ``sys.modules`` (dataclasses look their module up there), with ``benchmarks/`` on
+    ``sys.path`` as when the script runs (it imports its neighbours, such as ``_device``)."""
     def load(name: str):
+        if str(REPO / "benchmarks") not in sys.path:
+            sys.path.append(str(REPO / "benchmarks"))
         spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module

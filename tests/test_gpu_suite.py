@@ -61,3 +61,15 @@ def test_dry_run_of_the_benchmarks_writes_their_tables(tmp_path):
     figures = json.loads((tmp_path / "efficiency.json").read_text())
     assert set(figures["train"]) == {"attention", "kvm-256"}
     assert "ratio mixerzoo / llama" in (tmp_path / "throughput.txt").read_text()
+
+
+def test_memory_profile_lists_what_is_alive_at_the_peak(capsys, benchmark_script):
+    """bench_efficiency --memory-profile: the rows (storages alive at the peak, by operator and shape) add up to
+    the peak it reports, and the projections (aten.mm outputs of T x d_model) are among them."""
+    bench = benchmark_script("bench_efficiency")
+    bench.memory_profile("attention", 300, {"threads": 1}, rows=1000)
+    out = capsys.readouterr().out
+    peak = float(out.splitlines()[0].rsplit(":", 1)[1].split()[0])
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert abs(sum(float(r[0][2:]) for r in rows) - peak) < 0.05 * len(rows) + 0.1
+    assert any(r[2] == "aten.mm" and r[3].startswith("(300, 256)") for r in rows)
