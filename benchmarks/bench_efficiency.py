@@ -10,7 +10,10 @@ mixers their defaults.
   attention (so load swings hit all of them alike).
 - **Peak memory**: a fresh process per mixer and length; one warm-up step at 1,024 tokens first (lazy imports
   such as ``torch.utils.checkpoint``'s and thread pools are paid once per process, by any training run), then the
-  resident-set high-water mark of one step minus the resident size before it.
+  resident-set high-water mark of one step minus the resident size before it, and (CPU) the peak of the live
+  tensor storages of one more step (:class:`mixerzoo.evaluation.cost.LiveTensorBytes`: exact and repeatable,
+  blind to scratch memory inside a kernel; the resident-set figure moves by 10-20% between runs).
+  ``--memory-only`` skips the timed rounds.
 - **Decode**: a fresh process per mixer; prefill ``T`` tokens without gradient in pieces of 4,096, then the mean
   ms of ``--decode-steps`` single-token steps.
 - ``--profile MIXER T``: a ``torch.profiler`` table of one training step (top ops by self CPU time, and the
@@ -128,7 +131,16 @@ def worker(task: dict) -> dict:
             return {"peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
         base = rss_mib()
         step(layer, x, task)
-        return {"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base}
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+        # the same step once more, counting live tensor storages: exact and repeatable, where the resident-set
+        # high-water mark moves by 10-20% between runs with the allocator's reuse of freed memory
+        from mixerzoo.evaluation.cost import LiveTensorBytes
+
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        with LiveTensorBytes(exclude=[*layer.parameters(), x]) as live:
+            step(layer, x, task)
+        return {"peak_mib": rss, "live_mib": live.peak / 2**20}
     if task["what"] == "decode":
         return {"ms_per_token": decode_ms_per_token(layer, task["T"], task["steps"], d_model, task)}
     raise ValueError(task)
@@ -252,6 +264,7 @@ def main() -> None:
     ap.add_argument("--mixers", nargs="+", default=DEFAULT, choices=list(MIXERS))
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per length (median reported)")
+    ap.add_argument("--memory-only", action="store_true", help="peak memory only, no timed rounds")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-len", nargs="*", default=["kvm-sqrt=16384", "ovq=16384"], metavar="MIXER=T",
                     help="longest training length per mixer (a slow cell can be left out)")
@@ -294,23 +307,28 @@ def main() -> None:
     peak = "CUDA memory allocated" if args.device == "cuda" else "resident memory"
     print(f"\n## Training step (forward + backward), median of {args.repeats} interleaved rounds; peak = extra {peak} "
           "of one step in a fresh process (after a warm-up step)\n")
-    print("| T | mixer | time s | speed vs attention | peak MiB | memory vs attention |")
-    print("|---|---|---|---|---|---|")
+    print("| T | mixer | time s | speed vs attention | peak MiB | memory vs attention | live MiB | live vs attention |")
+    print("|---|---|---|---|---|---|---|---|")
     for T in args.lengths:
         mixers = [m for m in trainable if T <= limits.get(m, T)]
         if "attention" not in mixers:
             mixers.insert(0, "attention")
-        times = run({**base, "what": "time", "T": T, "mixers": mixers, "repeats": args.repeats})
+        times = ({m: [float("nan")] for m in mixers} if args.memory_only else
+                 run({**base, "what": "time", "T": T, "mixers": mixers, "repeats": args.repeats}))
         for m in mixers:
             mem = run({**base, "what": "memory", "mixer": m, "T": T})
             if "error" in times or "error" in mem:
-                print(f"| {fmt_len(T)} | {m} | error: {times.get('error') or mem.get('error')} | | | |", flush=True)
+                print(f"| {fmt_len(T)} | {m} | error: {times.get('error') or mem.get('error')} | | | | | |",
+                      flush=True)
                 continue
-            out["train"].setdefault(m, {})[T] = {"times_s": times[m], "peak_mib": mem["peak_mib"]}
+            out["train"].setdefault(m, {})[T] = {"times_s": times[m], **mem}
             ratio = statistics.median(a / b for a, b in zip(times["attention"], times[m]))
-            a_mem = out["train"].get("attention", {}).get(T, {}).get("peak_mib", float("nan"))
-            print(f"| {fmt_len(T)} | {m} | {statistics.median(times[m]):.2f} | {ratio:.2f}x | {mem['peak_mib']:.0f} "
-                  f"| {mem['peak_mib'] / a_mem:.2f}x |", flush=True)
+            ref = out["train"].get("attention", {}).get(T, {})
+            live = mem.get("live_mib", float("nan"))
+            speed = "- | -" if args.memory_only else f"{statistics.median(times[m]):.2f} | {ratio:.2f}x"
+            print(f"| {fmt_len(T)} | {m} | {speed} | {mem['peak_mib']:.0f} "
+                  f"| {mem['peak_mib'] / ref.get('peak_mib', float('nan')):.2f}x | {live:.0f} "
+                  f"| {live / ref.get('live_mib', float('nan')):.2f}x |", flush=True)
     ctx = args.decode_contexts
     if ctx:
         print(f"\n## Decode: ms per token after a prefill of T tokens (mean of {args.decode_steps} steps), "
