@@ -139,7 +139,7 @@ def _lightning_cli(args: list[str] | None):
     from .model.config import apply_mixer_overrides, split_mixer_overrides
     from .training import LMModule, ThroughputLogger
     from .training.module import explicit_fields
-    from .training.checkpoints import AtomicCheckpointIO, check_ckpt_path
+    from .training.checkpoints import AtomicCheckpointIO, LastCheckpoint, check_ckpt_path
 
     # Lightning 2.6 deprecation noise about torch's pytree internals, printed on every run; nothing a user can act on.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
@@ -150,7 +150,7 @@ def _lightning_cli(args: list[str] | None):
         """LightningCLI with mixerzoo's defaults: a last.ckpt checkpoint, throughput logging, CSV logs."""
 
         def add_arguments_to_parser(self, parser) -> None:
-            parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+            parser.add_lightning_class_args(LastCheckpoint, "checkpoint")
             parser.set_defaults({"checkpoint.save_last": True, "checkpoint.monitor": "val/loss",
                                  "checkpoint.filename": "step{step}-val_loss{val/loss:.3f}",
                                  "checkpoint.auto_insert_metric_name": False})

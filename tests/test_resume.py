@@ -212,3 +212,35 @@ def test_ckpt_path_last_finds_the_newest_checkpoint_of_earlier_runs(tmp_path, mo
     os.utime(paths[2], (5000, 5000))
     assert _find_last_checkpoint(cfg) == "runs/hpc_ckpt_1.ckpt"
     assert _find_last_checkpoint({**cfg, "checkpoint": {"dirpath": "elsewhere"}}) == "elsewhere/last.ckpt"
+
+
+def test_last_checkpoint_is_the_newest_step_even_when_validation_does_not_improve(tmp_path):
+    """Lightning 2.6's ModelCheckpoint refreshes last.ckpt only with a new top-k checkpoint; mixerzoo's default
+    (LastCheckpoint) writes it after every validation and at the end, under ModelCheckpoint's state key."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from mixerzoo.training.checkpoints import LastCheckpoint
+
+    class Worsening(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, _):
+            return self.w(batch[0]).square().mean()
+
+        def validation_step(self, batch, _):
+            self.log("val/loss", float(self.global_step))  # gets worse at every validation
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=4)
+    for cls, want in ((L.pytorch.callbacks.ModelCheckpoint, 2), (LastCheckpoint, 7)):
+        ckpt = cls(dirpath=tmp_path / cls.__name__, monitor="val/loss", save_last=True)
+        L.Trainer(max_steps=7, val_check_interval=2, limit_val_batches=1, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, callbacks=[ckpt]).fit(Worsening(), data, data)
+        state = load_checkpoint(str(tmp_path / cls.__name__ / "last.ckpt"))
+        assert state["global_step"] == want, cls.__name__  # the plain callback shows the bug it works around
+        assert any(k.startswith("ModelCheckpoint{") for k in state["callbacks"])

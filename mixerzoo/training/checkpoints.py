@@ -7,12 +7,14 @@ import random
 
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ..hub.checkpoint import load_checkpoint  # noqa: F401 - kept importable from here
 from ..atomic import atomic_write
 
-__all__ = ["check_ckpt_path", "load_checkpoint", "AtomicCheckpointIO", "collect_rng_states", "set_rng_states"]
+__all__ = ["check_ckpt_path", "load_checkpoint", "AtomicCheckpointIO", "LastCheckpoint", "collect_rng_states",
+           "set_rng_states"]
 
 SPECIAL = ("last", "best", "hpc", "registry")
 
@@ -67,3 +69,32 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         atomic_write(os.fspath(path), lambda f: torch.save(checkpoint, f))
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` whose ``last.ckpt`` is always the newest state: rewritten after every
+    validation and at the end of training.
+
+    Lightning 2.6 rewrites ``last.ckpt`` only when a top-k checkpoint is written at the same step, so after a
+    validation that does not improve the monitored metric ``last.ckpt`` stays at the older step: a crashed run
+    resumed (``--ckpt_path last``) from there, and an evaluation of ``last.ckpt`` read an older model (found when
+    a 150-step conversion run's ``last.ckpt`` held step 100). Same arguments as ``ModelCheckpoint``, and the same
+    key in a checkpoint's callback states, so runs resume across the two.
+    """
+
+    @property
+    def state_key(self) -> str:
+        return "ModelCheckpoint" + super().state_key[len(type(self).__qualname__):]
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        super().on_validation_end(trainer, pl_module)
+        self._refresh_last(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._refresh_last(trainer)
+
+    def _refresh_last(self, trainer) -> None:
+        if (self.save_last and self._last_global_step_saved != trainer.global_step
+                and not self._should_skip_saving_checkpoint(trainer)):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
