@@ -230,7 +230,7 @@ def memory_profile(name: str, T: int, task: dict, rows: int = 20) -> None:
 
     torch.set_num_threads(task["threads"])
     layer = build(name, task)
-    x = torch.randn(1, T, task.get("d_model", D_MODEL), requires_grad=True)
+    x = torch.randn(1, T, task.get("d_model", D_MODEL), device=on(task)[0], requires_grad=True)
     step(layer, x[:, :1024], task)
     layer.zero_grad(set_to_none=True)
     with AtPeak(exclude=[*layer.parameters(), x]) as mem:

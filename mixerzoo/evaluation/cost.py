@@ -179,10 +179,10 @@ def measure_cost(model, length: int, chunk: int = 1024, decode_tokens: int = 32,
     else:
         run = _run(model, ids, chunk, decode_tokens, device)
         mem = _NotMeasured()
-    if device.type != "cuda" and peak_memory:
-        weights = [*model.parameters(), *model.buffers(), ids] if hasattr(model, "parameters") else [ids]
-        with LiveTensorBytes(exclude=weights) as mem:
-            _run(model, ids, chunk, min(decode_tokens, 4), device)
+        if peak_memory:
+            weights = [*model.parameters(), *model.buffers(), ids] if hasattr(model, "parameters") else [ids]
+            with LiveTensorBytes(exclude=weights) as mem:
+                _run(model, ids, chunk, min(decode_tokens, 4), device)
     prefill_s, ms = run["prefill_s"], 1e3 * run["decode_s"] / decode_tokens
     tokens = batch_size * length
     return {"prefill_s": prefill_s, "prefill_tokens_per_s": tokens / prefill_s if prefill_s > 0 else float("inf"),

@@ -116,8 +116,7 @@ def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_cou
     Returns:
         ``(B, H, Lq, D)``.
     """
-    B, H, Lq, D = q.shape
-    Hkv = kc.shape[1]
+    H, Lq, Hkv = q.shape[1], q.shape[2], kc.shape[1]
     lean = (q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
             and all(t.dtype == q.dtype for t in (dk, dv, kc, vc)))
     if lean:
