@@ -6,14 +6,14 @@ those lists are kept by autograd for the backward pass, ``(R + window) / chunk_l
 values (3x at the paper's settings). That made KVM's training step use more memory than full attention (issue #17).
 
 :func:`memory_window_attention` computes the same function for one group of chunks with a custom backward that
-*rebuilds* the key and value lists from their sources (the memory rows, and overlapping ``unfold`` views of one
-padded copy of the keys) instead of storing them, and adds the window gradients straight into one key-sized
-buffer. A step keeps
-what full attention keeps (queries, output, the log-sum-exp per query) plus the memory rows; rebuilding is two
-copies, no extra attention work. It runs on PyTorch's CPU flash-attention kernels
-(``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward, which return and take the log-sum-exp);
-elsewhere (CUDA) it is :func:`memory_window_attention_reference`, the same computation written with autograd,
-which the tests compare it with.
+*rebuilds* the key and value lists from their sources (the memory rows, and the chunk-aligned row blocks of the
+keys and values) instead of storing them, one chunk at a time in forward and backward, and adds each chunk's window
+gradients straight into its blocks' gradients. A step keeps what full attention keeps (queries, output, the
+log-sum-exp per query) plus the memory rows; rebuilding is two copies, no extra attention work, and the transient
+buffers are one chunk's ``R + window`` keys whatever the group's size. It runs on PyTorch's CPU flash-attention
+kernels (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward, which return and take the
+log-sum-exp); elsewhere (CUDA) it is :func:`memory_window_attention_reference`, the same computation written
+with autograd, which the tests compare it with.
 """
 
 from __future__ import annotations
@@ -41,24 +41,40 @@ def _windows(grid: torch.Tensor, L: int, C: int) -> torch.Tensor:
     return grid.unfold(1, L, C).transpose(-1, -2)
 
 
-def _keys_values(mem_k: torch.Tensor, mem_v: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
+def _window_pieces(block_rows: list[int], start: int, L: int) -> list[tuple[int, int, int, int]]:
+    """Where the grid rows ``[start, start + L)`` lie in consecutive row blocks of ``block_rows`` rows each:
+    ``(block, first row in the block, first row in the window, rows)`` per overlapped block."""
+    pieces, b0 = [], 0
+    for i, n in enumerate(block_rows):
+        lo, hi = max(start, b0), min(start + L, b0 + n)
+        if lo < hi:
+            pieces.append((i, lo - b0, lo - start, hi - lo))
+        b0 += n
+    return pieces
+
+
+def _keys_values(mem_k: torch.Tensor, mem_v: torch.Tensor, blocks_k, blocks_v, chunks: range, L: int, C: int,
                  tau: torch.Tensor, pre_rope: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``keys, values (N, n, R + L, E)``: ``[mem_k ; tau * win_k]`` and ``[mem_v ; win_v]``, written into two
-    preallocated buffers (the layout of :func:`mixerzoo_kvm.ops.joint_keys`, with ``tau`` fused in).
+    """``keys, values (N, len(chunks), R + L, E)``: ``[mem_k ; tau * win_k]`` and ``[mem_v ; win_v]`` of the
+    given chunks, written into two preallocated buffers straight from the key/value row blocks (the layout of
+    :func:`mixerzoo_kvm.ops.joint_keys`, with ``tau`` fused in; no grid-sized copy of the blocks is made).
 
     With ``pre_rope``, ``E = 2D`` channels: keys ``[mem_k | 0]`` and ``[0 | tau * win_k]``, values ``[v | 0]``
     (the CPU kernels want one head size; the extra output channels are dropped). ``tau (N,)`` scales each leading
     row's window keys."""
-    N, n, R, D = mem_k.shape
-    L = win_k.shape[2]
+    N, _, R, D = mem_k.shape
     E = 2 * D if pre_rope else D
     new = torch.zeros if pre_rope else torch.empty
-    keys = new(N, n, R + L, E, dtype=dtype, device=mem_k.device)
-    keys[:, :, :R, :D] = mem_k
-    torch.mul(win_k, tau.to(win_k.dtype)[:, None, None, None], out=keys[:, :, R:, E - D:])
-    values = new(N, n, R + L, E, dtype=dtype, device=mem_k.device)
-    values[:, :, :R, :D] = mem_v
-    values[:, :, R:, :D] = win_v
+    keys = new(N, len(chunks), R + L, E, dtype=dtype, device=mem_k.device)
+    values = new(N, len(chunks), R + L, E, dtype=dtype, device=mem_k.device)
+    keys[:, :, :R, :D] = mem_k[:, chunks.start:chunks.stop]
+    values[:, :, :R, :D] = mem_v[:, chunks.start:chunks.stop]
+    tau = tau.to(dtype)[:, None, None]
+    rows = [b.shape[1] for b in blocks_k]
+    for j, c in enumerate(chunks):
+        for i, r0, w0, n in _window_pieces(rows, c * C, L):
+            torch.mul(blocks_k[i][:, r0:r0 + n], tau, out=keys[:, j, R + w0:R + w0 + n, E - D:])
+            values[:, j, R + w0:R + w0 + n, :D] = blocks_v[i][:, r0:r0 + n]
     return keys, values
 
 
@@ -79,56 +95,60 @@ def memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask
 
 class _MemoryWindowAttention(torch.autograd.Function):
     """See :func:`memory_window_attention`. Saves ``q``, the output, the log-sum-exp and the sources (which exist
-    anyway); the backward rebuilds the key lists."""
+    anyway); the backward rebuilds the key lists one chunk at a time, so its transient buffers are one chunk's
+    (``R + L`` keys), not the group's, and adds each chunk's window gradient straight into its blocks' gradients."""
 
     @staticmethod
     def forward(ctx, q, tau, mem_k, mem_v, mask, L: int, C: int, pre_rope: bool, scale: float, n_blocks: int,
                 *blocks):
-        grid_k, grid_v = _joined(blocks[:n_blocks]), _joined(blocks[n_blocks:])
-        ctx.block_rows = [b.shape[1] for b in blocks[:n_blocks]]
-        keys, values = _keys_values(mem_k, mem_v, _windows(grid_k, L, C), _windows(grid_v, L, C), tau, pre_rope,
-                                    q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, attn_mask=mask,
-                                                                              scale=scale)
-        ctx.save_for_backward(q, grid_k, grid_v, tau, mem_k, mem_v, mask, out, lse)
-        ctx.meta = L, C, pre_rope, scale
+        N, n, Lq, E = q.shape
+        out = q.new_empty(N, n, Lq, E)
+        lse = torch.empty(N, n, Lq, dtype=torch.float32, device=q.device)
+        for c in range(n):  # one chunk's key list at a time: the transient buffers do not grow with the group
+            keys, values = _keys_values(mem_k, mem_v, blocks[:n_blocks], blocks[n_blocks:], range(c, c + 1), L, C,
+                                        tau, pre_rope, q.dtype)
+            out[:, c:c + 1], lse[:, c:c + 1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, c:c + 1], keys, values, attn_mask=mask[:, c:c + 1] if mask.shape[1] > 1 else mask, scale=scale)
+        ctx.save_for_backward(q, tau, mem_k, mem_v, mask, out, lse, *blocks)
+        ctx.meta = L, C, pre_rope, scale, n_blocks
         return out[..., :mem_v.shape[-1]] if pre_rope else out
 
     @staticmethod
     def backward(ctx, grad_out):
-        L, C, pre_rope, scale = ctx.meta
-        q, grid_k, grid_v, tau, mem_k, mem_v, mask, out, lse = ctx.saved_tensors
-        R, D = mem_k.shape[2], mem_k.shape[3]
+        L, C, pre_rope, scale, n_blocks = ctx.meta
+        q, tau, mem_k, mem_v, mask, out, lse, *blocks = ctx.saved_tensors
+        blocks_k, blocks_v = blocks[:n_blocks], blocks[n_blocks:]
+        N, n, R, D = mem_k.shape
+        E = q.shape[-1]
         if pre_rope:
             grad_out = F.pad(grad_out, (0, D))
-        wk = _windows(grid_k, L, C)
-        keys, values = _keys_values(mem_k, mem_v, wk, _windows(grid_v, L, C), tau, pre_rope, q.dtype)
-        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.contiguous(), q, keys, values, out, lse, 0.0, False, attn_mask=mask, scale=scale)
-        del keys, values
-        # copies, not views: a view would keep the whole key gradient alive
-        g_mem_k = gk[:, :, :R, :D].to(mem_k.dtype, copy=True)
-        g_mem_v = gv[:, :, :R, :D].to(mem_v.dtype, copy=True)
-        g_win = gk[:, :, R:, gk.shape[-1] - D:]  # d/d(tau * window keys)
-        g_tau = (g_win * wk).sum(dim=(1, 2, 3), dtype=torch.float32)
-        g_win = g_win * tau.to(g_win.dtype)[:, None, None, None]
-        g_wv = gv[:, :, R:, :D]
-        # window c covers grid[c C : c C + L]: add its gradient back in L / C chunk-aligned pieces
-        g_grid_k = torch.zeros(grid_k.shape, dtype=torch.float32, device=q.device)
-        g_grid_v = torch.zeros(grid_v.shape, dtype=torch.float32, device=q.device)
-        n = q.shape[1]
-        for j in range(0, L, C):
-            w = min(C, L - j)
-            if n == 1:
-                g_grid_k[:, j:j + w] += g_win[:, 0, j:j + w]
-                g_grid_v[:, j:j + w] += g_wv[:, 0, j:j + w]
-            else:
-                g_grid_k[:, j:n * C + j].view(-1, n, C, D).add_(g_win[:, :, j:j + w])
-                g_grid_v[:, j:n * C + j].view(-1, n, C, D).add_(g_wv[:, :, j:j + w])
-        # one gradient per block, each its own copy: a view would keep the whole grid-sized gradient alive until
-        # autograd has the gradients of every block, and with overlapping windows that is every group's
-        g_blocks = [g.to(grid.dtype, copy=True) for g, grid in ((g_grid_k, grid_k), (g_grid_v, grid_v))
-                    for g in g.split(ctx.block_rows, dim=1)]
+        grad_out = grad_out.contiguous()
+        gq = torch.empty_like(q)
+        g_mem_k, g_mem_v = torch.empty_like(mem_k), torch.empty_like(mem_v)
+        g_tau = torch.zeros(N, dtype=torch.float32, device=q.device)
+        # each block's own gradient (a view of one grid-sized gradient would keep it alive until autograd has the
+        # gradients of every block, and with overlapping windows that is every group's)
+        g_k = [torch.zeros(b.shape, dtype=torch.float32, device=q.device) for b in blocks_k]
+        g_v = [torch.zeros(b.shape, dtype=torch.float32, device=q.device) for b in blocks_v]
+        rows = [b.shape[1] for b in blocks_k]
+        tau_ = tau.to(torch.float32)[:, None, None]
+        for c in range(n):
+            keys, values = _keys_values(mem_k, mem_v, blocks_k, blocks_v, range(c, c + 1), L, C, tau, pre_rope,
+                                        q.dtype)
+            m = mask[:, c:c + 1] if mask.shape[1] > 1 else mask
+            gq_c, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out[:, c:c + 1], q[:, c:c + 1], keys, values, out[:, c:c + 1], lse[:, c:c + 1], 0.0, False,
+                attn_mask=m, scale=scale)
+            gq[:, c:c + 1] = gq_c
+            g_mem_k[:, c] = gk[:, 0, :R, :D]
+            g_mem_v[:, c] = gv[:, 0, :R, :D]
+            g_win = gk[:, 0, R:, E - D:].float()  # d/d(tau * window keys)
+            for i, r0, w0, n_rows in _window_pieces(rows, c * C, L):
+                g_tau += (g_win[:, w0:w0 + n_rows] * blocks_k[i][:, r0:r0 + n_rows]).sum(dim=(1, 2),
+                                                                                        dtype=torch.float32)
+                g_k[i][:, r0:r0 + n_rows] += g_win[:, w0:w0 + n_rows] * tau_
+                g_v[i][:, r0:r0 + n_rows] += gv[:, 0, R + w0:R + w0 + n_rows, :D]
+        g_blocks = [g.to(b.dtype) for g, b in zip(g_k + g_v, blocks)]
         return (gq, g_tau.to(tau.dtype), g_mem_k, g_mem_v, None, None, None, None, None, None, *g_blocks)
 
 

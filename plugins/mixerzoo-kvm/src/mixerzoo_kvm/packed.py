@@ -6,8 +6,9 @@
    entering the group, the group's folds as one differentiable scan (``_FoldScan``: a ``scatter_add`` per fold,
    a reverse running sum in backward), the snapshot each chunk reads, ``LN_s`` and the value readout; then one
    attention call for the group (:func:`mixerzoo_kvm.lean_attention.memory_window_attention`: keys
-   ``[snapshot rows ; block window]``, the windows as overlapping views of one padded copy of the keys, one
-   broadcast mask when the chunks share a pattern, grouped-query heads folded into the query length).
+   ``[snapshot rows ; block window]``, the windows read from chunk-aligned blocks of one padded copy of the
+   keys, the same blocks the folds take, one broadcast mask when the chunks share a pattern, grouped-query heads
+   folded into the query length).
 3. **Training memory** (issue #17): with ``checkpoint_chunks > 0`` each group runs under
    ``torch.utils.checkpoint`` and is recomputed in backward from the state entering it, so autograd keeps no
    snapshot, memory row or key list, only each group's inputs. With 0, nothing is recomputed (one attention
@@ -241,7 +242,6 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         q_end = (cq1 + 1) * C - p1
         qb = (F.pad(q, (0, 0, q_off, q_end)) if q_off or q_end else q).view(B, Hq, n_q, C, E)  # no copy if whole chunks
         q_pos = torch.arange(cq0 * C, (cq1 + 1) * C, device=dev).view(n_q, C)
-        grid_k, grid_v = KP[:, :, max(gs - kpos0, 0):], VP[:, :, max(gs - kpos0, 0):]
         k_pos = torch.arange(gs, ge, device=dev).unfold(0, nb * C, C)  # (n_q, L)
     L = k_pos.shape[1]
 
@@ -258,19 +258,33 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     groups = _group_chunks(rows, max_chunks=n_max, window=L, max_keys=n_max * 2 * L)
     # grouped-query heads: the G query heads of one key/value head are stacked along the query axis
     qg = qb.reshape(B, H, G, n_q, Cq, E).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n_q, G * Cq, E)
-    grid_k, grid_v = (t.reshape(B * H, -1, D).to(q.dtype) for t in (grid_k, grid_v))
     tau_w, tau_s = params.tau_bswa.repeat(B), params.tau_state[None, :, None, None, None]
     # group (a, b) starts from snapshot ``first[g]`` and applies the folds up to its last chunk's snapshot
     first = [entry[a - 1] if a else 0 for a, _ in groups]
     n_f = [entry[b - 1] - f0 for (_, b), f0 in zip(groups, first)]
-    # split once, not sliced per group: a slice's backward is a full-size zero gradient per group
-    pieces_k, pieces_v = ((t,) if n_q == 1 else t.split(C, dim=1) for t in (grid_k, grid_v))
-    folds = [t.split(n_f, dim=2) if t is not None else [None] * len(groups) for t in (k_o, v_o, g_o)]
+    if n_q == 1:
+        pieces_k, pieces_v = ((t.reshape(B * H, -1, D).to(q.dtype),) for t in (grid_k, grid_v))
+        fold_k, fold_v = ([t[:, :, f].reshape(B * H, C, D) for f in range(n_folds)] for t in (k_o, v_o))
+    else:
+        # KP/VP cut once into chunk-aligned blocks (not sliced per group: a slice's backward is a full-size zero
+        # gradient per group). The window reads and the folds take the same blocks, so each block's gradient from
+        # both paths accumulates in one buffer instead of a window gradient and a fold gradient of every key and
+        # value living until the end of backward (issue #17); KP row 0 is chunk-aligned (kpos0 and gs are).
+        blocks_k, blocks_v = (t.reshape(B * H, -1, D).to(q.dtype).split(C, dim=1) for t in (KP, VP))
+        g0, f_0 = max(gs - kpos0, 0) // C, (front + lo) // C
+        pieces_k, pieces_v = blocks_k[g0:], blocks_v[g0:]
+        fold_k, fold_v = blocks_k[f_0:f_0 + n_folds], blocks_v[f_0:f_0 + n_folds]
+    g_folds = g_o.split(n_f, dim=2) if g_o is not None else [None] * len(groups)
 
-    def group(a: int, b: int, f0: int, q_g, k_f, v_f, g_f, s_k, s_v, rho, count, *pieces):
+    def group(a: int, b: int, f0: int, n_win: int, q_g, g_f, s_k, s_v, rho, count, *pieces):
         """Chunks ``a .. b-1``: their snapshots from the state entering the group (``s_k, s_v, rho, count``,
-        snapshot ``f0``) and the group's folds, then their attention. Returns the output and the state after."""
-        nf, n, R = k_f.shape[2], b - a, max(rows[a:b])
+        snapshot ``f0``) and the group's folds, then their attention. ``pieces``: the window's key blocks, its value
+        blocks (``n_win`` each), then the folds' key and value blocks ``(B H, C, D)``. Returns the output and the
+        state after."""
+        win, fold_blocks = pieces[:2 * n_win], pieces[2 * n_win:]
+        nf, n, R = len(fold_blocks) // 2, b - a, max(rows[a:b])
+        k_f, v_f = ((torch.stack(t, dim=1) if t else q_g.new_empty(B * H, 0, C, D)).view(B, H, nf, C, D)
+                    for t in (fold_blocks[:nf], fold_blocks[nf:]))
         kbar = memory_keys(k_f.reshape(B, H, nf * C, D), spec.rotary_dim, params.ln_s,
                            o_pos[f0 * C:(f0 + nf) * C], spec.unrotate).view(B, H, nf, C, D)
         entering = dataclasses.replace(state, s_k=s_k, s_v=s_v, rho=rho, count=count)
@@ -283,8 +297,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
         mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask(a, b)], dim=2)  # (n, Cq, S)
         mask = additive_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1), q.dtype)
-        half = len(pieces) // 2
-        o = memory_window_attention(q_g, pieces[:half], pieces[half:], tau_w, mem_k, mem_v.reshape(B * H, n, R, D),
+        o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, mem_k, mem_v.reshape(B * H, n, R, D),
                                     mask, L, C, two, D ** -0.5)
         # copies: a view of the last snapshot would keep every snapshot of the group alive as the next group's input
         last = (s_k[:, :, -1].clone(), s_v[:, :, -1].clone(), None if count is None else count[:, :, -1].clone())
@@ -292,11 +305,12 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
 
     carry = (state.s_k, state.s_v.to(state.s_k.dtype), state.rho, state.count)
     lean = spec.checkpoint_chunks > 0 and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (qg, grid_k, grid_v))
+        t.requires_grad for t in (qg, KP, VP))
     outs = []
     for i, ((a, b), q_g) in enumerate(zip(groups, qg.split([b - a for a, b in groups], dim=1))):
-        window = pieces_k[a:b + nb - 1] + pieces_v[a:b + nb - 1] if n_q > 1 else pieces_k + pieces_v
-        args = (a, b, first[i], q_g, folds[0][i], folds[1][i], folds[2][i], *carry, *window)
+        wk, wv = (pieces_k[a:b + nb - 1], pieces_v[a:b + nb - 1]) if n_q > 1 else (pieces_k, pieces_v)
+        fs = slice(first[i], first[i] + n_f[i])
+        args = (a, b, first[i], len(wk), q_g, g_folds[i], *carry, *wk, *wv, *fold_k[fs], *fold_v[fs])
         if lean:  # recomputed in backward from the state entering the group: autograd keeps no snapshot,
             # memory row or key list, only each group's inputs (issue #17)
             o, *carry = torch.utils.checkpoint.checkpoint(group, *args, use_reentrant=False)
