@@ -124,13 +124,42 @@ def test_update_fast_equals_reference(n, lr, renorm, random):
             torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("n", [0, 5])
+def test_update_reuses_recorded_decisions(n):
+    """The discrete choices recorded in ``decisions`` on the first call are what a second call uses (a segment's
+    recomputation in backward), whatever the dictionary it is given: the same rows, not a fresh scoring."""
+    g = torch.Generator().manual_seed(11)
+    B, H, L, D = 2, 3, 8, 6
+    dk = torch.nn.functional.normalize(torch.randn(B, H, n, D, generator=g), dim=-1)
+    dv, counts = torch.randn(B, H, n, D, generator=g), torch.randint(1, 5, (B, H, n), generator=g).float()
+    kc = torch.nn.functional.normalize(torch.randn(B, H, L, D, generator=g), dim=-1)
+    vc = torch.randn(B, H, L, D, generator=g)
+    decisions = {}
+    first = update_dictionary(dk, dv, counts, kc, vc, 3, decisions=decisions)
+    assert set(decisions) == {"new_pos", "is_new", "assign"}
+    for a, b in zip(update_dictionary(dk, dv, counts, kc, vc, 3, decisions=decisions), first):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # other keys would choose other rows; with the recorded decisions the counts (what went where) stay
+    kc2 = torch.nn.functional.normalize(torch.randn(B, H, L, D, generator=g), dim=-1)
+    fresh = update_dictionary(dk, dv, counts, kc2, vc, 3)
+    reused = update_dictionary(dk, dv, counts, kc2, vc, 3, decisions=decisions)
+    torch.testing.assert_close(reused[2], first[2], atol=0, rtol=0)
+    assert not torch.equal(fresh[2], first[2])
+
+
 @pytest.mark.parametrize("n,Lq,Lk,H,Hkv", [(0, 5, 5, 2, 2), (4, 5, 5, 2, 2), (4, 1, 6, 4, 2), (3, 3, 7, 4, 1)])
-def test_chunk_attention_fast_equals_reference(n, Lq, Lk, H, Hkv):
+@pytest.mark.parametrize("unused_codes", [False, True], ids=["counts", "zero_counts"])
+def test_chunk_attention_fast_equals_reference(n, Lq, Lk, H, Hkv, unused_codes):
+    """The fast path (the dictionary and the chunk as two flash calls merged by log-sum-exp) against eq. 15
+    written out. ``zero_counts``: rows of a static codebook no key has been assigned to (log-count -inf), a whole
+    batch row of them included (the dictionary call then returns lse 0 and must weigh nothing)."""
     g = torch.Generator().manual_seed(n + Lq + Lk)
     B, D = 2, 4
     q = torch.randn(B, H, Lq, D, generator=g)
     dk, dv = torch.randn(B, Hkv, n, D, generator=g), torch.randn(B, Hkv, n, D, generator=g)
-    counts = torch.randint(1, 9, (B, Hkv, n), generator=g).float()
+    counts = torch.randint(0 if unused_codes else 1, 9, (B, Hkv, n), generator=g).float()
+    if unused_codes:
+        counts[0] = 0
     kc, vc = torch.randn(B, Hkv, Lk, D, generator=g), torch.randn(B, Hkv, Lk, D, generator=g)
     fast = chunk_attention(q, dk, dv, counts.log(), kc, vc)
     ref = chunk_attention_reference(q, dk, dv, counts.log(), kc, vc)

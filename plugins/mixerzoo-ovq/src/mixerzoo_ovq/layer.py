@@ -207,7 +207,9 @@ class OVQAttention(Mixer):
         # training: segments of checkpoint_chunks chunks recomputed in backward, so autograd keeps one dictionary
         # per segment instead of one [dictionary ; chunk] key list, value list and bias per chunk (issue #17,
         # paper sec. 3.4)
-        o, carry = run_segments(self._segment, (q, k, v), p0, carry, span=L * self.checkpoint_chunks)
+        # decisions: each chunk's discrete dictionary choices, made in forward and reused when backward
+        # recomputes the segment (ops.update_dictionary)
+        o, carry = run_segments(self._segment, (q, k, v), p0, carry, span=L * self.checkpoint_chunks, extra=({},))
         y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         return y, self._state(carry, p0 + T, shift)
 
@@ -223,21 +225,26 @@ class OVQAttention(Mixer):
         return OVQState(dk=dk, dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, next_pos=next_pos, shift=shift)
 
     def _merge(self, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
-               vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               vc: torch.Tensor, decisions: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Merge the complete chunk ``chunk_idx`` (keys/values ``(B, H_kv, L, D)``, float32) into the dictionary
-        (eq. 17-19); returns ``dk, dv, counts``."""
+        (eq. 17-19); returns ``dk, dv, counts``. ``decisions``: the discrete choices per chunk index, kept by the
+        fast path for the segment's recomputation."""
         B, L = kc.shape[0], self.chunk_len
-        update = reference.update_dictionary_reference if self.use_reference else ops.update_dictionary
         n_new = ops.new_centroid_count(self.schedule, chunk_idx, L, dk.shape[2])
         scores = (ops.random_scores(chunk_idx, B, kc.shape[1], L, self.seed, self.layer_idx, kc.device)
                   if self.new_centroids == "random" else None)
-        return update(dk, dv, counts, kc, vc, n_new, scores, self.centroid_lr, self.renormalize)
+        if self.use_reference:
+            return reference.update_dictionary_reference(dk, dv, counts, kc, vc, n_new, scores, self.centroid_lr,
+                                                         self.renormalize)
+        return ops.update_dictionary(dk, dv, counts, kc, vc, n_new, scores, self.centroid_lr, self.renormalize,
+                                     decisions.setdefault(chunk_idx, {}))
 
-    def _segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, dk: torch.Tensor,
-                 dv: torch.Tensor, counts: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor) -> tuple:
+    def _segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decisions: dict, pos: int,
+                 dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor
+                 ) -> tuple:
         """Tokens at absolute positions ``pos .. pos + T`` (``q, k, v (B, H, T, D)``), chunk by chunk: each piece
-        attends over ``[D_k ; K_c]`` (eq. 15), each completed chunk is merged into the dictionary (eq. 17-19).
-        Returns ``(o (B, H, T, D), dk, dv, counts, buf_k, buf_v)``."""
+        attends over ``[D_k ; K_c]`` (eq. 15), each completed chunk is merged into the dictionary (eq. 17-19;
+        ``decisions`` see :meth:`_merge`). Returns ``(o (B, H, T, D), dk, dv, counts, buf_k, buf_v)``."""
         L = self.chunk_len
         attend = reference.chunk_attention_reference if self.use_reference else ops.chunk_attention
         T = q.shape[2]
@@ -252,7 +259,7 @@ class OVQAttention(Mixer):
             outs.append(attend(qc, dk.to(q.dtype), dv.to(q.dtype), counts.log(), kc, vc))
             t += qc.shape[2]
             if kc.shape[2] == L:                          # the chunk is complete: merge it (eq. 17-19)
-                dk, dv, counts = self._merge((pos + t) // L - 1, dk, dv, counts, kc.float(), vc.float())
+                dk, dv, counts = self._merge((pos + t) // L - 1, dk, dv, counts, kc.float(), vc.float(), decisions)
                 buf_k, buf_v = kc[:, :, :0], vc[:, :, :0]
             else:
                 buf_k, buf_v = kc, vc

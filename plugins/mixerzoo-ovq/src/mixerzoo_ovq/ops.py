@@ -62,39 +62,73 @@ def _keys_values_mask(dk, dv, log_counts, kc, vc, G: int, Lq: int, dtype):
     return keys, values, mask
 
 
+def _causal_chunk_mask(Lq: int, Lk: int, dtype, device) -> torch.Tensor | None:
+    """The additive mask of the last ``Lq`` of ``Lk`` chunk positions over the chunk's keys, ``(Lq, Lk)``
+    (query ``i`` sees keys ``j <= Lk - Lq + i``), or None when ``Lq == Lk`` (the kernels' own ``is_causal``)."""
+    if Lq == Lk:
+        return None
+    i = torch.arange(Lk - Lq, Lk, device=device)[:, None]
+    return torch.zeros(Lq, Lk, dtype=dtype, device=device).masked_fill(torch.arange(Lk, device=device) > i,
+                                                                       float("-inf"))
+
+
 class _LeanChunkAttention(torch.autograd.Function):
-    """Eq. 15 on PyTorch's CPU flash-attention kernels, keeping for backward only the sources (queries, the
-    dictionary, the chunk's keys and values, which exist anyway), the output and the log-sum-exp: the
-    concatenated ``[D ; chunk]`` keys and values and the prior/causal mask are rebuilt in backward instead of
-    being stored per chunk (they were most of OVQ's training memory above attention's, issue #17). The counts
-    get no gradient (they count assignments)."""
+    """Eq. 15 on PyTorch's CPU flash-attention kernels as two calls whose softmaxes are merged by their
+    log-sum-exps: the queries against the dictionary (no causal structure; the log-prior is a mask broadcast over
+    the queries, never materialised) and against the chunk's own keys (the kernel's causal mode). Nothing of size
+    ``[D ; chunk]`` is built, in forward or backward (issue #17: the concatenated keys, values and the
+    ``queries x (n + L)`` prior/causal mask were rebuilt for every chunk three times a step). Backward runs each
+    part's flash backward with the *merged* output and log-sum-exp, which gives each part's exact gradients
+    (``P = exp(S - lse)`` and ``rowsum(dO * O)`` are those of the whole softmax). Keeps for backward only the
+    sources (queries, the dictionary, the chunk's keys and values, which exist anyway), the output and the
+    log-sum-exp. The counts get no gradient (they count assignments)."""
 
     @staticmethod
     def forward(ctx, q, dk, dv, log_counts, kc, vc):
         B, H, Lq, D = q.shape
-        Hkv = kc.shape[1]
+        Hkv, n, Lk = kc.shape[1], dk.shape[2], kc.shape[2]
         G = H // Hkv
-        qs = q.reshape(B, Hkv, G * Lq, D)  # query head h = kv head h // G (repeat_interleave's order)
-        keys, values, mask = _keys_values_mask(dk, dv, log_counts, kc, vc, G, Lq, q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, keys, values, attn_mask=mask,
-                                                                              scale=1.0)
-        ctx.save_for_backward(qs, dk, dv, log_counts, kc, vc, out, lse)
-        ctx.shape = q.shape
-        return out.reshape(B, H, Lq, D)
+        kch, vch = (t.repeat_interleave(G, dim=1) if G > 1 else t for t in (kc, vc))  # chunk-sized, small
+        cmask = _causal_chunk_mask(Lq, Lk, q.dtype, q.device)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, kch, vch, is_causal=cmask is None, attn_mask=cmask, scale=1.0)
+        if n:
+            qs = q.reshape(B, Hkv, G * Lq, D)  # query head h = kv head h // G (repeat_interleave's order)
+            prior = log_counts.to(q.dtype)[:, :, None, :].expand(B, Hkv, G * Lq, n)
+            out_d, lse_d = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, dk, dv, attn_mask=prior,
+                                                                                      scale=1.0)
+            # a row whose dictionary is all masked (a static codebook with no key assigned yet: every log-count
+            # -inf) comes back with lse 0 and output 0; its weight in the merge must be 0
+            seen = torch.isfinite(log_counts).any(dim=-1)[:, :, None]  # (B, H_kv, 1)
+            lse_d = lse_d.reshape(B, Hkv, G * Lq).masked_fill(~seen, float("-inf")).view(B, H, Lq)
+            merged = torch.logaddexp(lse, lse_d)
+            out = (out * (lse - merged).exp()[..., None].to(out.dtype)
+                   + out_d.reshape(B, H, Lq, D) * (lse_d - merged).exp()[..., None].to(out.dtype))
+            lse = merged
+        ctx.save_for_backward(q, dk, dv, log_counts, kc, vc, out, lse)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qs, dk, dv, log_counts, kc, vc, out, lse = ctx.saved_tensors
-        B, H, Lq, D = ctx.shape
-        Hkv, n = kc.shape[1], dk.shape[2]
-        keys, values, mask = _keys_values_mask(dk, dv, log_counts, kc, vc, H // Hkv, Lq, qs.dtype)
-        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.reshape(B, Hkv, -1, D).contiguous(), qs, keys, values, out, lse, 0.0, False, attn_mask=mask,
-            scale=1.0)
-        del keys, values, mask
-        # the chunk's key/value gradients as copies: they wait in autograd for the other chunks of the segment,
-        # and a view would keep this chunk's whole [D ; chunk]-sized gradient alive with them
-        return gq.reshape(B, H, Lq, D), gk[:, :, :n], gv[:, :, :n], None, gk[:, :, n:].clone(), gv[:, :, n:].clone()
+        q, dk, dv, log_counts, kc, vc, out, lse = ctx.saved_tensors
+        B, H, Lq, D = q.shape
+        Hkv, n, Lk = kc.shape[1], dk.shape[2], kc.shape[2]
+        G = H // Hkv
+        grad_out = grad_out.contiguous()
+        kch, vch = (t.repeat_interleave(G, dim=1) if G > 1 else t for t in (kc, vc))
+        cmask = _causal_chunk_mask(Lq, Lk, q.dtype, q.device)
+        gq, gkc, gvc = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, kch, vch, out, lse, 0.0, cmask is None, attn_mask=cmask, scale=1.0)
+        if G > 1:
+            gkc, gvc = (g.reshape(B, Hkv, G, Lk, D).sum(dim=2) for g in (gkc, gvc))
+        gdk, gdv = torch.zeros_like(dk), torch.zeros_like(dv)
+        if n:
+            prior = log_counts.to(q.dtype)[:, :, None, :].expand(B, Hkv, G * Lq, n)
+            gq_d, gdk, gdv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out.view(B, Hkv, G * Lq, D), q.reshape(B, Hkv, G * Lq, D), dk, dv,
+                out.reshape(B, Hkv, G * Lq, D), lse.reshape(B, Hkv, G * Lq), 0.0, False, attn_mask=prior, scale=1.0)
+            gq = gq + gq_d.reshape(B, H, Lq, D)
+        return gq, gdk, gdv, None, gkc, gvc
 
 
 def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_counts: torch.Tensor,
@@ -128,10 +162,35 @@ def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_cou
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0)
 
 
+@torch.no_grad()
+def _choices(dk: torch.Tensor, kc: torch.Tensor, n_new: int, scores: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 1-3 of :func:`update_dictionary`, the discrete part: ``new_pos (B, H_kv, n_new)`` the chunk positions
+    that become centroids (sorted), ``is_new (B, H_kv, L)`` and ``assign (B, H_kv, L)`` each key's row in the
+    extended dictionary."""
+    B, Hkv, n, D = dk.shape
+    L = kc.shape[2]
+    if n == 0:
+        sim_prev = kc @ kc.transpose(-1, -2)                                 # (B, Hkv, L, L)
+        earlier = torch.ones(L, L, dtype=torch.bool, device=kc.device).tril(-1)
+        score = sim_prev.masked_fill(~earlier, float("-inf")).amax(dim=-1)  # (B, Hkv, L)
+    else:
+        score, best = (kc @ dk.transpose(-1, -2)).max(dim=-1)                # (B, Hkv, L)
+    if scores is not None:
+        score = scores.to(score.dtype).expand(B, Hkv, L)
+    new_pos = score.topk(n_new, dim=-1, largest=False).indices.sort(dim=-1).values  # (B, Hkv, n_new)
+    is_new = torch.zeros(B, Hkv, L, dtype=torch.bool, device=kc.device).scatter(-1, new_pos, True)
+    rank = is_new.long().cumsum(-1) - 1
+    if n == 0:                                                               # nearest new centroid
+        pos_d = new_pos[..., None].expand(B, Hkv, n_new, D)
+        best = (kc @ kc.gather(2, pos_d).transpose(-1, -2)).argmax(dim=-1)
+    return new_pos, is_new, torch.where(is_new, n + rank, best)
+
+
 def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
                       vc: torch.Tensor, n_new: int, scores: torch.Tensor | None = None,
-                      centroid_lr: float | None = None, renormalize: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      centroid_lr: float | None = None, renormalize: bool = False,
+                      decisions: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merge one full chunk into the dictionary (paper eq. 17-19, appendix 8.3 ``update_dict``).
 
     1. Every chunk key's best similarity to the existing key centroids (dot products ``K_c D_k^T``).
@@ -153,6 +212,10 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
         centroid_lr: ``None`` for ``1/count``; a float for the constant-rate ablation.
         renormalize: project the key and the value centroids back to unit norm afterwards (the paper's optional
             step, appendix 8.3 ``update_dict`` lines 22-23).
+        decisions: a dict to keep the discrete choices of steps 1-3 in (``new_pos``, ``is_new``, ``assign``):
+            filled when empty, reused when not. A training step recomputes each segment in backward from the same
+            inputs, so the recomputation reuses the forward's choices instead of scoring every chunk key against
+            the dictionary again (a ``L x n`` product per chunk; issue #17).
 
     Returns:
         ``dk, dv`` of shape ``(B, H_kv, n + n_new, D)`` and ``counts`` ``(B, H_kv, n + n_new)``.
@@ -164,35 +227,28 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
     L = kc.shape[2]
     if not 0 <= n_new <= L or (n == 0 and n_new == 0):
         raise ValueError(f"n_new={n_new} must be in [0, chunk_len={L}] and >= 1 for an empty dictionary")
-    with torch.no_grad():                         # the choices (steps 1-2 and the assignment) are discrete
-        if n == 0:
-            sim_prev = kc @ kc.transpose(-1, -2)                                 # (B, Hkv, L, L)
-            earlier = torch.ones(L, L, dtype=torch.bool, device=kc.device).tril(-1)
-            score = sim_prev.masked_fill(~earlier, float("-inf")).amax(dim=-1)  # (B, Hkv, L)
-        else:
-            score, best = (kc @ dk.transpose(-1, -2)).max(dim=-1)                # (B, Hkv, L)
-        if scores is not None:
-            score = scores.to(score.dtype).expand(B, Hkv, L)
-        new_pos = score.topk(n_new, dim=-1, largest=False).indices.sort(dim=-1).values  # (B, Hkv, n_new)
-        is_new = torch.zeros(B, Hkv, L, dtype=torch.bool, device=kc.device).scatter(-1, new_pos, True)
-        rank = is_new.long().cumsum(-1) - 1
-        pos_d = new_pos[..., None].expand(B, Hkv, n_new, D)
-        if n == 0:                                                               # nearest new centroid
-            best = (kc @ kc.gather(2, pos_d).transpose(-1, -2)).argmax(dim=-1)
-        assign = torch.where(is_new, n + rank, best)                             # (B, Hkv, L)
+    if decisions:
+        new_pos, is_new, assign = decisions["new_pos"], decisions["is_new"], decisions["assign"]
+    else:
+        new_pos, is_new, assign = _choices(dk, kc, n_new, scores)
+        if decisions is not None:
+            decisions.update(new_pos=new_pos, is_new=is_new, assign=assign)
+    pos_d = new_pos[..., None].expand(B, Hkv, n_new, D)
     new_k, new_v = kc.gather(2, pos_d), vc.gather(2, pos_d)
-    dk_ext, dv_ext = torch.cat([dk, new_k], dim=2), torch.cat([dv, new_v], dim=2)
     counts_ext = torch.cat([counts, counts.new_ones(B, Hkv, n_new)], dim=-1)
     merge = (~is_new).to(counts.dtype)                                           # new keys are not merged
     counts_new = counts_ext.scatter_add(-1, assign, merge)
     eta = merge / counts_new.gather(-1, assign) if centroid_lr is None else merge * centroid_lr   # (B, Hkv, L)
-    # mu + sum_i eta_i (x_i - mu) = mu * (1 - sum_i eta_i) + sum_i eta_i x_i: written this way autograd keeps
-    # only per-centroid scalars, not a copy of the dictionary (for 1/count, 1 - sum eta = c_old / c_new)
-    keep = (1 - torch.zeros_like(counts_new).scatter_add(-1, assign, eta)).to(kc.dtype)[..., None]
     eta = eta.to(kc.dtype)[..., None]
     idx = assign[..., None].expand(B, Hkv, L, D)
-    dk_new = dk_ext * keep + torch.zeros_like(dk_ext).scatter_add(2, idx, eta * kc)
-    dv_new = dv_ext * keep + torch.zeros_like(dv_ext).scatter_add(2, idx, eta * vc)
+    # mu' = mu + sum_i eta_i (x_i - mu), added in place into the extended dictionary: one dictionary-sized tensor
+    # per update (the concatenation) and none in backward (an in-place scatter-add passes its gradient through),
+    # where scaling the whole dictionary by (1 - sum eta) cost two more (this runs once per chunk, three times a
+    # training step with recomputation; issue #17). Merged tokens go to existing centroids, except in the first
+    # chunk, where every centroid is new; a new token's eta is 0, so the centroid read for it does not matter.
+    old = idx if n == 0 else assign.clamp(max=n - 1)[..., None].expand(B, Hkv, L, D)
+    dk_new, dv_new = (torch.cat([d, new], dim=2).scatter_add_(2, idx, eta * (x - (new if n == 0 else d).gather(2, old)))
+                      for d, new, x in ((dk, new_k, kc), (dv, new_v, vc)))
     if renormalize:  # both dictionaries, as the pseudocode's lines 22-23
         dk_new, dv_new = F.normalize(dk_new, dim=-1), F.normalize(dv_new, dim=-1)
     return dk_new, dv_new, counts_new

@@ -21,7 +21,6 @@ instead of space-filling DiVeQ with a dead-codeword penalty; codewords and keys 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -141,8 +140,9 @@ class VQAttention(OVQAttention):
         return VQState(dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, next_pos=next_pos, shift=shift)
 
     def _merge(self, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
-               vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Add the complete chunk's values to their codewords' running means (eq. 7-10); the codebook stays."""
+               vc: torch.Tensor, decisions: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Add the complete chunk's values to their codewords' running means (eq. 7-10); the codebook stays
+        (``decisions`` is not needed: finding each key's codeword is one product, kept as it is)."""
         merge = reference.vq_merge_reference if self.use_reference else ops.vq_merge
         index = (kc @ dk.transpose(-1, -2)).argmax(-1)        # kc are codewords: recovers each key's codeword
         dv, counts = merge(dv, counts, index, vc)
