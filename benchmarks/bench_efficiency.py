@@ -12,7 +12,10 @@ mixers their defaults.
   such as ``torch.utils.checkpoint``'s and thread pools are paid once per process, by any training run), then the
   resident-set high-water mark of one step minus the resident size before it, and (CPU) the peak of the live
   tensor storages of one more step (:class:`mixerzoo.evaluation.cost.LiveTensorBytes`: exact and repeatable,
-  blind to scratch memory inside a kernel; the resident-set figure moves by 10-20% between runs).
+  blind to scratch memory inside a kernel; the resident-set figure moves by 10-20% between runs), and what is
+  still alive when the forward pass ends ("kept": what autograd keeps for backward, and the output). A model of
+  ``n`` layers holds ``n`` times "kept" before its backward starts, but only one layer's backward transient at
+  a time, so at depth "kept" is the figure that decides memory; "live" is the whole one-layer step.
   ``--memory-only`` skips the timed rounds.
 - **Decode**: a fresh process per mixer; prefill ``T`` tokens without gradient in pieces of 4,096, then the mean
   ms of ``--decode-steps`` single-token steps.
@@ -139,8 +142,11 @@ def worker(task: dict) -> dict:
         layer.zero_grad(set_to_none=True)
         x.grad = None
         with LiveTensorBytes(exclude=[*layer.parameters(), x]) as live:
-            step(layer, x, task)
-        return {"peak_mib": rss, "live_mib": live.peak / 2**20}
+            with autocast(*on(task)):
+                y, _ = layer(x)
+            kept = live.current  # what autograd keeps for backward (and the output): per layer, in a deep model
+            y.float().square().mean().backward()
+        return {"peak_mib": rss, "live_mib": live.peak / 2**20, "kept_mib": kept / 2**20}
     if task["what"] == "decode":
         return {"ms_per_token": decode_ms_per_token(layer, task["T"], task["steps"], d_model, task)}
     raise ValueError(task)
@@ -307,8 +313,9 @@ def main() -> None:
     peak = "CUDA memory allocated" if args.device == "cuda" else "resident memory"
     print(f"\n## Training step (forward + backward), median of {args.repeats} interleaved rounds; peak = extra {peak} "
           "of one step in a fresh process (after a warm-up step)\n")
-    print("| T | mixer | time s | speed vs attention | peak MiB | memory vs attention | live MiB | live vs attention |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| T | mixer | time s | speed vs attention | peak MiB | memory vs attention | live MiB | live vs attention "
+          "| kept MiB | kept vs attention |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for T in args.lengths:
         mixers = [m for m in trainable if T <= limits.get(m, T)]
         if "attention" not in mixers:
@@ -318,17 +325,18 @@ def main() -> None:
         for m in mixers:
             mem = run({**base, "what": "memory", "mixer": m, "T": T})
             if "error" in times or "error" in mem:
-                print(f"| {fmt_len(T)} | {m} | error: {times.get('error') or mem.get('error')} | | | | | |",
+                print(f"| {fmt_len(T)} | {m} | error: {times.get('error') or mem.get('error')} | | | | | | | |",
                       flush=True)
                 continue
             out["train"].setdefault(m, {})[T] = {"times_s": times[m], **mem}
             ratio = statistics.median(a / b for a, b in zip(times["attention"], times[m]))
             ref = out["train"].get("attention", {}).get(T, {})
-            live = mem.get("live_mib", float("nan"))
+            live, kept = mem.get("live_mib", float("nan")), mem.get("kept_mib", float("nan"))
             speed = "- | -" if args.memory_only else f"{statistics.median(times[m]):.2f} | {ratio:.2f}x"
             print(f"| {fmt_len(T)} | {m} | {speed} | {mem['peak_mib']:.0f} "
                   f"| {mem['peak_mib'] / ref.get('peak_mib', float('nan')):.2f}x | {live:.0f} "
-                  f"| {live / ref.get('live_mib', float('nan')):.2f}x |", flush=True)
+                  f"| {live / ref.get('live_mib', float('nan')):.2f}x | {kept:.0f} "
+                  f"| {kept / ref.get('kept_mib', float('nan')):.2f}x |", flush=True)
     ctx = args.decode_contexts
     if ctx:
         print(f"\n## Decode: ms per token after a prefill of T tokens (mean of {args.decode_steps} steps), "

@@ -115,6 +115,13 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, gate, self.weight)):
+            # training: recomputed in backward from x and the gate, so autograd keeps those two instead of the
+            # normalised, scaled and activated intermediates (three more [B, T, H, D] tensors; issue #17)
+            return torch.utils.checkpoint.checkpoint(self._norm, x, gate, use_reentrant=False)
+        return self._norm(x, gate)
+
+    def _norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         xf, gf = x.float(), gate.float()
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()
         y = y * (torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf))
