@@ -21,7 +21,7 @@ from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
 from .modules import GatedRMSNorm, ShortConvolution, short_conv_qkv
-from .ops import check_checkpoint_chunks, chunk_gated_delta_rule, gdn_log_decay, l2_normalize
+from .ops import check_checkpoint_chunks, chunk_gated_delta_rule, gdn_log_decay
 
 __all__ = ["GatedDeltaNet", "GDNState"]
 
@@ -176,8 +176,8 @@ class GatedDeltaNet(Mixer):
             beta = b.float().sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)
             g = gdn_log_decay(a, self.A_log, self.dt_bias) if self.use_decay else \
                 b.new_zeros(B, T, self.n_v_heads, dtype=torch.float32)  # DeltaNet: log alpha = 0
-            o, s = chunk_gated_delta_rule(l2_normalize(q), l2_normalize(k), v, g, beta, initial_state=s0,
-                                          chunk_len=self.chunk_len, checkpoint_chunks=self.checkpoint_chunks)
+            o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_len=self.chunk_len,
+                                          checkpoint_chunks=self.checkpoint_chunks, use_qk_l2norm=True)
         o = o.to(x.dtype)
         if self.use_gate:
             o = self.o_norm(o, self.g_proj(x).view(B, T, self.n_v_heads, self.head_v_dim))

@@ -17,6 +17,7 @@ one), so they lie in ``[0, 1]`` whatever the gates; the one exception, GSA's spl
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -101,7 +102,8 @@ def _pairwise_decay(b: torch.Tensor, per_slot: bool = False) -> torch.Tensor:
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            scale: float | None = None, initial_state: torch.Tensor | None = None,
-                           chunk_len: int = 64, checkpoint_chunks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk_len: int = 64, checkpoint_chunks: int = 0, use_qk_l2norm: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule in chunkwise-parallel (WY / UT-transform) form (GDN paper, section 3.2).
 
     Same definition and calling convention as :func:`mixerzoo_fla.reference.gated_delta_rule_recurrent` and
@@ -114,7 +116,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
       state ``exp(gamma_C) S + (K * exp(gamma_C - gamma))^T (U - W S)``.
 
     Args:
-        q, k: ``[B, T, H, K]``, L2-normalised; v: ``[B, T, HV, V]`` (``HV`` a multiple of ``H``).
+        q, k: ``[B, T, H, K]``, L2-normalised (or normalised here with ``use_qk_l2norm``); v: ``[B, T, HV, V]``
+            (``HV`` a multiple of ``H``).
         g: log decay ``[B, T, HV]``; beta: ``[B, T, HV]`` in ``[0, 2]``.
         scale: query scale, default ``K ** -0.5``.
         initial_state: ``[B, HV, K, V]`` or None.
@@ -123,6 +126,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             (:func:`mixerzoo.mixers.segments.run_segments`): autograd keeps the state entering each segment instead
             of every chunk's UT factors, decays and states, and backward recomputes one segment at a time (same
             results; more compute). 0: one pass.
+        use_qk_l2norm: L2-normalise q and k here (fla's ``use_qk_l2norm_in_kernel``): inside each recomputed
+            segment, with the query scale and the float32 chunked copies, so autograd keeps only the inputs as
+            given instead of the normalised, scaled and chunked copies too (issue #17).
 
     Returns:
         ``o [B, T, HV, V]`` and the final state ``[B, HV, K, V]``, float32.
@@ -138,21 +144,31 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
     scale = K ** -0.5 if scale is None else scale
     C = min(chunk_len, T)
-    N = math.ceil(T / C)
-    group = HV // H
+    S = q.new_zeros(B, HV, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
+    # segments of whole chunks along time: chunk boundaries are those of one pass
+    segment = functools.partial(_delta_rule_segment, chunk=C, scale=scale, group=HV // H, l2norm=use_qk_l2norm)
+    o, (S,) = run_segments(segment, (q, k, v, g, beta), 0, (S,), checkpoint_chunks * C, dim=1)
+    return o, S
+
+
+def _delta_rule_segment(q, k, v, g, beta, pos: int, S: torch.Tensor, *, chunk: int, scale: float, group: int,
+                        l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``[B, t, H, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: the optional q/k L2 norm, the
+    query scale and the float32 chunked layout, then :func:`_delta_rule_chunks`; ``(o [B, t, HV, V], S after)``."""
+    T = q.shape[1]
+    N = math.ceil(T / chunk)
+    if l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
     if group > 1:
         q, k = (x.repeat_interleave(group, dim=2) for x in (q, k))
-    q, k, v = (_to_chunks(x, N, C) for x in (q.float() * scale, k.float(), v.float()))   # [B, HV, N, C, D]
-    g, beta = (_to_chunks(x.float()[..., None], N, C)[..., 0] for x in (g, beta))       # [B, HV, N, C]
-
-    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.float()
-    o, (S,) = run_segments(_delta_rule_chunks, (q, k, v, g, beta), 0, (S,), checkpoint_chunks, dim=2)
+    q, k, v = (_to_chunks(x, N, chunk) for x in (q.float() * scale, k.float(), v.float()))  # [B, HV, N, C, D]
+    g, beta = (_to_chunks(x.float()[..., None], N, chunk)[..., 0] for x in (g, beta))      # [B, HV, N, C]
+    o, S = _delta_rule_chunks(q, k, v, g, beta, S)
     return _from_chunks(o, T), S
 
 
-def _delta_rule_chunks(q, k, v, g, beta, pos: int, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunks ``[B, HV, n, C, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: ``(o, S after)``.
-    ``pos`` (the first chunk's index, from :func:`~mixerzoo.mixers.segments.run_segments`) is not needed."""
+def _delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks ``[B, HV, n, C, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: ``(o, S after)``."""
     C = q.shape[3]
     eye = torch.eye(C, device=q.device)
     outs = []
