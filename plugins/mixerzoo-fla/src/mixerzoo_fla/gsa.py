@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -169,8 +170,18 @@ class GatedSlotAttention(Mixer):
             g = F.logsigmoid(f.float()) / self.gate_logit_normalizer
             o, (hk, hv) = chunk_gsa(q, k, v, 1 - g.exp(), g, scale=self.scale, initial_state=initial,
                                     chunk_len=self.chunk_len, checkpoint_chunks=self.checkpoint_chunks)
-        o = F.silu(o.to(x.dtype).reshape(B, T, self.value_dim))
-        return self.o_proj(self.g_norm(o)), GSAState(hk=hk, hv=hv, conv=conv)
+        o = o.to(x.dtype).reshape(B, T, self.value_dim)
+        if torch.is_grad_enabled() and o.requires_grad:
+            # training: recomputed in backward from o, so autograd does not keep the activated output and the
+            # norm's intermediates too (issue #17)
+            o = torch.utils.checkpoint.checkpoint(self._output_norm, o, use_reentrant=False)
+        else:
+            o = self._output_norm(o)
+        return self.o_proj(o), GSAState(hk=hk, hv=hv, conv=conv)
+
+    def _output_norm(self, o: torch.Tensor) -> torch.Tensor:
+        """``RMSNorm(silu(o))`` over ``[B, T, value_dim]`` (fla's GSA output path)."""
+        return self.g_norm(F.silu(o))
 
     def _fla_gsa(self, q, k, v, s, g, initial_state):
         """fla's kernels as fla's layer calls them: key/value/slot heads repeated to the query heads,
