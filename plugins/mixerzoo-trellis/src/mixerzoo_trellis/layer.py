@@ -13,6 +13,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection
@@ -189,8 +190,6 @@ class Trellis(Mixer):
             qk = torch.cat([q, k], dim=1).transpose(1, 2).reshape(B, T, 2 * H * D)
             qk, conv_cache = self.conv(qk, None if state is None else state.conv)
             q, k = qk.view(B, T, 2 * H, D).transpose(1, 2).split(H, dim=1)
-        if self.write_norm:
-            k, v = F.normalize(k, dim=-1, eps=1e-6), F.normalize(v, dim=-1, eps=1e-6)
         a = self.a_proj(x).view(B, T, H, m).transpose(1, 2)
         dtype, work = x.dtype, torch.promote_types(x.dtype, torch.float32)  # the memory runs in fp32 at least
         if self.forget_gate:
@@ -202,9 +201,24 @@ class Trellis(Mixer):
         memory = None if state is None else state.memory
         with torch.autocast(x.device.type, enabled=False):  # keep the memory in fp32 under bf16-mixed
             o, memory = self._memory(q, k, v, a, log_beta, gamma, memory, pos)
-        o = self.o_norm(o.transpose(1, 2).reshape(B, T, H * D).to(dtype))
-        y = self.o_proj(o * F.gelu(self.g_proj(x)))
-        return y, TrellisState(*memory, conv=conv_cache, pos=pos + T)
+        o, g = o.transpose(1, 2).reshape(B, T, H * D).to(dtype), self.g_proj(x)
+        if torch.is_grad_enabled() and (o.requires_grad or g.requires_grad):
+            # training: recomputed in backward from o and the gate, so autograd keeps those two instead of the
+            # norm's intermediates and the activated gate too (issue #17)
+            o = torch.utils.checkpoint.checkpoint(self._gated_output, o, g, use_reentrant=False)
+        else:
+            o = self._gated_output(o, g)
+        return self.o_proj(o), TrellisState(*memory, conv=conv_cache, pos=pos + T)
+
+    def _gated_output(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``RMSNorm(o) * GELU(g)``, ``(B, T, H D)``: the heads' reads normalised and gated (paper eq. 14)."""
+        return self.o_norm(o) * F.gelu(g)
+
+    def _write_norm(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``write_norm: l2``: the written keys and values at unit L2 norm (unchanged with ``none``)."""
+        if not self.write_norm:
+            return k, v
+        return F.normalize(k, dim=-1, eps=1e-6), F.normalize(v, dim=-1, eps=1e-6)
 
     def _memory(self, q, k, v, a, log_beta, gamma, memory, pos):
         """The two-pass memory on ``(B, H, T, .)`` tensors: decode step, chunked form or reference."""
@@ -213,15 +227,18 @@ class Trellis(Mixer):
         if memory is None:
             memory = zero_memory(B, H, self.num_slots, D, D, q.dtype, q.device)
         if self.use_reference:
+            k, v = self._write_norm(k, v)
             o, memory = trellis_reference(q, k, v, a, log_beta.exp(), gamma, chunk_len=self.chunk_len,
                                           memory=memory, **opts)
         elif T == 1:  # decode: one step of the same chunked recurrence
+            k, v = self._write_norm(k, v)
             o, memory = trellis_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], a[:, :, 0], log_beta[:, :, 0], gamma,
                                      self.chunk_len, memory=memory, **opts)
             o = o[:, :, None]
         else:  # one pass, or in training segments recomputed in backward (issue #17), carrying the memory
 
             def segment(q, k, v, a, log_beta, gamma, p, *mem):
+                k, v = self._write_norm(k, v)  # inside: autograd keeps k and v as given, not their unit copies
                 o, m = trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=TrellisMemory(*mem),
                                        **{**opts, "pos": p})
                 return (o, *m)
