@@ -99,16 +99,22 @@ class _MemoryWindowAttention(torch.autograd.Function):
     (``R + L`` keys), not the group's, and adds each chunk's window gradient straight into its blocks' gradients."""
 
     @staticmethod
-    def forward(ctx, q, tau, mem_k, mem_v, mask, L: int, C: int, pre_rope: bool, scale: float, n_blocks: int,
-                *blocks):
-        N, n, Lq, E = q.shape
-        out = q.new_empty(N, n, Lq, E)
-        lse = torch.empty(N, n, Lq, dtype=torch.float32, device=q.device)
-        for c in range(n):  # one chunk's key list at a time: the transient buffers do not grow with the group
-            keys, values = _keys_values(mem_k, mem_v, blocks[:n_blocks], blocks[n_blocks:], range(c, c + 1), L, C,
-                                        tau, pre_rope, q.dtype)
-            out[:, c:c + 1], lse[:, c:c + 1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q[:, c:c + 1], keys, values, attn_mask=mask[:, c:c + 1] if mask.shape[1] > 1 else mask, scale=scale)
+    def forward(ctx, q, tau, mem_k, mem_v, mask, L: int, C: int, pre_rope: bool, scale: float, reuse: dict | None,
+                n_blocks: int, *blocks):
+        if reuse:  # the recomputation of a checkpointed group: the read's output is already known
+            out, lse = reuse.pop("out"), reuse.pop("lse")
+        else:
+            N, n, Lq, E = q.shape
+            out = q.new_empty(N, n, Lq, E)
+            lse = torch.empty(N, n, Lq, dtype=torch.float32, device=q.device)
+            for c in range(n):  # one chunk's key list at a time: the transient buffers do not grow with the group
+                keys, values = _keys_values(mem_k, mem_v, blocks[:n_blocks], blocks[n_blocks:], range(c, c + 1), L,
+                                            C, tau, pre_rope, q.dtype)
+                out[:, c:c + 1], lse[:, c:c + 1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q[:, c:c + 1], keys, values, attn_mask=mask[:, c:c + 1] if mask.shape[1] > 1 else mask,
+                    scale=scale)
+            if reuse is not None:
+                reuse.update(out=out.detach(), lse=lse)
         ctx.save_for_backward(q, tau, mem_k, mem_v, mask, out, lse, *blocks)
         ctx.meta = L, C, pre_rope, scale, n_blocks
         return out[..., :mem_v.shape[-1]] if pre_rope else out
@@ -149,12 +155,12 @@ class _MemoryWindowAttention(torch.autograd.Function):
                 g_k[i][:, r0:r0 + n_rows] += g_win[:, w0:w0 + n_rows] * tau_
                 g_v[i][:, r0:r0 + n_rows] += gv[:, 0, R + w0:R + w0 + n_rows, :D]
         g_blocks = [g.to(b.dtype) for g, b in zip(g_k + g_v, blocks)]
-        return (gq, g_tau.to(tau.dtype), g_mem_k, g_mem_v, None, None, None, None, None, None, *g_blocks)
+        return (gq, g_tau.to(tau.dtype), g_mem_k, g_mem_v, None, None, None, None, None, None, None, *g_blocks)
 
 
 def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch.Tensor, tau: torch.Tensor,
                             mem_k: torch.Tensor, mem_v: torch.Tensor, mask: torch.Tensor, window: int,
-                            chunk_len: int, pre_rope: bool, scale: float) -> torch.Tensor:
+                            chunk_len: int, pre_rope: bool, scale: float, reuse: dict | None = None) -> torch.Tensor:
     """KVM's read for ``n`` query chunks: ``softmax(scale * q [mem_k ; tau * win_k]^T + mask) [mem_v ; win_v]``.
 
     Query chunk ``c`` attends to its state snapshot's rows ``mem_k[:, c]`` and to its block window, keys
@@ -175,6 +181,10 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
         window: ``L`` window keys per chunk; chunk_len: ``C``, the stride between windows.
         pre_rope: keys in the two-channel layout of ``memory_keys: pre_rope``.
         scale: logit scale (``1 / sqrt(D)``).
+        reuse: for a call run under ``torch.utils.checkpoint``: an empty dict keeps the read's output and
+            log-sum-exp on the first run, and the recomputation in backward takes them from it instead of running
+            the attention again (what backward needs from the forward is exactly those two; full attention keeps
+            its output too). The same inputs must come back, as a checkpoint's recomputation guarantees.
 
     Returns:
         ``(N, n, Lq, D)`` in ``q``'s dtype.
@@ -187,4 +197,4 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
     if len(blocks_k) != len(blocks_v):
         raise ValueError(f"memory_window_attention: {len(blocks_k)} key blocks but {len(blocks_v)} value blocks")
     return _MemoryWindowAttention.apply(q, tau, mem_k, mem_v, mask.to(q.dtype), window, chunk_len, pre_rope, scale,
-                                        len(blocks_k), *blocks_k, *blocks_v)
+                                        reuse, len(blocks_k), *blocks_k, *blocks_v)

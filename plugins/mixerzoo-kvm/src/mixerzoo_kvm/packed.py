@@ -276,11 +276,11 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         fold_k, fold_v = blocks_k[f_0:f_0 + n_folds], blocks_v[f_0:f_0 + n_folds]
     g_folds = g_o.split(n_f, dim=2) if g_o is not None else [None] * len(groups)
 
-    def group(a: int, b: int, f0: int, n_win: int, q_g, g_f, s_k, s_v, rho, count, *pieces):
+    def group(a: int, b: int, f0: int, n_win: int, reuse: dict | None, q_g, g_f, s_k, s_v, rho, count, *pieces):
         """Chunks ``a .. b-1``: their snapshots from the state entering the group (``s_k, s_v, rho, count``,
         snapshot ``f0``) and the group's folds, then their attention. ``pieces``: the window's key blocks, its value
-        blocks (``n_win`` each), then the folds' key and value blocks ``(B H, C, D)``. Returns the output and the
-        state after."""
+        blocks (``n_win`` each), then the folds' key and value blocks ``(B H, C, D)``; ``reuse`` see
+        :func:`memory_window_attention`. Returns the output and the state after."""
         win, fold_blocks = pieces[:2 * n_win], pieces[2 * n_win:]
         nf, n, R = len(fold_blocks) // 2, b - a, max(rows[a:b])
         k_f, v_f = ((torch.stack(t, dim=1) if t else q_g.new_empty(B * H, 0, C, D)).view(B, H, nf, C, D)
@@ -298,7 +298,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask(a, b)], dim=2)  # (n, Cq, S)
         mask = additive_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1), q.dtype)
         o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, mem_k, mem_v.reshape(B * H, n, R, D),
-                                    mask, L, C, two, D ** -0.5)
+                                    mask, L, C, two, D ** -0.5, reuse)
         # copies: a view of the last snapshot would keep every snapshot of the group alive as the next group's input
         last = (s_k[:, :, -1].clone(), s_v[:, :, -1].clone(), None if count is None else count[:, :, -1].clone())
         return o, last[0], last[1], rho, last[2]
@@ -310,9 +310,11 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     for i, ((a, b), q_g) in enumerate(zip(groups, qg.split([b - a for a, b in groups], dim=1))):
         wk, wv = (pieces_k[a:b + nb - 1], pieces_v[a:b + nb - 1]) if n_q > 1 else (pieces_k, pieces_v)
         fs = slice(first[i], first[i] + n_f[i])
-        args = (a, b, first[i], len(wk), q_g, g_folds[i], *carry, *wk, *wv, *fold_k[fs], *fold_v[fs])
-        if lean:  # recomputed in backward from the state entering the group: autograd keeps no snapshot,
-            # memory row or key list, only each group's inputs (issue #17)
+        # lean: recomputed in backward from the state entering the group: autograd keeps no snapshot, memory row or
+        # key list, only each group's inputs (issue #17); the recomputation reuses the read's output (`reuse`)
+        args = (a, b, first[i], len(wk), {} if lean else None, q_g, g_folds[i], *carry, *wk, *wv, *fold_k[fs],
+                *fold_v[fs])
+        if lean:
             o, *carry = torch.utils.checkpoint.checkpoint(group, *args, use_reentrant=False)
         else:
             o, *carry = group(*args)
