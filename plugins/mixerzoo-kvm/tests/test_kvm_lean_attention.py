@@ -146,6 +146,31 @@ def test_recomputed_groups_equal_keeping_everything(name, checkpoint_chunks):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_recomputation_does_not_run_the_read_again():
+    """With checkpoint_chunks, backward recomputes each group's snapshots but takes the read's output and
+    log-sum-exp from the first forward: one flash-attention forward per query chunk in a whole training step,
+    not two (``reuse`` of :func:`memory_window_attention`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = KVMAttention(32, n_heads=2, chunk_len=16, n_bswa_chunks=2, schedule={"name": "fixed", "size": 16},
+                         checkpoint_chunks=2)
+    x = torch.randn(1, 160, 32, requires_grad=True)
+    with Count() as count:
+        layer(x)[0].square().mean().backward()
+    assert count.n == 160 // 16
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
 def test_bad_checkpoint_chunks_is_named():
     with pytest.raises(ValueError, match="checkpoint_chunks"):
         KVMAttention(32, n_heads=2, checkpoint_chunks=-1)
