@@ -4,13 +4,13 @@ training step of the packed path keeps no concatenated key lists for the backwar
 import pytest
 import torch
 
-from mixerzoo_kvm import KVMAttention
+from mixerzoo_kvm import KVMAttention, lean_attention
 from mixerzoo_kvm.lean_attention import (additive_mask, memory_window_attention,
                                          memory_window_attention_reference)
 
 
 def _inputs(pre_rope: bool, n: int, R: int, shared_mask: bool, C: int = 8, nb: int = 2, Lq: int = 8, N: int = 3,
-            D: int = 4, dtype=torch.float32):
+            D: int = 4, dtype=torch.float32, boolean_mask: bool = False):
     g = torch.Generator().manual_seed(0)
     E = 2 * D if pre_rope else D
     L = nb * C if n > 1 else 13  # a single chunk may have a window of any length
@@ -21,7 +21,8 @@ def _inputs(pre_rope: bool, n: int, R: int, shared_mask: bool, C: int = 8, nb: i
     m[..., R] = True  # no query row without a key
     if shared_mask:
         m[:] = m[:1]  # one pattern for all chunks: exercises the broadcast mask
-    return (q, grid_k, grid_v, tau, mem_k, mem_v, additive_mask(m, dtype), L, C, pre_rope, D ** -0.5)
+    mask = lean_attention.shared_mask(m) if boolean_mask else additive_mask(m, dtype)
+    return (q, grid_k, grid_v, tau, mem_k, mem_v, mask, L, C, pre_rope, D ** -0.5)
 
 
 def _grads(out, args):
@@ -30,9 +31,10 @@ def _grads(out, args):
 
 @pytest.mark.parametrize("pre_rope", [False, True], ids=["paper", "pre_rope"])
 @pytest.mark.parametrize("layout", ["chunks", "chunks_shared_mask", "single_chunk"])
-def test_lean_equals_reference_values_and_gradients(pre_rope, layout):
+@pytest.mark.parametrize("boolean_mask", [False, True], ids=["additive", "boolean"])
+def test_lean_equals_reference_values_and_gradients(pre_rope, layout, boolean_mask):
     n = 1 if layout == "single_chunk" else 5
-    args = _inputs(pre_rope, n, R=6, shared_mask=layout == "chunks_shared_mask")
+    args = _inputs(pre_rope, n, R=6, shared_mask=layout == "chunks_shared_mask", boolean_mask=boolean_mask)
     fast = memory_window_attention(*args)
     ref = memory_window_attention_reference(*args)
     assert fast.shape == ref.shape == (3, n, 8, 4)

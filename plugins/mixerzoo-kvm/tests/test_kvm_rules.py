@@ -175,12 +175,10 @@ def test_registered_and_in_the_lm():
     torch.testing.assert_close(torch.cat([a, b], dim=1), logits, atol=1e-4, rtol=1e-4)
 
 
-def test_group_chunks_keeps_a_growing_state_in_smaller_groups():
-    """Groups end at max_chunks, at 1.25x state growth, and (with max_keys) when rows + window keys over the
-    group's chunks would pass the budget; a chunk larger than the budget still gets a group of its own."""
+def test_group_chunks_ends_groups_at_max_chunks_and_state_growth():
+    """Groups end at max_chunks and where the state has grown past 1.25x the group's first chunk's."""
     from mixerzoo_kvm.packed import _group_chunks
 
     assert _group_chunks([4] * 6, max_chunks=4) == [(0, 4), (4, 6)]
-    assert _group_chunks([4] * 6, max_chunks=4, window=8, max_keys=36) == [(0, 3), (3, 6)]
     assert _group_chunks([4, 4, 5, 6, 7], max_chunks=8) == [(0, 3), (3, 5)]  # 6 > 1.25 x 4
-    assert _group_chunks([40, 40], max_chunks=4, window=8, max_keys=10) == [(0, 1), (1, 2)]
+    assert _group_chunks([1300, 1330, 1360, 1390, 1420], max_chunks=4) == [(0, 4), (4, 5)]  # a slowly growing state

@@ -23,16 +23,31 @@ import torch.nn.functional as F
 
 from .ops import joint_keys
 
-__all__ = ["memory_window_attention", "memory_window_attention_reference", "additive_mask"]
+__all__ = ["memory_window_attention", "memory_window_attention_reference", "shared_mask", "additive_mask"]
+
+
+def shared_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean ``mask (n, Lq, S)`` (True = may attend) as ``(1, n, Lq, S)``, or ``(1, 1, Lq, S)`` when every chunk
+    has the same pattern (all chunks of a fixed-size state past the first window), so one copy is broadcast
+    instead of ``n``. :func:`memory_window_attention` takes it as it is (a byte per entry, made additive one chunk
+    at a time)."""
+    if mask.shape[0] > 1 and bool((mask == mask[:1]).all()):
+        mask = mask[:1]
+    return mask[None]
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean ``mask (n, Lq, S)`` (True = may attend) as the additive float mask the kernels take (0 or -inf),
-    ``(1, n, Lq, S)``; ``(1, 1, Lq, S)`` when every chunk has the same pattern (all chunks of a fixed-size state
-    past the first window), so one copy is broadcast instead of ``n``."""
-    if mask.shape[0] > 1 and bool((mask == mask[:1]).all()):
-        mask = mask[:1]
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[None]
+    """:func:`shared_mask` as the additive float mask the kernels take (0 or -inf)."""
+    mask = shared_mask(mask)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _chunk_mask(mask: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
+    """Chunk ``c``'s additive mask ``(1, 1, Lq, S)`` from a boolean or additive ``(1, n | 1, Lq, S)`` mask."""
+    m = mask[:, c:c + 1] if mask.shape[1] > 1 else mask
+    if m.dtype == torch.bool:
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+    return m
 
 
 def _windows(grid: torch.Tensor, L: int, C: int) -> torch.Tensor:
@@ -90,7 +105,9 @@ def memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask
     keys = joint_keys(mem_k, [_windows(grid_k, window, chunk_len) * tau[:, None, None, None]], pre_rope, dim=2)
     values = torch.cat([mem_v, _windows(grid_v, window, chunk_len)], dim=2)
     dt = q.dtype
-    return F.scaled_dot_product_attention(q, keys.to(dt), values.to(dt), attn_mask=mask.to(dt), scale=scale)
+    if mask.dtype != torch.bool:
+        mask = mask.to(dt)
+    return F.scaled_dot_product_attention(q, keys.to(dt), values.to(dt), attn_mask=mask, scale=scale)
 
 
 class _MemoryWindowAttention(torch.autograd.Function):
@@ -111,8 +128,7 @@ class _MemoryWindowAttention(torch.autograd.Function):
                 keys, values = _keys_values(mem_k, mem_v, blocks[:n_blocks], blocks[n_blocks:], range(c, c + 1), L,
                                             C, tau, pre_rope, q.dtype)
                 out[:, c:c + 1], lse[:, c:c + 1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q[:, c:c + 1], keys, values, attn_mask=mask[:, c:c + 1] if mask.shape[1] > 1 else mask,
-                    scale=scale)
+                    q[:, c:c + 1], keys, values, attn_mask=_chunk_mask(mask, c, q.dtype), scale=scale)
             if reuse is not None:
                 reuse.update(out=out.detach(), lse=lse)
         ctx.save_for_backward(q, tau, mem_k, mem_v, mask, out, lse, *blocks)
@@ -141,7 +157,7 @@ class _MemoryWindowAttention(torch.autograd.Function):
         for c in range(n):
             keys, values = _keys_values(mem_k, mem_v, blocks_k, blocks_v, range(c, c + 1), L, C, tau, pre_rope,
                                         q.dtype)
-            m = mask[:, c:c + 1] if mask.shape[1] > 1 else mask
+            m = _chunk_mask(mask, c, q.dtype)
             gq_c, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out[:, c:c + 1], q[:, c:c + 1], keys, values, out[:, c:c + 1], lse[:, c:c + 1], 0.0, False,
                 attn_mask=m, scale=scale)
@@ -177,7 +193,8 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
         tau: ``(N,)`` inverse temperature of the window keys (``tau_bswa`` per row).
         mem_k, mem_v: ``(N, n, R, D)`` memory rows, already normalised and scaled (``tau_state * LN_s(s_k)`` and
             the value readout).
-        mask: additive float mask broadcastable to ``(N, n, Lq, R + window)`` (:func:`additive_mask`).
+        mask: ``(1, n | 1, Lq, R + window)``, boolean (True = may attend; :func:`shared_mask`) or the additive
+            float form (:func:`additive_mask`).
         window: ``L`` window keys per chunk; chunk_len: ``C``, the stride between windows.
         pre_rope: keys in the two-channel layout of ``memory_keys: pre_rope``.
         scale: logit scale (``1 / sqrt(D)``).
@@ -196,5 +213,6 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
     blocks_v = (grid_v,) if isinstance(grid_v, torch.Tensor) else tuple(grid_v)
     if len(blocks_k) != len(blocks_v):
         raise ValueError(f"memory_window_attention: {len(blocks_k)} key blocks but {len(blocks_v)} value blocks")
-    return _MemoryWindowAttention.apply(q, tau, mem_k, mem_v, mask.to(q.dtype), window, chunk_len, pre_rope, scale,
+    mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
+    return _MemoryWindowAttention.apply(q, tau, mem_k, mem_v, mask, window, chunk_len, pre_rope, scale,
                                         reuse, len(blocks_k), *blocks_k, *blocks_v)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from .lean_attention import additive_mask, memory_window_attention
+from .lean_attention import memory_window_attention, shared_mask
 from .ops import (KVMParams, KVMSpec, Routing, fold, joint_keys, joint_queries, keep_from, memory_keys, read_values,
                   route_overflow, state_budget)
 from .state import KVMState
@@ -147,17 +147,15 @@ def _snapshots(spec: KVMSpec, params: KVMParams, state: KVMState, kbar: torch.Te
     return s_k, s_v, rho, count
 
 
-def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4, window: int = 0,
-                  max_keys: int | None = None) -> list[tuple[int, int]]:
+def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) -> list[tuple[int, int]]:
     """Split consecutive query chunks into groups whose state sizes stay within ``growth`` x the group's first
     (a state only grows), so padding every snapshot of a group to its largest wastes little, and of at most
-    ``max_chunks`` chunks, so one group's transient key/value lists stay small at any length. With ``max_keys``,
-    a group also holds at most that many keys over its chunks (``rows + window`` each; at least one chunk), so a
-    growing state (``power_law`` schedule) reads in smaller groups as it grows."""
+    ``max_chunks`` chunks. The read builds one chunk's key list at a time, so a group's transient memory is its
+    snapshots (``max_chunks`` x rows), while autograd keeps one state per group: a growing state (``power_law``
+    schedule) is not cut into smaller groups, which would keep more states (issue #17)."""
     groups, start = [], 0
     for i in range(1, len(rows)):
-        too_many = max_keys is not None and (i - start + 1) * (rows[i] + window) > max_keys
-        if rows[i] > growth * rows[start] or i - start >= max_chunks or too_many:
+        if rows[i] > growth * rows[start] or i - start >= max_chunks:
             groups.append((start, i))
             start = i
     groups.append((start, len(rows)))
@@ -252,10 +250,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         return (kp[:, None, :] <= qp[:, :, None]) & ((kp >= max(kpos0, 0)) & (kp < p1))[:, None, :]
 
     Cq = q_pos.shape[1]
-    # at most checkpoint_chunks chunks of a state no larger than the window per group: a fixed budget of 256 rows
-    # and a 512-token window reads 4 chunks at a time, a sqrt budget's 1.3k rows at 8k tokens 2
-    n_max = spec.checkpoint_chunks or 16
-    groups = _group_chunks(rows, max_chunks=n_max, window=L, max_keys=n_max * 2 * L)
+    groups = _group_chunks(rows, max_chunks=spec.checkpoint_chunks or 16)
     # grouped-query heads: the G query heads of one key/value head are stacked along the query axis
     qg = qb.reshape(B, H, G, n_q, Cq, E).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n_q, G * Cq, E)
     tau_w, tau_s = params.tau_bswa.repeat(B), params.tau_state[None, :, None, None, None]
@@ -296,7 +291,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         mem_v = read_values(s_v[:, :, local, :R], rho[:, :, None, :R], cnt, spec.value_norm, spec.eps)
         rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
         mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask(a, b)], dim=2)  # (n, Cq, S)
-        mask = additive_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1), q.dtype)
+        mask = shared_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1))  # booleans, a byte each
         o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, mem_k, mem_v.reshape(B * H, n, R, D),
                                     mask, L, C, two, D ** -0.5, reuse)
         # copies: a view of the last snapshot would keep every snapshot of the group alive as the next group's input
