@@ -75,6 +75,29 @@ def test_rope_partial_leaves_other_channels_and_relative_property():
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_backward_recomputes_the_angles(fraction, dtype):
+    """With gradients RoPE runs as a Function whose backward rotates the gradient back (recomputing cos/sin):
+    the same output bit for bit and the gradient of the plain autograd form (``rotate``), while what autograd
+    keeps for backward is the positions only (plain autograd keeps the cos and sin tables: 2 x T x rotary_dim)."""
+    rope = RoPE(head_dim=16, rotary_fraction=fraction)
+    T = 64
+    x = torch.randn(2, 3, T, 16, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_(True)
+    pos = torch.arange(100, 100 + T)
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = rope.apply(x, pos)
+    assert sum(saved) == T  # the positions
+    ref = rope.rotate(x, *rope.cos_sin(pos, dtype))
+    assert torch.equal(out, ref)
+    g, = torch.autograd.grad((out * w).sum(), x)
+    g_ref, = torch.autograd.grad((ref * w).sum(), x)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(g, g_ref, **tol)
+
+
 def test_nope_and_bad_rope():
     x = torch.randn(3, 4)
     assert torch.equal(NoPE().apply(x, torch.arange(3)), x)
