@@ -160,7 +160,16 @@ class GatedDeltaNet(Mixer):
         """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given."""
         B, T, _ = x.shape
         use_fla = _backend.resolve_backend(self.backend, x.device) == "fla"
-        if self.use_short_conv:
+        prologue, conv_in = None, ()
+        if self.use_short_conv and not use_fla:
+            # CPU form: the short convolutions run inside each recomputed segment of the chunk walk (its prologue),
+            # so autograd keeps the projections only, not the convolutions' outputs too (issue #17)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            conv_in = state.conv if state is not None else (None, None, None)
+            convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+            conv = tuple(c.next_cache(t, cache) for c, t, cache in zip(convs, (q, k, v), conv_in))
+            prologue = self._short_convs
+        elif self.use_short_conv:
             q, k, v, conv = short_conv_qkv(self, x, state.conv if state is not None else None, use_fla)
         else:
             q, k, v = F.silu(self.q_proj(x)), F.silu(self.k_proj(x)), F.silu(self.v_proj(x))
@@ -177,13 +186,24 @@ class GatedDeltaNet(Mixer):
             g = gdn_log_decay(a, self.A_log, self.dt_bias) if self.use_decay else \
                 b.new_zeros(B, T, self.n_v_heads, dtype=torch.float32)  # DeltaNet: log alpha = 0
             o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_len=self.chunk_len,
-                                          checkpoint_chunks=self.checkpoint_chunks, use_qk_l2norm=True)
+                                          checkpoint_chunks=self.checkpoint_chunks, use_qk_l2norm=True,
+                                          prologue=prologue, prologue_state=tuple(conv_in))
         o = o.to(x.dtype)
         if self.use_gate:
             o = self.o_norm(o, self.g_proj(x).view(B, T, self.n_v_heads, self.head_v_dim))
         else:
             o = self.o_norm(o)
         return self.o_proj(o.reshape(B, T, self.value_dim)), GDNState(recurrent=s, conv=conv)
+
+    def _short_convs(self, q, k, v, caches):
+        """The CPU form's prologue (:func:`mixerzoo_fla.ops.chunk_gated_delta_rule`): the q/k/v short convolutions
+        of one segment ``[B, t, heads, dim]``, continuing ``caches``; returns the convolved q, k, v and the caches."""
+        outs, new = [], []
+        for x, conv, cache in zip((q, k, v), (self.q_conv1d, self.k_conv1d, self.v_conv1d), caches):
+            y, cache = conv(x.reshape(*x.shape[:2], -1), cache)
+            outs.append(y.view(x.shape))
+            new.append(cache)
+        return (*outs, tuple(new))
 
     def _fla_delta_rule(self, q, k, v, a, b, initial_state):
         """fla's kernels with the gate, beta sigmoid and q/k L2 norm fused in, as fla's layer calls them:

@@ -54,23 +54,35 @@ class ShortConvolution(nn.Conv1d):
         ``use_fla`` runs fla's Triton ``causal_conv1d`` (CUDA only; decode steps stay in PyTorch, where a
         single-token dot product is as fast and does not write into the cache in place).
         """
-        W = self.kernel_size[0]
-        B, T, D = x.shape
+        T = x.shape[1]
         if use_fla and T > 1:
             y, new_cache = _backend.fla_kernels().causal_conv1d(
                 x=x, weight=self.weight.squeeze(1), bias=self.bias,
                 initial_state=None if cache is None else cache.to(x.dtype),
                 output_final_state=True, activation=self.activation)
             return y, new_cache
-        past = x.new_zeros(B, D, W - 1) if cache is None else cache[..., 1:].to(x.dtype)
+        past = self._past(x, cache)
         if T > 1 and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             # training: the padded input and the pre-activation output (two more [B, T, D] tensors) are
             # recomputed in backward instead of kept, a depthwise convolution being cheap (issue #17)
             y = torch.utils.checkpoint.checkpoint(self._conv, past, x, use_reentrant=False)
         else:
             y = self._conv(past, x)
+        return y, self._next_cache(past, x)
+
+    def next_cache(self, x: torch.Tensor, cache: torch.Tensor | None = None) -> torch.Tensor:
+        """The cache ``[B, D, W]`` after ``x [B, T, D]`` (what :meth:`forward` returns), without convolving."""
+        return self._next_cache(self._past(x, cache), x)
+
+    def _past(self, x: torch.Tensor, cache: torch.Tensor | None) -> torch.Tensor:
+        """The ``W - 1`` inputs before ``x``: ``[B, D, W - 1]``, zeros at the start of a sequence."""
+        W = self.kernel_size[0]
+        return x.new_zeros(x.shape[0], x.shape[2], W - 1) if cache is None else cache[..., 1:].to(x.dtype)
+
+    def _next_cache(self, past: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # the last W inputs as their own tensor (a view would keep the whole input alive in the state)
-        return y, torch.cat([past, x[:, -W:].transpose(1, 2)], dim=-1)[..., -W:].contiguous()
+        W = self.kernel_size[0]
+        return torch.cat([past, x[:, -W:].transpose(1, 2)], dim=-1)[..., -W:].contiguous()
 
     def _conv(self, past: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``silu(conv(cat(past, x)))`` truncated to ``x``'s ``T`` steps: ``[B, T, D]``."""

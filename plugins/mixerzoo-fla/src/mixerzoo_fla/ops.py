@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +103,8 @@ def _pairwise_decay(b: torch.Tensor, per_slot: bool = False) -> torch.Tensor:
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            scale: float | None = None, initial_state: torch.Tensor | None = None,
-                           chunk_len: int = 64, checkpoint_chunks: int = 0, use_qk_l2norm: bool = False
+                           chunk_len: int = 64, checkpoint_chunks: int = 0, use_qk_l2norm: bool = False,
+                           prologue: Callable | None = None, prologue_state: tuple = ()
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule in chunkwise-parallel (WY / UT-transform) form (GDN paper, section 3.2).
 
@@ -129,6 +131,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         use_qk_l2norm: L2-normalise q and k here (fla's ``use_qk_l2norm_in_kernel``): inside each recomputed
             segment, with the query scale and the float32 chunked copies, so autograd keeps only the inputs as
             given instead of the normalised, scaled and chunked copies too (issue #17).
+        prologue: ``prologue(q, k, v, state) -> (q, k, v, state)`` run first in every segment (so inside its
+            recomputation), its ``state`` carried from segment to segment starting at ``prologue_state``: GDN's
+            short convolutions, whose outputs autograd then does not keep (only their inputs, ``q, k, v`` here).
 
     Returns:
         ``o [B, T, HV, V]`` and the final state ``[B, HV, K, V]``, float32.
@@ -146,15 +151,19 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     C = min(chunk_len, T)
     S = q.new_zeros(B, HV, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
     # segments of whole chunks along time: chunk boundaries are those of one pass
-    segment = functools.partial(_delta_rule_segment, chunk=C, scale=scale, group=HV // H, l2norm=use_qk_l2norm)
-    o, (S,) = run_segments(segment, (q, k, v, g, beta), 0, (S,), checkpoint_chunks * C, dim=1)
+    segment = functools.partial(_delta_rule_segment, chunk=C, scale=scale, group=HV // H, l2norm=use_qk_l2norm,
+                                prologue=prologue)
+    o, (S, *_) = run_segments(segment, (q, k, v, g, beta), 0, (S, *prologue_state), checkpoint_chunks * C, dim=1)
     return o, S
 
 
-def _delta_rule_segment(q, k, v, g, beta, pos: int, S: torch.Tensor, *, chunk: int, scale: float, group: int,
-                        l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ``[B, t, H, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: the optional q/k L2 norm, the
-    query scale and the float32 chunked layout, then :func:`_delta_rule_chunks`; ``(o [B, t, HV, V], S after)``."""
+def _delta_rule_segment(q, k, v, g, beta, pos: int, S: torch.Tensor, *prologue_state, chunk: int, scale: float,
+                        group: int, l2norm: bool, prologue: Callable | None) -> tuple:
+    """Tokens ``[B, t, H, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: the prologue, the optional q/k
+    L2 norm, the query scale and the float32 chunked layout, then :func:`_delta_rule_chunks`;
+    ``(o [B, t, HV, V], S after, *prologue state after)``."""
+    if prologue is not None:
+        q, k, v, prologue_state = prologue(q, k, v, prologue_state)
     T = q.shape[1]
     N = math.ceil(T / chunk)
     if l2norm:
@@ -164,7 +173,7 @@ def _delta_rule_segment(q, k, v, g, beta, pos: int, S: torch.Tensor, *, chunk: i
     q, k, v = (_to_chunks(x, N, chunk) for x in (q.float() * scale, k.float(), v.float()))  # [B, HV, N, C, D]
     g, beta = (_to_chunks(x.float()[..., None], N, chunk)[..., 0] for x in (g, beta))      # [B, HV, N, C]
     o, S = _delta_rule_chunks(q, k, v, g, beta, S)
-    return _from_chunks(o, T), S
+    return (_from_chunks(o, T), S, *prologue_state)
 
 
 def _delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
