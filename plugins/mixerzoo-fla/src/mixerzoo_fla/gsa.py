@@ -152,24 +152,33 @@ class GatedSlotAttention(Mixer):
         """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given."""
         B, T, _ = x.shape
         use_fla = _backend.resolve_backend(self.backend, x.device) == "fla"
-        if self.use_short_conv:
+        conv_in = state.conv if state is not None and state.conv is not None else (None, None, None)
+        if self.use_short_conv and use_fla:
             q, k, v, conv = short_conv_qkv(self, x, state.conv if state is not None else None, use_fla)
+            q, k, v = self._feature_maps(q, k, v, B, T)
         else:
+            # CPU form: the short convolutions and feature maps run inside each recomputed segment of the chunk
+            # walk (its prologue), so autograd keeps the projections only (issue #17)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             conv = None
-        phi = FEATURE_MAPS[self.feature_map]
-        q = phi(q.view(B, T, self.n_heads, self.head_k_dim))
-        k = phi(k.view(B, T, self.n_kv_heads, self.head_k_dim))
-        v = F.silu(v.view(B, T, self.n_kv_heads, self.head_v_dim))
+            if self.use_short_conv:
+                convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+                conv = tuple(c.next_cache(t, cache) for c, t, cache in zip(convs, (q, k, v), conv_in))
+            q = q.view(B, T, self.n_heads, self.head_k_dim)
+            k = k.view(B, T, self.n_kv_heads, self.head_k_dim)
+            v = v.view(B, T, self.n_kv_heads, self.head_v_dim)
         f = self.f_proj(x).view(B, T, self.n_kv_heads, self.num_slots)
         initial = None if state is None else (state.hk, state.hv)
         if use_fla:
+            if not self.use_short_conv:
+                q, k, v = self._feature_maps(q, k, v, B, T)
             g = F.logsigmoid(f) / self.gate_logit_normalizer
             o, (hk, hv) = self._fla_gsa(q, k, v, 1 - g.exp(), g, initial)
         else:
             g = F.logsigmoid(f.float()) / self.gate_logit_normalizer
             o, (hk, hv) = chunk_gsa(q, k, v, 1 - g.exp(), g, scale=self.scale, initial_state=initial,
-                                    chunk_len=self.chunk_len, checkpoint_chunks=self.checkpoint_chunks)
+                                    chunk_len=self.chunk_len, checkpoint_chunks=self.checkpoint_chunks,
+                                    prologue=self._prologue, prologue_state=tuple(conv_in))
         o = o.to(x.dtype).reshape(B, T, self.value_dim)
         if torch.is_grad_enabled() and o.requires_grad:
             # training: recomputed in backward from o, so autograd does not keep the activated output and the
@@ -182,6 +191,26 @@ class GatedSlotAttention(Mixer):
     def _output_norm(self, o: torch.Tensor) -> torch.Tensor:
         """``RMSNorm(silu(o))`` over ``[B, T, value_dim]`` (fla's GSA output path)."""
         return self.g_norm(F.silu(o))
+
+    def _feature_maps(self, q, k, v, B: int, T: int):
+        """``phi(q), phi(k), silu(v)`` in heads ``[B, T, heads, dim]`` (fla's GSA layer)."""
+        phi = FEATURE_MAPS[self.feature_map]
+        return (phi(q.reshape(B, T, self.n_heads, self.head_k_dim)),
+                phi(k.reshape(B, T, self.n_kv_heads, self.head_k_dim)),
+                F.silu(v.reshape(B, T, self.n_kv_heads, self.head_v_dim)))
+
+    def _prologue(self, q, k, v, caches):
+        """The CPU form's prologue (:func:`mixerzoo_fla.ops.chunk_gsa`): one segment's short convolutions
+        (continuing ``caches``) and feature maps, on the projections in heads ``[B, t, heads, dim]``."""
+        B, t = q.shape[:2]
+        if self.use_short_conv:
+            convolved, new = [], []
+            for x, conv, cache in zip((q, k, v), (self.q_conv1d, self.k_conv1d, self.v_conv1d), caches):
+                y, cache = conv(x.reshape(B, t, -1), cache)
+                convolved.append(y)
+                new.append(cache)
+            q, k, v, caches = *convolved, tuple(new)
+        return (*self._feature_maps(q, k, v, B, t), caches)
 
     def _fla_gsa(self, q, k, v, s, g, initial_state):
         """fla's kernels as fla's layer calls them: key/value/slot heads repeated to the query heads,

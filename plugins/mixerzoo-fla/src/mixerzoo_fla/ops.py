@@ -203,8 +203,8 @@ def _delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor) -> tuple[torch.Tensor,
 
 def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
               scale: float | None = None, initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-              chunk_len: int = 32, checkpoint_chunks: int = 0
-              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+              chunk_len: int = 32, checkpoint_chunks: int = 0, prologue: Callable | None = None,
+              prologue_state: tuple = ()) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Gated Slot Attention in chunked two-pass form (GSA paper, section 3: two GLA passes joined by a softmax).
 
     Same definition and calling convention as :func:`mixerzoo_fla.reference.gsa_recurrent` (and fla's
@@ -234,6 +234,8 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
         checkpoint_chunks: when training, run segments of this many chunks under ``torch.utils.checkpoint``
             (:func:`mixerzoo.mixers.segments.run_segments`, as :func:`chunk_gated_delta_rule`): autograd keeps the
             two states entering each segment instead of every chunk's states, scores and decays. 0: one pass.
+        prologue, prologue_state: as :func:`chunk_gated_delta_rule`'s (GSA's short convolutions and feature maps:
+            ``q, k, v`` are then the projections, and autograd keeps only them).
 
     Returns:
         ``o [B, T, HQ, V]`` and ``(Hk, Hv)``, float32.
@@ -252,32 +254,45 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
     while True:
         span = -_to_chunks(g, math.ceil(T / C), C).sum(-2).min().item()      # largest decay inside a chunk
         if span <= GSA_MAX_LOG_SPAN:
-            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, False, checkpoint_chunks)
+            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, False, checkpoint_chunks, prologue,
+                              prologue_state)
         if C <= GSA_MIN_SPLIT_CHUNK:
-            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, True, checkpoint_chunks)
+            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, True, checkpoint_chunks, prologue,
+                              prologue_state)
         C = math.ceil(C / 2)
 
 
-def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact, checkpoint_chunks):
+def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact, checkpoint_chunks, prologue, prologue_state):
     B, T, HQ, K = q.shape
     H, V, M = k.shape[2], v.shape[3], s.shape[3]
     scale = K ** -0.5 if scale is None else scale
-    G = HQ // H
-    N = math.ceil(T / C)
-    # queries carry a group axis: [B, H, N, G, C, K] (chunks on axis 2, where run_segments cuts every input);
-    # everything else is per key/value head: [B, H, N, C, *]
-    q = _to_chunks(q.float() * scale, N, C).unflatten(1, (H, G)).transpose(2, 3)
-    k, v, s, g = (_to_chunks(x.float(), N, C) for x in (k, v, s, g))
-    hk = q.new_zeros(B, H, K, M) if initial_state is None else initial_state[0].float()
-    hv = q.new_zeros(B, H, M, V) if initial_state is None else initial_state[1].float()
-    o, (hk, hv) = run_segments(_gsa_chunks, (q, k, v, s, g), 0, (hk, hv), checkpoint_chunks, extra=(exact,), dim=2)
-    return _from_chunks(o.transpose(2, 3).flatten(1, 2), T), (hk, hv)
+    hk = q.new_zeros(B, H, K, M, dtype=torch.float32) if initial_state is None else initial_state[0].float()
+    hv = q.new_zeros(B, H, M, V, dtype=torch.float32) if initial_state is None else initial_state[1].float()
+    # segments of whole chunks along time: chunk boundaries are those of one pass
+    segment = functools.partial(_gsa_segment, chunk=C, scale=scale, exact=exact, prologue=prologue)
+    o, (hk, hv, *_) = run_segments(segment, (q, k, v, s, g), 0, (hk, hv, *prologue_state), checkpoint_chunks * C,
+                                   dim=1)
+    return o, (hk, hv)
 
 
-def _gsa_chunks(q, k, v, s, g, exact: bool, pos: int, hk: torch.Tensor, hv: torch.Tensor):
+def _gsa_segment(q, k, v, s, g, pos: int, hk: torch.Tensor, hv: torch.Tensor, *prologue_state, chunk: int,
+                 scale: float, exact: bool, prologue: Callable | None) -> tuple:
+    """Tokens ``[B, t, heads, .]`` of :func:`chunk_gsa` from the states ``hk, hv``: the prologue, the query scale
+    and the float32 chunked layout, then :func:`_gsa_chunks`; ``(o [B, t, HQ, V], hk, hv, *prologue state)``."""
+    if prologue is not None:
+        q, k, v, prologue_state = prologue(q, k, v, prologue_state)
+    T, HQ, H = q.shape[1], q.shape[2], k.shape[2]
+    N = math.ceil(T / chunk)
+    # queries carry a group axis: [B, H, N, G, C, K]; everything else is per key/value head: [B, H, N, C, *]
+    q = _to_chunks(q.float() * scale, N, chunk).unflatten(1, (H, HQ // H)).transpose(2, 3)
+    k, v, s, g = (_to_chunks(x.float(), N, chunk) for x in (k, v, s, g))
+    o, hk, hv = _gsa_chunks(q, k, v, s, g, exact, hk, hv)
+    return (_from_chunks(o.transpose(2, 3).flatten(1, 2), T), hk, hv, *prologue_state)
+
+
+def _gsa_chunks(q, k, v, s, g, exact: bool, hk: torch.Tensor, hv: torch.Tensor):
     """The chunks of :func:`chunk_gsa` (``q [B, H, n, G, C, K]``, the rest ``[B, H, n, C, *]``) from the states
-    ``hk, hv``: ``(o [B, H, n, G, C, V], hk, hv)`` after them. ``pos`` (from
-    :func:`~mixerzoo.mixers.segments.run_segments`) is not needed."""
+    ``hk, hv``: ``(o [B, H, n, G, C, V], hk, hv)`` after them."""
     B, H, N, C, M = s.shape
     q = q.transpose(2, 3)  # [B, H, G, n, C, K]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
