@@ -10,6 +10,7 @@ mechanism's options. On CUDA it calls fla's Triton kernels; elsewhere the chunke
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch import nn
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
-from .modules import GatedRMSNorm, ShortConvolution, short_conv_qkv
+from .modules import GatedRMSNorm, ShortConvolution, short_conv_qkv, short_convs_in_heads
 from .ops import check_checkpoint_chunks, chunk_gated_delta_rule, gdn_log_decay
 
 __all__ = ["GatedDeltaNet", "GDNState"]
@@ -168,7 +169,7 @@ class GatedDeltaNet(Mixer):
             conv_in = state.conv if state is not None else (None, None, None)
             convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
             conv = tuple(c.next_cache(t, cache) for c, t, cache in zip(convs, (q, k, v), conv_in))
-            prologue = self._short_convs
+            prologue = functools.partial(short_convs_in_heads, self)
         elif self.use_short_conv:
             q, k, v, conv = short_conv_qkv(self, x, state.conv if state is not None else None, use_fla)
         else:
@@ -194,16 +195,6 @@ class GatedDeltaNet(Mixer):
         else:
             o = self.o_norm(o)
         return self.o_proj(o.reshape(B, T, self.value_dim)), GDNState(recurrent=s, conv=conv)
-
-    def _short_convs(self, q, k, v, caches):
-        """The CPU form's prologue (:func:`mixerzoo_fla.ops.chunk_gated_delta_rule`): the q/k/v short convolutions
-        of one segment ``[B, t, heads, dim]``, continuing ``caches``; returns the convolved q, k, v and the caches."""
-        outs, new = [], []
-        for x, conv, cache in zip((q, k, v), (self.q_conv1d, self.k_conv1d, self.v_conv1d), caches):
-            y, cache = conv(x.reshape(*x.shape[:2], -1), cache)
-            outs.append(y.view(x.shape))
-            new.append(cache)
-        return (*outs, tuple(new))
 
     def _fla_delta_rule(self, q, k, v, a, b, initial_state):
         """fla's kernels with the gate, beta sigmoid and q/k L2 norm fused in, as fla's layer calls them:

@@ -21,7 +21,7 @@ from torch import nn
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
-from .modules import ShortConvolution, short_conv_qkv
+from .modules import ShortConvolution, short_conv_qkv, short_convs_in_heads
 from .ops import check_checkpoint_chunks, chunk_gsa
 
 __all__ = ["GatedSlotAttention", "GSAState"]
@@ -202,15 +202,9 @@ class GatedSlotAttention(Mixer):
     def _prologue(self, q, k, v, caches):
         """The CPU form's prologue (:func:`mixerzoo_fla.ops.chunk_gsa`): one segment's short convolutions
         (continuing ``caches``) and feature maps, on the projections in heads ``[B, t, heads, dim]``."""
-        B, t = q.shape[:2]
         if self.use_short_conv:
-            convolved, new = [], []
-            for x, conv, cache in zip((q, k, v), (self.q_conv1d, self.k_conv1d, self.v_conv1d), caches):
-                y, cache = conv(x.reshape(B, t, -1), cache)
-                convolved.append(y)
-                new.append(cache)
-            q, k, v, caches = *convolved, tuple(new)
-        return (*self._feature_maps(q, k, v, B, t), caches)
+            q, k, v, caches = short_convs_in_heads(self, q, k, v, caches)
+        return (*self._feature_maps(q, k, v, *q.shape[:2]), caches)
 
     def _fla_gsa(self, q, k, v, s, g, initial_state):
         """fla's kernels as fla's layer calls them: key/value/slot heads repeated to the query heads,

@@ -15,7 +15,7 @@ from torch import nn
 
 from . import backend as _backend
 
-__all__ = ["ShortConvolution", "GatedRMSNorm"]
+__all__ = ["ShortConvolution", "GatedRMSNorm", "short_conv_qkv", "short_convs_in_heads"]
 
 
 class ShortConvolution(nn.Conv1d):
@@ -102,6 +102,18 @@ def short_conv_qkv(layer: nn.Module, x: torch.Tensor, conv_state: tuple | None, 
     k, ck = layer.k_conv1d(layer.k_proj(x), ck, use_fla)
     v, cv = layer.v_conv1d(layer.v_proj(x), cv, use_fla)
     return q, k, v, (cq, ck, cv)
+
+
+def short_convs_in_heads(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: tuple):
+    """``layer.{q,k,v}_conv1d`` over ``q, k, v`` given in heads ``[B, t, heads, dim]``, continuing ``caches`` (a
+    cache or None each): the CPU forms' prologue (one recomputed segment at a time, GDN and GSA). Returns the
+    convolved ``q, k, v`` in the same shapes and the new caches."""
+    outs, new = [], []
+    for x, conv, cache in zip((q, k, v), (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d), caches):
+        y, cache = conv(x.reshape(*x.shape[:2], -1), cache)
+        outs.append(y.view(x.shape))
+        new.append(cache)
+    return (*outs, tuple(new))
 
 
 class GatedRMSNorm(nn.Module):
