@@ -3,7 +3,8 @@ recomputing them in backward changes neither outputs, nor gradients, nor the car
 
 import torch
 
-from mixerzoo.mixers.segments import run_segments, segment_sizes
+from mixerzoo.evaluation.cost import LiveTensorBytes
+from mixerzoo.mixers.segments import recomputed_in_backward, run_segments, segment_sizes
 
 
 def test_segments_are_cut_at_multiples_of_the_span_from_any_start():
@@ -54,3 +55,28 @@ def test_segments_are_recomputed_only_when_training():
         run_segments(counted, (x,), 5, (s0,), span=4, extra=(w,))
     run_segments(counted, (x,), 5, (s0,), span=0, extra=(w,))
     assert calls == [11, 11]
+
+
+def test_recomputed_in_backward_keeps_only_the_arguments():
+    """Same value and gradient as calling the function; with gradients autograd keeps the argument only (the
+    function's two intermediates are recomputed in backward), without them nothing is checkpointed."""
+    w = torch.randn(64, requires_grad=True)
+
+    def fn(x):
+        return (x.exp() * w).sin()
+
+    x = torch.randn(256, 64, requires_grad=True)
+    kept = {}
+    for name, call in (("plain", lambda: fn(x)), ("recomputed", lambda: recomputed_in_backward(fn, x, also=(w,)))):
+        with LiveTensorBytes(exclude=[x, w]) as mem:
+            y = call()
+            kept[name] = mem.current - y.untyped_storage().nbytes()
+        g = torch.autograd.grad(y.square().sum(), (x, w))
+        if name == "plain":
+            ref_y, ref_g = y.detach(), g
+    torch.testing.assert_close(y, ref_y, atol=0, rtol=0)
+    for a, b in zip(g, ref_g):
+        torch.testing.assert_close(a, b)
+    assert kept["plain"] >= 2 * x.numel() * 4 and kept["recomputed"] == 0, kept
+    with torch.no_grad():
+        torch.testing.assert_close(recomputed_in_backward(fn, x), ref_y, atol=0, rtol=0)

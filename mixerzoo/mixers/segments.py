@@ -1,4 +1,5 @@
-"""Training in segments recomputed in backward: the one loop chunked recurrent mixers share (OVQ, Trellis).
+"""Training in segments recomputed in backward: the one loop chunked recurrent mixers share (OVQ, Trellis, the
+fla CPU forms), and :func:`recomputed_in_backward` for one cheap piece.
 
 A chunked mixer whose state is carried chunk to chunk keeps, under plain autograd, every chunk's intermediate
 tensors until backward. Cutting the sequence into segments of a few chunks and running each under
@@ -13,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["segment_sizes", "run_segments"]
+__all__ = ["segment_sizes", "run_segments", "recomputed_in_backward"]
 
 
 def segment_sizes(length: int, pos: int, span: int) -> list[int]:
@@ -59,3 +60,14 @@ def run_segments(segment: Callable[..., tuple], seqs: Sequence[torch.Tensor], po
         outs.append(out)
         pos += pieces[0].shape[dim]
     return torch.cat(outs, dim=dim), tuple(carry)
+
+
+def recomputed_in_backward(fn: Callable[..., object], *args, also: Sequence[torch.Tensor] = ()):
+    """``fn(*args)``; when training (gradients enabled and a tensor among ``args`` or ``also`` requires them) under
+    ``torch.utils.checkpoint`` (non-reentrant), so autograd keeps only ``args`` and recomputes ``fn``'s
+    intermediates in backward. For cheap pieces whose intermediates are large (a norm, a gate, a short
+    convolution: issue #17). ``also``: tensors ``fn`` uses without taking them as arguments (its parameters),
+    which decide like ``args`` whether there is anything to keep."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *also)):
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)

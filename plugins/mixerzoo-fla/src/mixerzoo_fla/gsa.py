@@ -14,10 +14,10 @@ import math
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
+from mixerzoo.mixers.segments import recomputed_in_backward
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
@@ -179,13 +179,9 @@ class GatedSlotAttention(Mixer):
             o, (hk, hv) = chunk_gsa(q, k, v, 1 - g.exp(), g, scale=self.scale, initial_state=initial,
                                     chunk_len=self.chunk_len, checkpoint_chunks=self.checkpoint_chunks,
                                     prologue=self._prologue, prologue_state=tuple(conv_in))
-        o = o.to(x.dtype).reshape(B, T, self.value_dim)
-        if torch.is_grad_enabled() and o.requires_grad:
-            # training: recomputed in backward from o, so autograd does not keep the activated output and the
-            # norm's intermediates too (issue #17)
-            o = torch.utils.checkpoint.checkpoint(self._output_norm, o, use_reentrant=False)
-        else:
-            o = self._output_norm(o)
+        # training: recomputed in backward from o, so autograd does not keep the activated output and the norm's
+        # intermediates too (issue #17)
+        o = recomputed_in_backward(self._output_norm, o.to(x.dtype).reshape(B, T, self.value_dim))
         return self.o_proj(o), GSAState(hk=hk, hv=hv, conv=conv)
 
     def _output_norm(self, o: torch.Tensor) -> torch.Tensor:

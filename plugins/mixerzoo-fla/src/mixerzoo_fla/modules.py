@@ -9,8 +9,8 @@
 from __future__ import annotations
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
+from mixerzoo.mixers.segments import recomputed_in_backward
 from torch import nn
 
 from . import backend as _backend
@@ -62,12 +62,9 @@ class ShortConvolution(nn.Conv1d):
                 output_final_state=True, activation=self.activation)
             return y, new_cache
         past = self._past(x, cache)
-        if T > 1 and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            # training: the padded input and the pre-activation output (two more [B, T, D] tensors) are
-            # recomputed in backward instead of kept, a depthwise convolution being cheap (issue #17)
-            y = torch.utils.checkpoint.checkpoint(self._conv, past, x, use_reentrant=False)
-        else:
-            y = self._conv(past, x)
+        # training: the padded input and the pre-activation output (two more [B, T, D] tensors) are recomputed in
+        # backward instead of kept, a depthwise convolution being cheap (issue #17)
+        y = recomputed_in_backward(self._conv, past, x, also=(self.weight,)) if T > 1 else self._conv(past, x)
         return y, self._next_cache(past, x)
 
     def next_cache(self, x: torch.Tensor, cache: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,11 +136,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, gate, self.weight)):
-            # training: recomputed in backward from x and the gate, so autograd keeps those two instead of the
-            # normalised, scaled and activated intermediates (three more [B, T, H, D] tensors; issue #17)
-            return torch.utils.checkpoint.checkpoint(self._norm, x, gate, use_reentrant=False)
-        return self._norm(x, gate)
+        # training: recomputed in backward from x and the gate, so autograd keeps those two instead of the
+        # normalised, scaled and activated intermediates (three more [B, T, H, D] tensors; issue #17)
+        return recomputed_in_backward(self._norm, x, gate, also=(self.weight,))
 
     def _norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         xf, gf = x.float(), gate.float()

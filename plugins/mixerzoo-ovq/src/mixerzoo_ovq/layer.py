@@ -19,11 +19,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection, StreamState
-from mixerzoo.mixers.segments import run_segments
+from mixerzoo.mixers.segments import recomputed_in_backward, run_segments
 from mixerzoo.protocol import Mixer
 from mixerzoo.schedules import build_schedule
 
@@ -182,11 +181,9 @@ class OVQAttention(Mixer):
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unit-norm keys; unit-norm queries times the learned ``beta * sqrt(D)`` (per head)."""
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, self.beta)):
-            # training: recomputed in backward from q and k, so autograd does not also keep the unit queries
-            # (one more [B, H, T, D] tensor per layer, beside the scaled ones the chunk read keeps; issue #17)
-            return torch.utils.checkpoint.checkpoint(self._unit_qk, q, k, use_reentrant=False)
-        return self._unit_qk(q, k)
+        # training: recomputed in backward from q and k, so autograd does not also keep the unit queries (one more
+        # [B, H, T, D] tensor per layer, beside the scaled ones the chunk read keeps; issue #17)
+        return recomputed_in_backward(self._unit_qk, q, k, also=(self.beta,))
 
     def _unit_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = (self.beta * math.sqrt(self.qkv.head_dim)).to(q.dtype)

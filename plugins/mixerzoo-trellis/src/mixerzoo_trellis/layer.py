@@ -13,11 +13,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection
-from mixerzoo.mixers.segments import run_segments
+from mixerzoo.mixers.segments import recomputed_in_backward, run_segments
 from mixerzoo.protocol import Mixer, MixerState
 
 from .ops import FS, PHIS, TrellisMemory, check_choice, trellis_chunked, trellis_step, zero_memory
@@ -201,13 +200,10 @@ class Trellis(Mixer):
         memory = None if state is None else state.memory
         with torch.autocast(x.device.type, enabled=False):  # keep the memory in fp32 under bf16-mixed
             o, memory = self._memory(q, k, v, a, log_beta, gamma, memory, pos)
-        o, g = o.transpose(1, 2).reshape(B, T, H * D).to(dtype), self.g_proj(x)
-        if torch.is_grad_enabled() and (o.requires_grad or g.requires_grad):
-            # training: recomputed in backward from o and the gate, so autograd keeps those two instead of the
-            # norm's intermediates and the activated gate too (issue #17)
-            o = torch.utils.checkpoint.checkpoint(self._gated_output, o, g, use_reentrant=False)
-        else:
-            o = self._gated_output(o, g)
+        # training: recomputed in backward from o and the gate, so autograd keeps those two instead of the norm's
+        # intermediates and the activated gate too (issue #17)
+        o = recomputed_in_backward(self._gated_output, o.transpose(1, 2).reshape(B, T, H * D).to(dtype),
+                                   self.g_proj(x))
         return self.o_proj(o), TrellisState(*memory, conv=conv_cache, pos=pos + T)
 
     def _gated_output(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
