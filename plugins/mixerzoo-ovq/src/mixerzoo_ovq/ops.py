@@ -121,13 +121,14 @@ class _LeanChunkAttention(torch.autograd.Function):
             grad_out, q, kch, vch, out, lse, 0.0, cmask is None, attn_mask=cmask, scale=1.0)
         if G > 1:
             gkc, gvc = (g.reshape(B, Hkv, G, Lk, D).sum(dim=2) for g in (gkc, gvc))
-        gdk, gdv = torch.zeros_like(dk), torch.zeros_like(dv)
         if n:
             prior = log_counts.to(q.dtype)[:, :, None, :].expand(B, Hkv, G * Lq, n)
             gq_d, gdk, gdv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out.view(B, Hkv, G * Lq, D), q.reshape(B, Hkv, G * Lq, D), dk, dv,
                 out.reshape(B, Hkv, G * Lq, D), lse.reshape(B, Hkv, G * Lq), 0.0, False, attn_mask=prior, scale=1.0)
             gq = gq + gq_d.reshape(B, H, Lq, D)
+        else:  # an empty dictionary (the first chunk): empty gradients
+            gdk, gdv = torch.zeros_like(dk), torch.zeros_like(dv)
         return gq, gdk, gdv, None, gkc, gvc
 
 
