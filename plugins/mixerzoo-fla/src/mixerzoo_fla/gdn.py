@@ -21,7 +21,7 @@ from torch import nn
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
-from .modules import GatedRMSNorm, ShortConvolution, short_conv_qkv, short_convs_in_heads
+from .modules import GatedRMSNorm, ShortConvolution, short_conv_caches, short_conv_qkv, short_convs_in_heads
 from .ops import check_checkpoint_chunks, chunk_gated_delta_rule, gdn_log_decay
 
 __all__ = ["GatedDeltaNet", "GDNState"]
@@ -167,8 +167,7 @@ class GatedDeltaNet(Mixer):
             # so autograd keeps the projections only, not the convolutions' outputs too (issue #17)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             conv_in = state.conv if state is not None else (None, None, None)
-            convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-            conv = tuple(c.next_cache(t, cache) for c, t, cache in zip(convs, (q, k, v), conv_in))
+            conv = short_conv_caches(self, q, k, v, conv_in)
             prologue = functools.partial(short_convs_in_heads, self)
         elif self.use_short_conv:
             q, k, v, conv = short_conv_qkv(self, x, state.conv if state is not None else None, use_fla)

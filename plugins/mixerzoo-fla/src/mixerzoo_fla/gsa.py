@@ -21,7 +21,7 @@ from mixerzoo.mixers.segments import recomputed_in_backward
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
-from .modules import ShortConvolution, short_conv_qkv, short_convs_in_heads
+from .modules import ShortConvolution, short_conv_caches, short_conv_qkv, short_convs_in_heads
 from .ops import check_checkpoint_chunks, chunk_gsa
 
 __all__ = ["GatedSlotAttention", "GSAState"]
@@ -162,8 +162,7 @@ class GatedSlotAttention(Mixer):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             conv = None
             if self.use_short_conv:
-                convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-                conv = tuple(c.next_cache(t, cache) for c, t, cache in zip(convs, (q, k, v), conv_in))
+                conv = short_conv_caches(self, q, k, v, conv_in)
             q = q.view(B, T, self.n_heads, self.head_k_dim)
             k = k.view(B, T, self.n_kv_heads, self.head_k_dim)
             v = v.view(B, T, self.n_kv_heads, self.head_v_dim)

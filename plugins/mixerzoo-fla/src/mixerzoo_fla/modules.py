@@ -15,7 +15,7 @@ from torch import nn
 
 from . import backend as _backend
 
-__all__ = ["ShortConvolution", "GatedRMSNorm", "short_conv_qkv", "short_convs_in_heads"]
+__all__ = ["ShortConvolution", "GatedRMSNorm", "short_conv_qkv", "short_convs_in_heads", "short_conv_caches"]
 
 
 class ShortConvolution(nn.Conv1d):
@@ -111,6 +111,14 @@ def short_convs_in_heads(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: 
         outs.append(y.view(x.shape))
         new.append(cache)
     return (*outs, tuple(new))
+
+
+def short_conv_caches(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: tuple) -> tuple:
+    """The caches ``layer.{q,k,v}_conv1d`` hold after ``q, k, v [B, T, D]`` (the projections), continuing
+    ``caches`` (a cache or None each), without convolving: the state when the convolutions themselves run inside
+    the CPU forms' segments (:func:`short_convs_in_heads`)."""
+    convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
+    return tuple(conv.next_cache(x, cache) for conv, x, cache in zip(convs, (q, k, v), caches))
 
 
 class GatedRMSNorm(nn.Module):

@@ -36,18 +36,20 @@ def shared_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask[None]
 
 
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) as the additive float mask the kernels take (0 or -inf)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`shared_mask` as the additive float mask the kernels take (0 or -inf)."""
-    mask = shared_mask(mask)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return _additive(shared_mask(mask), dtype)
 
 
 def _chunk_mask(mask: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
     """Chunk ``c``'s additive mask ``(1, 1, Lq, S)`` from a boolean or additive ``(1, n | 1, Lq, S)`` mask."""
     m = mask[:, c:c + 1] if mask.shape[1] > 1 else mask
-    if m.dtype == torch.bool:
-        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
-    return m
+    return _additive(m, dtype) if m.dtype == torch.bool else m
 
 
 def _windows(grid: torch.Tensor, L: int, C: int) -> torch.Tensor:
