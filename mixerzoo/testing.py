@@ -29,7 +29,8 @@ from torch import nn
 from .protocol import state_nbytes, state_tensors
 
 __all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
-           "check_state", "check_cuda_bf16", "check_autocast_bf16", "run_conformance", "decode_stepwise",
+           "check_state", "check_cuda_bf16", "check_autocast_bf16", "check_recomputation", "run_conformance",
+           "decode_stepwise",
            "FP32_ATOL", "FP32_RTOL", "AUTOCAST_BF16_ATOL", "AUTOCAST_BF16_RTOL"]
 
 FP32_ATOL = 1e-4
@@ -174,6 +175,33 @@ def check_gradients(mixer: nn.Module, d_model: int, seq_len: int = 48, batch: in
             raise ConformanceError(f"gradients: parameter {name!r} got an all-zero gradient")
     if x.grad is None or x.grad.abs().max() == 0:
         raise ConformanceError("gradients: the input got no gradient")
+
+
+def check_recomputation(lean: nn.Module, keep: nn.Module, x: torch.Tensor, split: int, atol: float = 1e-5,
+                        rtol: float = 1e-5) -> None:
+    """A mixer that recomputes in backward (``lean``, e.g. ``checkpoint_chunks > 0``) against the same weights
+    keeping every tensor (``keep``): ``x[:, :split]`` then the rest with the returned state, a weighted squared
+    loss, and the outputs, every state tensor, the input's and every parameter's gradients must agree within
+    ``torch.testing.assert_close(atol, rtol)``. ``x`` ``(B, T, d_model)`` needs no gradient of its own."""
+    results = []
+    for mixer in (lean, keep):
+        mixer.zero_grad(set_to_none=True)
+        xg = x.detach().clone().requires_grad_(True)
+        y0, state = _call(mixer, xg[:, :split])
+        y1, state = _call(mixer, xg[:, split:], state)
+        y = torch.cat([y0, y1], dim=1)
+        (y * torch.linspace(-1, 1, y.shape[-1], device=y.device)).square().sum().backward()
+        results.append([("output", y), *(("state tensor", t) for t in state_tensors(state)),
+                        ("input gradient", xg.grad),
+                        *((f"gradient of {n}", p.grad) for n, p in mixer.named_parameters())])
+    if len(results[0]) != len(results[1]):
+        raise ConformanceError("recomputation: the two mixers return states or parameters of different layouts")
+    for (what, a), (_, b) in zip(*results):
+        try:
+            torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+        except AssertionError as err:
+            raise ConformanceError(f"recomputation: the {what} differs from keeping every tensor; is the recomputed "
+                                   f"piece given exactly the inputs of the first forward?\n{err}") from None
 
 
 @torch.no_grad()

@@ -1,10 +1,12 @@
 """The shared segment loop of chunked mixers (mixerzoo.mixers.segments): where segments are cut, and that
 recomputing them in backward changes neither outputs, nor gradients, nor the carried state."""
 
+import pytest
 import torch
 
 from mixerzoo.evaluation.cost import LiveTensorBytes
 from mixerzoo.mixers.segments import recomputed_in_backward, run_segments, segment_sizes
+from mixerzoo.testing import ConformanceError, check_recomputation
 
 
 def test_segments_are_cut_at_multiples_of_the_span_from_any_start():
@@ -80,3 +82,29 @@ def test_recomputed_in_backward_keeps_only_the_arguments():
     assert kept["plain"] >= 2 * x.numel() * 4 and kept["recomputed"] == 0, kept
     with torch.no_grad():
         torch.testing.assert_close(recomputed_in_backward(fn, x), ref_y, atol=0, rtol=0)
+
+
+def test_check_recomputation_passes_an_exact_recomputation_and_names_what_differs():
+    """The conformance kit's check_recomputation: a mixer run in recomputed segments against itself run in one
+    piece passes; one whose recomputation sees a different input (a per-call counter) fails, naming the output."""
+    class RunningSum(torch.nn.Module):
+        """y = cumulative sum of (w * x) over time, carried in the state; ``span`` > 0 recomputes in segments."""
+
+        def __init__(self, span: int, drift: bool = False):
+            super().__init__()
+            self.w, self.span, self.drift, self.calls = torch.nn.Parameter(torch.ones(4)), span, drift, 0
+
+        def _segment(self, x, pos, s):
+            self.calls += 1
+            y = torch.cumsum(x * self.w * (1 + 0.1 * self.calls * self.drift), dim=1) + s[:, None]
+            return y, y[:, -1]
+
+        def forward(self, x, state=None):
+            s = x.new_zeros(x.shape[0], x.shape[2]) if state is None else state
+            y, (s,) = run_segments(self._segment, (x,), 0, (s,), self.span, dim=1)
+            return y, s
+
+    x = torch.randn(2, 12, 4, generator=torch.Generator().manual_seed(0))
+    check_recomputation(RunningSum(span=3), RunningSum(span=0), x, 5)
+    with pytest.raises(ConformanceError, match="recomputation: the output differs"):
+        check_recomputation(RunningSum(span=3, drift=True), RunningSum(span=0), x, 5)

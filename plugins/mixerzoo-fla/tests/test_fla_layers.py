@@ -9,7 +9,8 @@ import torch
 from mixerzoo import registry
 from mixerzoo.model import LanguageModel
 from mixerzoo.model.config import ConfigError
-from mixerzoo.testing import run_conformance
+from mixerzoo.protocol import state_tensors
+from mixerzoo.testing import check_recomputation, run_conformance
 from mixerzoo_fla import GatedDeltaNet, GatedSlotAttention, GDNState, GSAState
 
 D = 32
@@ -122,16 +123,6 @@ def test_deltanet_is_gdn_with_the_decay_pinned_at_one():
         assert not torch.allclose(delta(x)[0], GatedDeltaNet(D, n_heads=2, chunk_len=8)(x)[0], atol=1e-3)
 
 
-def _state_tensors(state) -> list[torch.Tensor]:
-    """Every tensor of a GDN/GSA state (the conv caches included), in a fixed order."""
-    out = []
-    for value in vars(state).values():
-        for t in value if isinstance(value, tuple) else (value,):
-            if isinstance(t, torch.Tensor):
-                out.append(t)
-    return out
-
-
 @pytest.mark.parametrize("cls,options,bound", [
     (GatedDeltaNet, dict(conv_bias=False), 14.5), (GatedDeltaNet, dict(conv_bias=True), 14.5),
     (GatedSlotAttention, dict(use_short_conv=True), 33.0), (GatedSlotAttention, dict(use_short_conv=False), 31.5),
@@ -147,17 +138,7 @@ def test_prologue_inside_recomputed_segments(cls, options, bound):
     seg = cls(D, n_heads=2, chunk_len=8, checkpoint_chunks=1, **options)
     one = cls(D, n_heads=2, chunk_len=8, checkpoint_chunks=0, **options)
     one.load_state_dict(seg.state_dict())
-    x = torch.randn(2, 77, D, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    results = []
-    for layer in (seg, one):
-        y0, st = layer(x[:, :29])
-        y1, st = layer(x[:, 29:], st)
-        y = torch.cat([y0, y1], dim=1)
-        (y * torch.linspace(-1, 1, D)).square().sum().backward()
-        results.append([y, *_state_tensors(st), x.grad.clone()] + [p.grad for p in layer.parameters()])
-        x.grad = None
-    for a, b in zip(*results, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    check_recomputation(seg, one, torch.randn(2, 77, D, generator=torch.Generator().manual_seed(1)), 29)
     # what the forward leaves alive for backward, in (T, d_model) float32 tensors. Before the prologue: GDN 16.3,
     # GSA 36.0 with convolutions and 33.0 without; now 12.8, 30.4 and 30.0
     layer = cls(D, n_heads=2, chunk_len=8, checkpoint_chunks=4, **options)
@@ -165,5 +146,5 @@ def test_prologue_inside_recomputed_segments(cls, options, bound):
     layer(x[:, :64])[0].sum().backward()  # lazy initialisation outside the count
     with LiveTensorBytes(exclude=[*layer.parameters(), x]) as mem:
         y, st = layer(x)
-        kept = mem.current - sum(t.untyped_storage().nbytes() for t in _state_tensors(st))
+        kept = mem.current - sum(t.untyped_storage().nbytes() for t in state_tensors(st))
     assert kept < bound * 512 * D * 4, kept / (512 * D * 4)

@@ -11,7 +11,7 @@ import torch
 from mixerzoo import registry
 from mixerzoo.model import LanguageModel, LMConfig
 from mixerzoo.model.config import ConfigError
-from mixerzoo.testing import decode_stepwise, run_conformance
+from mixerzoo.testing import check_recomputation, decode_stepwise, run_conformance
 from mixerzoo_trellis import Trellis, TrellisState
 
 D_MODEL = 32
@@ -149,14 +149,4 @@ def test_recomputed_segments_equal_keeping_everything(options):
     lean = layer(**options)
     keep = layer(**{**options, "checkpoint_chunks": 0})
     keep.load_state_dict(lean.state_dict())
-    x = x_input(47, seed=3).requires_grad_(True)
-    results = []
-    for m in (lean, keep):
-        y0, st = m(x[:, :6])
-        y1, st = m(x[:, 6:], st)
-        y = torch.cat([y0, y1], dim=1)
-        (y * torch.linspace(-1, 1, D_MODEL)).square().sum().backward()
-        results.append([y, st.mk, st.mv_grad, x.grad.clone()] + [p.grad for p in m.parameters()])
-        x.grad = None
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    check_recomputation(lean, keep, x_input(47, seed=3), 6)
