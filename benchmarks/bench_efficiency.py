@@ -203,8 +203,9 @@ def profile(name: str, T: int, task: dict, rows: int = 25) -> None:
 
 
 def memory_profile(name: str, T: int, task: dict, rows: int = 20) -> None:
-    """Print the peak of the live tensor storages created by one training step (after a warm-up step) and what
-    was alive then, grouped by (operator, shape): the storages a memory optimisation has to remove."""
+    """Print the live tensor storages created by one training step (after a warm-up step) at its peak and at the
+    end of its forward pass ("kept"), grouped by (operator, shape): the storages a memory optimisation has to
+    remove."""
     import collections
 
     import torch
@@ -240,17 +241,22 @@ def memory_profile(name: str, T: int, task: dict, rows: int = 20) -> None:
     step(layer, x[:, :1024], task)
     layer.zero_grad(set_to_none=True)
     with AtPeak(exclude=[*layer.parameters(), x]) as mem:
-        step(layer, x, task)
-    total, count = collections.Counter(), collections.Counter()
-    for nbytes, origin in mem.alive_at_peak.values():
-        total[origin] += nbytes
-        count[origin] += 1
-    print(f"# live tensors at the peak of one training step: {name}, T = {T}, {describe(task)}: "
-          f"{mem.peak / 2**20:.1f} MiB")
-    print("\n| MiB | storages | made by | shape |\n|---|---|---|---|")
-    for origin, nbytes in total.most_common(rows):
-        op, shape = origin or ("?", ())
-        print(f"| {nbytes / 2**20:.1f} | {count[origin]} | {op} | {tuple(shape)} |")
+        with autocast(*on(task)):
+            y, _ = layer(x)
+        kept = {p: (entry[0], mem.made_by.get(p)) for p, entry in mem._live.items()}  # alive when forward ends
+        y.float().square().mean().backward()
+    for what, alive in (("at the peak of one training step", mem.alive_at_peak),
+                        ("kept at the end of the forward pass (for backward, and the output)", kept)):
+        total, count = collections.Counter(), collections.Counter()
+        for nbytes, origin in alive.values():
+            total[origin] += nbytes
+            count[origin] += 1
+        print(f"# live tensors {what}: {name}, T = {T}, {describe(task)}: {sum(total.values()) / 2**20:.1f} MiB")
+        print("\n| MiB | storages | made by | shape |\n|---|---|---|---|")
+        for origin, nbytes in total.most_common(rows):
+            op, shape = origin or ("?", ())
+            print(f"| {nbytes / 2**20:.1f} | {count[origin]} | {op} | {tuple(shape)} |")
+        print()
 
 
 def describe(task: dict) -> str:

@@ -20,17 +20,19 @@ bf16 CUDA check (weights cast to bf16, run only when CUDA is available) uses ``a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .protocol import state_nbytes, state_tensors
 
 __all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
            "check_state", "check_cuda_bf16", "check_autocast_bf16", "check_recomputation", "run_conformance",
-           "decode_stepwise",
+           "decode_stepwise", "OperatorCalls",
            "FP32_ATOL", "FP32_RTOL", "AUTOCAST_BF16_ATOL", "AUTOCAST_BF16_RTOL"]
 
 FP32_ATOL = 1e-4
@@ -203,6 +205,28 @@ def check_recomputation(lean: nn.Module, keep: nn.Module, x: torch.Tensor, split
             raise ConformanceError(f"recomputation: the {what} differs from keeping every tensor; is the recomputed "
                                    f"piece given exactly the inputs of the first forward?\n{err}") from None
 
+
+
+class OperatorCalls(TorchDispatchMode):
+    """Counts the ATen operators run inside it, to test *what work* a fast path does (a recomputation that must
+    not run an attention again, a kernel that must be called once per chunk) without timing anything::
+
+        with OperatorCalls() as calls:
+            layer(x)[0].sum().backward()
+        assert calls[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default] == n_chunks
+
+    Indexing with an operator overload gives its count (0 if it never ran)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __getitem__(self, op) -> int:
+        return self.counts[op]
 
 @torch.no_grad()
 def check_state(mixer: nn.Module, d_model: int, lengths: Iterable[int] = (8, 32), batch: int = 1,

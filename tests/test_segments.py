@@ -38,6 +38,31 @@ def test_recomputed_segments_equal_one_pass():
                                torch.autograd.grad((want * g).sum() + last.sum(), (x, w, s0)))
 
 
+def test_memo_reaches_the_first_run_and_its_recomputation():
+    """``memo=True``: each recomputed segment gets a dict of its own, the same object in forward and in its
+    recomputation (what the first run records, the second finds); None when nothing will be recomputed."""
+    seen = []
+
+    def recording(x, w, memo, pos, state):
+        seen.append((pos, id(memo) if memo is not None else None, dict(memo) if memo is not None else None))
+        if memo is not None:
+            memo.setdefault("first_run_at", pos)
+        return decayed_sum(x, w, pos, state)
+
+    x, w, s0 = torch.randn(1, 2, 11, requires_grad=True), torch.tensor(1.5), torch.zeros(1, 2)
+    out, _ = run_segments(recording, (x,), 5, (s0,), span=4, extra=(w,), memo=True)
+    assert [m for _, _, m in seen] == [{}, {}, {}]                  # a fresh dict per segment
+    assert len({i for _, i, _ in seen}) == 3
+    first = {pos: i for pos, i, _ in seen}
+    seen.clear()
+    out.sum().backward()
+    assert [(pos, i == first[pos], m) for pos, i, m in seen] == [(pos, True, {"first_run_at": pos})
+                                                                 for pos in (12, 8, 5)]
+    seen.clear()
+    with torch.no_grad():
+        run_segments(recording, (x,), 5, (s0,), span=4, extra=(w,), memo=True)
+    assert seen == [(5, None, None)]
+
 def test_segments_are_recomputed_only_when_training():
     """With gradients, each segment runs under checkpoint (its forward runs again in backward); without
     gradients or with span 0, one piece runs once."""

@@ -30,8 +30,8 @@ def segment_sizes(length: int, pos: int, span: int) -> list[int]:
 
 
 def run_segments(segment: Callable[..., tuple], seqs: Sequence[torch.Tensor], pos: int, carry: Sequence,
-                 span: int, extra: Sequence = (), dim: int = 2) -> tuple[torch.Tensor, tuple]:
-    """Run ``segment(*pieces, *extra, pos, *carry) -> (out, *carry)`` over ``seqs``: in one piece, or, when
+                 span: int, extra: Sequence = (), dim: int = 2, memo: bool = False) -> tuple[torch.Tensor, tuple]:
+    """Run ``segment(*pieces, *extra, [memo,] pos, *carry) -> (out, *carry)`` over ``seqs``: in one piece, or, when
     training (gradients enabled and an input requires them) with ``span > 0``, in segments cut at the
     multiples of ``span`` (:func:`segment_sizes`), each under ``torch.utils.checkpoint`` (non-reentrant) so that
     backward recomputes it from the state entering it.
@@ -43,6 +43,10 @@ def run_segments(segment: Callable[..., tuple], seqs: Sequence[torch.Tensor], po
         pos: absolute position of the first token; each segment gets its own.
         carry: the state entering the first piece (tensors); ``extra``: arguments every piece takes.
         span: tokens per recomputed segment (``chunk_len * checkpoint_chunks``); 0: never recompute.
+        memo: pass each segment one more argument after ``extra``: a dict of its own that its first run may fill
+            with what the recomputation in backward can take instead of computing again (the same dict reaches
+            both runs: discrete choices, an attention read's output and log-sum-exp), or None when the segment
+            will not be recomputed (so nothing is kept for nothing).
 
     Returns:
         The pieces' outputs concatenated along ``dim`` and the state after the last one.
@@ -52,11 +56,11 @@ def run_segments(segment: Callable[..., tuple], seqs: Sequence[torch.Tensor], po
     outs = []
     carry = tuple(carry)
     for pieces in zip(*(t.split(sizes, dim=dim) for t in seqs)):
+        args = (*pieces, *extra, *(({} if recompute else None,) if memo else ()), pos, *carry)
         if recompute:
-            out, *carry = torch.utils.checkpoint.checkpoint(segment, *pieces, *extra, pos, *carry,
-                                                            use_reentrant=False)
+            out, *carry = torch.utils.checkpoint.checkpoint(segment, *args, use_reentrant=False)
         else:
-            out, *carry = segment(*pieces, *extra, pos, *carry)
+            out, *carry = segment(*args)
         outs.append(out)
         pos += pieces[0].shape[dim]
     return torch.cat(outs, dim=dim), tuple(carry)

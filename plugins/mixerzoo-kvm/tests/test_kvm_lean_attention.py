@@ -4,7 +4,7 @@ training step of the packed path keeps no concatenated key lists for the backwar
 import pytest
 import torch
 
-from mixerzoo.testing import check_recomputation
+from mixerzoo.testing import OperatorCalls, check_recomputation
 from mixerzoo_kvm import KVMAttention, lean_attention
 from mixerzoo_kvm.lean_attention import (additive_mask, memory_window_attention,
                                          memory_window_attention_reference)
@@ -143,24 +143,13 @@ def test_recomputation_does_not_run_the_read_again():
     """With checkpoint_chunks, backward recomputes each group's snapshots but takes the read's output and
     log-sum-exp from the first forward: one flash-attention forward per query chunk in a whole training step,
     not two (``reuse`` of :func:`memory_window_attention`)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     layer = KVMAttention(32, n_heads=2, chunk_len=16, n_bswa_chunks=2, schedule={"name": "fixed", "size": 16},
                          checkpoint_chunks=2)
     x = torch.randn(1, 160, 32, requires_grad=True)
-    with Count() as count:
+    with OperatorCalls() as calls:
         layer(x)[0].square().mean().backward()
-    assert count.n == 160 // 16
+    assert calls[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default] == 160 // 16
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 

@@ -6,7 +6,7 @@ import torch
 from mixerzoo import registry
 from mixerzoo.model import LanguageModel
 from mixerzoo.schedules import SaturatingSchedule
-from mixerzoo.testing import decode_stepwise, run_conformance
+from mixerzoo.testing import OperatorCalls, decode_stepwise, run_conformance
 from mixerzoo_ovq import OVQAttention, ovq_attention_reference
 
 D_MODEL = 32
@@ -96,6 +96,22 @@ def test_recomputed_segments_equal_keeping_everything(checkpoint_chunks):
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
+
+
+def test_recomputation_does_not_run_the_read_again():
+    """With checkpoint_chunks, backward recomputes each segment's dictionaries but takes every chunk's read (output
+    and log-sum-exp) from the first forward: one flash forward per chunk and per part of the read (the chunk's own
+    keys; the dictionary, from the second chunk on) in a whole training step, not two; and without recomputation
+    nothing is kept for it."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    chunks = 6
+    for checkpoint_chunks in (2, 0):
+        layer = make("default", checkpoint_chunks=checkpoint_chunks)
+        x = torch.randn(1, 8 * chunks, D_MODEL, requires_grad=True)
+        with OperatorCalls() as calls:
+            layer(x)[0].square().mean().backward()
+        assert calls[flash] == 2 * chunks - 1, checkpoint_chunks
+        assert torch.isfinite(x.grad).all()
 
 def test_dictionary_grows_by_schedule_and_plateaus():
     m = OVQAttention(D_MODEL, n_heads=2, chunk_len=4, max_size=6)

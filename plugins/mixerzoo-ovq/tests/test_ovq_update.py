@@ -124,6 +124,31 @@ def test_update_fast_equals_reference(n, lr, renorm, random):
             torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("n,lr,renorm", [(0, None, False), (5, None, False), (5, 0.25, False), (5, None, True),
+                                         (0, 0.25, True)])
+def test_update_gradients_equal_reference(n, lr, renorm):
+    """The fast update's written-out backward (``_MergeChunk``) gives the gradients autograd finds through the
+    plain one-key-at-a-time reference, for the old dictionaries and the chunk's keys and values."""
+    g = torch.Generator().manual_seed(n + 3)
+    B, H, L, D = 2, 3, 8, 6
+    dk = torch.nn.functional.normalize(torch.randn(B, H, n, D, generator=g), dim=-1)
+    dv = torch.randn(B, H, n, D, generator=g)
+    counts = torch.randint(1, 5, (B, H, n), generator=g).float()
+    kc = torch.nn.functional.normalize(torch.randn(B, H, L, D, generator=g), dim=-1)
+    vc = torch.randn(B, H, L, D, generator=g)
+    for n_new in (1, 3):
+        w_k, w_v = torch.randn(B, H, n + n_new, D, generator=g), torch.randn(B, H, n + n_new, D, generator=g)
+        grads = []
+        for fn in (update_dictionary, update_dictionary_reference):
+            inputs = [t.clone().requires_grad_() for t in (dk, dv, kc, vc)]
+            out_k, out_v, _ = fn(inputs[0], inputs[1], counts, inputs[2], inputs[3], n_new, None, lr, renorm)
+            ((out_k * w_k).sum() + (out_v * w_v).square().sum()).backward()
+            grads.append([t.grad for t in inputs][2 if n == 0 else 0:])  # an empty dictionary has no gradient
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b)
+        assert all(t.abs().sum() > 0 for t in grads[0])
+
+
 @pytest.mark.parametrize("n", [0, 5])
 def test_update_reuses_recorded_decisions(n):
     """The discrete choices recorded in ``decisions`` on the first call are what a second call uses (a segment's

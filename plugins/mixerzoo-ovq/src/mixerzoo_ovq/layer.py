@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection, StreamState
-from mixerzoo.mixers.segments import recomputed_in_backward, run_segments
+from mixerzoo.mixers.segments import run_segments
 from mixerzoo.protocol import Mixer
 from mixerzoo.schedules import build_schedule
 
@@ -85,7 +85,8 @@ class OVQAttention(Mixer):
         checkpoint_chunks: training memory: the forward pass is recomputed in backward in segments of this many
             chunks, so autograd keeps one dictionary per segment rather than one ``[dictionary ; chunk]`` key list,
             value list and bias per chunk (the paper's "memory independent of N" training, sec. 3.4, by
-            recomputation). 0 keeps everything (faster when memory is plentiful). Results are identical.
+            recomputation; the recomputation reuses the first run's reads and choices). 0 keeps everything.
+            Results are identical.
         use_reference: compute with the readable reference ops (slow; for tests).
 
     State: :class:`OVQState`; grows with the schedule and plateaus at ``max_size`` rows (+ < L buffered tokens).
@@ -103,7 +104,7 @@ class OVQAttention(Mixer):
                  chunk_len: int = 128, max_size: int = 2048, schedule: Any = "saturating",
                  new_centroids: str = "spread", centroid_lr: float | None = None, renormalize: bool = False,
                  beta_init: float = 1.0, positional: Any = "nope", token_shift: bool = False,
-                 value_residual: bool = False, bias: bool = False, seed: int = 0, checkpoint_chunks: int = 8,
+                 value_residual: bool = False, bias: bool = False, seed: int = 0, checkpoint_chunks: int = 16,
                  use_reference: bool = False, layer_idx: int = 0) -> None:
         super().__init__()
         if not isinstance(chunk_len, int) or chunk_len < 1:
@@ -180,12 +181,8 @@ class OVQAttention(Mixer):
         return q, k, v, shift
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit-norm keys; unit-norm queries times the learned ``beta * sqrt(D)`` (per head)."""
-        # training: recomputed in backward from q and k, so autograd does not also keep the unit queries (one more
-        # [B, H, T, D] tensor per layer, beside the scaled ones the chunk read keeps; issue #17)
-        return recomputed_in_backward(self._unit_qk, q, k, also=(self.beta,))
-
-    def _unit_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit-norm keys; unit-norm queries times the learned ``beta * sqrt(D)`` (per head). ``q (B, H, T, D)``,
+        ``k (B, H_kv, T, D)``, per token, so a segment may normalise its own piece (:meth:`_segment`)."""
         scale = (self.beta * math.sqrt(self.qkv.head_dim)).to(q.dtype)
         return F.normalize(q, dim=-1) * scale[None, :, None, None], F.normalize(k, dim=-1)
 
@@ -207,14 +204,13 @@ class OVQAttention(Mixer):
             raise ValueError(f"{self.mixer_name} state holds {st.buf_k.shape[2]} buffered tokens at position {p0}, "
                              f"expected {p0 % L}: was chunk_len changed mid-sequence?")
         q, k, v, _, shift = self.qkv.stream(x, st, shared)
-        q, k = self.normalize_qk(q, k)
         carry = self._carry(st, k.dtype)
         # training: segments of checkpoint_chunks chunks recomputed in backward, so autograd keeps one dictionary
         # per segment instead of one [dictionary ; chunk] key list, value list and bias per chunk (issue #17,
         # paper sec. 3.4)
-        # decisions: each chunk's discrete dictionary choices, made in forward and reused when backward
-        # recomputes the segment (ops.update_dictionary)
-        o, carry = run_segments(self._segment, (q, k, v), p0, carry, span=L * self.checkpoint_chunks, extra=({},))
+        # memo: what backward's recomputation of a segment takes from its first run instead of computing again:
+        # each chunk's discrete dictionary choices (ops.update_dictionary) and read (ops.chunk_attention)
+        o, carry = run_segments(self._segment, (q, k, v), p0, carry, span=L * self.checkpoint_chunks, memo=True)
         y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         return y, self._state(carry, p0 + T, shift)
 
@@ -230,10 +226,10 @@ class OVQAttention(Mixer):
         return OVQState(dk=dk, dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, next_pos=next_pos, shift=shift)
 
     def _merge(self, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
-               vc: torch.Tensor, decisions: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               vc: torch.Tensor, decisions: dict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Merge the complete chunk ``chunk_idx`` (keys/values ``(B, H_kv, L, D)``, float32) into the dictionary
-        (eq. 17-19); returns ``dk, dv, counts``. ``decisions``: the discrete choices per chunk index, kept by the
-        fast path for the segment's recomputation."""
+        (eq. 17-19); returns ``dk, dv, counts``. ``decisions``: where the fast path keeps this chunk's discrete
+        choices for the segment's recomputation (None: not recomputed)."""
         B, L = kc.shape[0], self.chunk_len
         n_new = ops.new_centroid_count(self.schedule, chunk_idx, L, dk.shape[2])
         scores = (ops.random_scores(chunk_idx, B, kc.shape[1], L, self.seed, self.layer_idx, kc.device)
@@ -242,14 +238,19 @@ class OVQAttention(Mixer):
             return reference.update_dictionary_reference(dk, dv, counts, kc, vc, n_new, scores, self.centroid_lr,
                                                          self.renormalize)
         return ops.update_dictionary(dk, dv, counts, kc, vc, n_new, scores, self.centroid_lr, self.renormalize,
-                                     decisions.setdefault(chunk_idx, {}))
+                                     decisions)
 
-    def _segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decisions: dict, pos: int,
+    def _segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, memo: dict | None, pos: int,
                  dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor
                  ) -> tuple:
         """Tokens at absolute positions ``pos .. pos + T`` (``q, k, v (B, H, T, D)``), chunk by chunk: each piece
-        attends over ``[D_k ; K_c]`` (eq. 15), each completed chunk is merged into the dictionary (eq. 17-19;
-        ``decisions`` see :meth:`_merge`). Returns ``(o (B, H, T, D), dk, dv, counts, buf_k, buf_v)``."""
+        attends over ``[D_k ; K_c]`` (eq. 15), each completed chunk is merged into the dictionary (eq. 17-19).
+        ``memo``: a dict the segment's first run fills and its recomputation in backward reads (each piece's read
+        and choices), or None. ``q, k`` are the projections before :meth:`normalize_qk`, which runs here: in
+        training it is recomputed with the segment, so autograd keeps the projections only, not also their
+        normalised copies (two ``(B, H, T, D)`` tensors a layer; issue #17). Returns ``(o (B, H, T, D), dk, dv,
+        counts, buf_k, buf_v)``."""
+        q, k = self.normalize_qk(q, k)
         L = self.chunk_len
         attend = reference.chunk_attention_reference if self.use_reference else ops.chunk_attention
         T = q.shape[2]
@@ -261,11 +262,15 @@ class OVQAttention(Mixer):
             # a chunk that starts here is a view of k and v: a copy would be kept for backward, one per chunk
             kc = kn if buf_k.shape[2] == 0 else torch.cat([buf_k, kn], dim=2)
             vc = vn if buf_v.shape[2] == 0 else torch.cat([buf_v, vn], dim=2)
-            outs.append(attend(qc, dk.to(q.dtype), dv.to(q.dtype), counts.log(), kc, vc))
+            read, decisions = (None, None) if memo is None else (memo.setdefault(("read", t), {}),
+                                                                  memo.setdefault(("merge", t), {}))
+            outs.append(attend(qc, dk.to(q.dtype), dv.to(q.dtype), counts.log(), kc, vc, reuse=read))
             t += qc.shape[2]
             if kc.shape[2] == L:                          # the chunk is complete: merge it (eq. 17-19)
                 dk, dv, counts = self._merge((pos + t) // L - 1, dk, dv, counts, kc.float(), vc.float(), decisions)
-                buf_k, buf_v = kc[:, :, :0], vc[:, :, :0]
+                # new empty tensors, not empty views: a view would keep the whole segment's keys alive in the
+                # state that autograd keeps for the next segment (issue #17)
+                buf_k, buf_v = kc.new_empty(*kc.shape[:2], 0, kc.shape[3]), vc.new_empty(*vc.shape[:2], 0, vc.shape[3])
             else:
                 buf_k, buf_v = kc, vc
         return torch.cat(outs, dim=2), dk, dv, counts, buf_k, buf_v

@@ -84,7 +84,8 @@ class _LeanChunkAttention(torch.autograd.Function):
     log-sum-exp. The counts get no gradient (they count assignments)."""
 
     @staticmethod
-    def forward(ctx, q, dk, dv, log_counts, kc, vc):
+    def read(q, dk, dv, log_counts, kc, vc):
+        """The forward's two flash calls and their merge: ``out (B, H, Lq, D)``, ``lse (B, H, Lq)``."""
         B, H, Lq, D = q.shape
         Hkv, n, Lk = kc.shape[1], dk.shape[2], kc.shape[2]
         G = H // Hkv
@@ -105,6 +106,16 @@ class _LeanChunkAttention(torch.autograd.Function):
             out = (out * (lse - merged).exp()[..., None].to(out.dtype)
                    + out_d.reshape(B, H, Lq, D) * (lse_d - merged).exp()[..., None].to(out.dtype))
             lse = merged
+        return out, lse
+
+    @staticmethod
+    def forward(ctx, q, dk, dv, log_counts, kc, vc, reuse):
+        if reuse:  # the recomputation of a checkpointed segment: the read's output is already known
+            out, lse = reuse.pop("out"), reuse.pop("lse")
+        else:
+            out, lse = _LeanChunkAttention.read(q, dk, dv, log_counts, kc, vc)
+            if reuse is not None:
+                reuse.update(out=out.detach(), lse=lse)
         ctx.save_for_backward(q, dk, dv, log_counts, kc, vc, out, lse)
         return out
 
@@ -129,11 +140,11 @@ class _LeanChunkAttention(torch.autograd.Function):
             gq = gq + gq_d.reshape(B, H, Lq, D)
         else:  # an empty dictionary (the first chunk): empty gradients
             gdk, gdv = torch.zeros_like(dk), torch.zeros_like(dv)
-        return gq, gdk, gdv, None, gkc, gvc
+        return gq, gdk, gdv, None, gkc, gvc, None
 
 
 def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_counts: torch.Tensor,
-                    kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+                    kc: torch.Tensor, vc: torch.Tensor, reuse: dict | None = None) -> torch.Tensor:
     """Eq. 15: ``softmax(q [D_k ; K_c]^T + [log c ; 0] + M) [D_v ; V_c]`` (scale 1).
 
     The dictionary rows are visible to every query; the chunk's own raw (never quantized) keys are causal.
@@ -147,6 +158,10 @@ def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_cou
         dk, dv: ``(B, H_kv, n, D)`` key and value dictionaries (``n`` may be 0).
         log_counts: ``(B, H_kv, n)`` log of the counts (the log-prior of eq. 14; no gradient flows to it).
         kc, vc: ``(B, H_kv, Lk, D)`` the chunk's keys and values so far, ``Lk >= Lq``.
+        reuse: for a call in a segment that backward recomputes (:func:`mixerzoo.mixers.segments.run_segments`'
+            ``memo``): an empty dict keeps the read's output and log-sum-exp, and the recomputation, given the same
+            dict, takes them instead of running the two flash calls again (backward needs exactly those two; the
+            CPU flash path only, where a training step otherwise ran every forward read twice: issue #17).
 
     Returns:
         ``(B, H, Lq, D)``.
@@ -155,7 +170,7 @@ def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_cou
     lean = (q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
             and all(t.dtype == q.dtype for t in (dk, dv, kc, vc)))
     if lean:
-        return _LeanChunkAttention.apply(q, dk, dv, log_counts.detach(), kc, vc)
+        return _LeanChunkAttention.apply(q, dk, dv, log_counts.detach(), kc, vc, reuse)
     keys, values, mask = _keys_values_mask(dk, dv, log_counts, kc, vc, 1, Lq, q.dtype)
     if H != Hkv:
         g = H // Hkv
@@ -186,6 +201,58 @@ def _choices(dk: torch.Tensor, kc: torch.Tensor, n_new: int, scores: torch.Tenso
         pos_d = new_pos[..., None].expand(B, Hkv, n_new, D)
         best = (kc @ kc.gather(2, pos_d).transpose(-1, -2)).argmax(dim=-1)
     return new_pos, is_new, torch.where(is_new, n + rank, best)
+
+
+class _MergeChunk(torch.autograd.Function):
+    """Step 3 of :func:`update_dictionary` once the discrete choices are made, with a backward written out.
+
+    Row ``r`` of the extended dictionary starts from its base ``B_r`` (an old centroid ``d_r`` for ``r < n``, the
+    chunk key that became centroid ``r - n`` otherwise) and moves by eq. 19: ``d'_r = B_r + sum_{i -> r} eta_i
+    (x_i - B_r) = (1 - S_r) B_r + sum_{i -> r} eta_i x_i`` with ``S_r = sum_{i -> r} eta_i``. Given the choices
+    and the rates (no gradient: they come from counts and argmaxes) this is linear, so backward is
+    ``dL/dB_r = (1 - S_r) g_r`` and ``dL/dx_i = eta_i g_{a_i}`` (plus ``dL/dB`` of the rows ``x_i`` became):
+    one dictionary-sized product. Autograd's version of the same forward (concatenation, gathers, in-place
+    scatter-add) ran five dictionary-sized operations per chunk in backward, about a fifth of an OVQ training
+    step at 16k (issue #17, ``docs/results/efficiency_cpu/session10``). Keeps only the choices and rates."""
+
+    @staticmethod
+    def forward(ctx, dk, dv, kc, vc, new_pos, assign, eta):
+        B, Hkv, n, D = dk.shape
+        L, n_new = kc.shape[2], new_pos.shape[-1]
+        pos_d = new_pos[..., None].expand(B, Hkv, n_new, D)
+        idx = assign[..., None].expand(B, Hkv, L, D)
+        # merged tokens go to existing centroids, except in the first chunk, where every centroid is new; a new
+        # token's eta is 0, so the base row read for it does not matter (clamped into range)
+        old = idx if n == 0 else assign.clamp(max=n - 1)[..., None].expand(B, Hkv, L, D)
+        w = eta[..., None]
+        outs = []
+        for d, x in ((dk, kc), (dv, vc)):
+            new = x.gather(2, pos_d)
+            # mu' = mu + sum_i eta_i (x_i - mu), added in place into the extended dictionary: one dictionary-sized
+            # tensor per update (the concatenation)
+            base = (new if n == 0 else d).gather(2, old)
+            outs.append(torch.cat([d, new], dim=2).scatter_add_(2, idx, w * (x - base)))
+        ctx.save_for_backward(new_pos, assign, eta)
+        ctx.n = n
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, g_dk, g_dv):
+        new_pos, assign, eta = ctx.saved_tensors
+        n = ctx.n
+        B, Hkv, L = assign.shape
+        keep = 1 - torch.zeros(B, Hkv, n + new_pos.shape[-1], dtype=eta.dtype, device=eta.device).scatter_add(
+            -1, assign, eta)                                                     # 1 - S_r
+        grads = []
+        for g in (g_dk, g_dv):
+            if g is None:
+                grads += [None, None]
+                continue
+            D = g.shape[-1]
+            g_x = eta[..., None] * g.gather(2, assign[..., None].expand(B, Hkv, L, D))
+            g_x.scatter_add_(2, new_pos[..., None].expand(*new_pos.shape, D), g[:, :, n:] * keep[:, :, n:, None])
+            grads += [g[:, :, :n] * keep[:, :, :n, None], g_x]
+        return grads[0], grads[2], grads[1], grads[3], None, None, None
 
 
 def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
@@ -234,22 +301,11 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
         new_pos, is_new, assign = _choices(dk, kc, n_new, scores)
         if decisions is not None:
             decisions.update(new_pos=new_pos, is_new=is_new, assign=assign)
-    pos_d = new_pos[..., None].expand(B, Hkv, n_new, D)
-    new_k, new_v = kc.gather(2, pos_d), vc.gather(2, pos_d)
     counts_ext = torch.cat([counts, counts.new_ones(B, Hkv, n_new)], dim=-1)
     merge = (~is_new).to(counts.dtype)                                           # new keys are not merged
     counts_new = counts_ext.scatter_add(-1, assign, merge)
     eta = merge / counts_new.gather(-1, assign) if centroid_lr is None else merge * centroid_lr   # (B, Hkv, L)
-    eta = eta.to(kc.dtype)[..., None]
-    idx = assign[..., None].expand(B, Hkv, L, D)
-    # mu' = mu + sum_i eta_i (x_i - mu), added in place into the extended dictionary: one dictionary-sized tensor
-    # per update (the concatenation) and none in backward (an in-place scatter-add passes its gradient through),
-    # where scaling the whole dictionary by (1 - sum eta) cost two more (this runs once per chunk, three times a
-    # training step with recomputation; issue #17). Merged tokens go to existing centroids, except in the first
-    # chunk, where every centroid is new; a new token's eta is 0, so the centroid read for it does not matter.
-    old = idx if n == 0 else assign.clamp(max=n - 1)[..., None].expand(B, Hkv, L, D)
-    dk_new, dv_new = (torch.cat([d, new], dim=2).scatter_add_(2, idx, eta * (x - (new if n == 0 else d).gather(2, old)))
-                      for d, new, x in ((dk, new_k, kc), (dv, new_v, vc)))
+    dk_new, dv_new = _MergeChunk.apply(dk, dv, kc, vc, new_pos, assign, eta.to(kc.dtype))
     if renormalize:  # both dictionaries, as the pseudocode's lines 22-23
         dk_new, dv_new = F.normalize(dk_new, dim=-1), F.normalize(dv_new, dim=-1)
     return dk_new, dv_new, counts_new

@@ -26,8 +26,9 @@ __all__ = ["chunk_attention_reference", "update_dictionary_reference", "ovq_atte
 
 
 def chunk_attention_reference(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_counts: torch.Tensor,
-                              kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
-    """Reference for :func:`mixerzoo_ovq.ops.chunk_attention` (same arguments and result)."""
+                              kc: torch.Tensor, vc: torch.Tensor, reuse: dict | None = None) -> torch.Tensor:
+    """Reference for :func:`mixerzoo_ovq.ops.chunk_attention` (same arguments and result; ``reuse`` is ignored:
+    the reference computes the read every time)."""
     B, H, Lq, D = q.shape
     n, Lk = dk.shape[2], kc.shape[2]
     one = torch.ones(B, H, Lq, 1, dtype=q.dtype, device=q.device)

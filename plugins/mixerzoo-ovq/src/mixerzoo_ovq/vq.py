@@ -90,7 +90,7 @@ class VQAttention(OVQAttention):
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, head_dim: int | None = None,
                  chunk_len: int = 128, codebook_size: int = 2048, beta_init: float = 1.0, positional: Any = "nope",
                  token_shift: bool = False, value_residual: bool = False, bias: bool = False,
-                 checkpoint_chunks: int = 8, use_reference: bool = False, layer_idx: int = 0) -> None:
+                 checkpoint_chunks: int = 16, use_reference: bool = False, layer_idx: int = 0) -> None:
         if not isinstance(codebook_size, int) or isinstance(codebook_size, bool) or codebook_size < 1:
             raise ValueError(f"vq codebook_size (N codewords per kv head) must be a positive integer, "
                              f"got {codebook_size!r}")
@@ -140,7 +140,7 @@ class VQAttention(OVQAttention):
         return VQState(dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, next_pos=next_pos, shift=shift)
 
     def _merge(self, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
-               vc: torch.Tensor, decisions: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               vc: torch.Tensor, decisions: dict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Add the complete chunk's values to their codewords' running means (eq. 7-10); the codebook stays
         (``decisions`` is not needed: finding each key's codeword is one product, kept as it is)."""
         merge = reference.vq_merge_reference if self.use_reference else ops.vq_merge
