@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixerzoo.mixers.segments import recomputed_in_backward
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
@@ -188,12 +189,22 @@ class GatedDeltaNet(Mixer):
             o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_len=self.chunk_len,
                                           checkpoint_chunks=self.checkpoint_chunks, use_qk_l2norm=True,
                                           prologue=prologue, prologue_state=tuple(conv_in))
-        o = o.to(x.dtype)
+        # training: the output path recomputed in backward from o and x, so autograd keeps those two (x is kept by
+        # the projections anyway) instead of the gate projection, the norm's intermediates and the output
+        # projection's input: three more value-width tensors, each twice attention's width with expand_v 2
+        # (issue #17)
+        y = recomputed_in_backward(self._output, o.to(x.dtype), x)
+        return y, GDNState(recurrent=s, conv=conv)
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``o_proj(norm(o, gate))``: the heads' reads ``o [B, T, n_v_heads, head_v_dim]`` normalised (gated by
+        ``g_proj(x)`` with ``use_gate``) and projected to ``[B, T, d_model]``."""
+        B, T = x.shape[:2]
         if self.use_gate:
             o = self.o_norm(o, self.g_proj(x).view(B, T, self.n_v_heads, self.head_v_dim))
         else:
             o = self.o_norm(o)
-        return self.o_proj(o.reshape(B, T, self.value_dim)), GDNState(recurrent=s, conv=conv)
+        return self.o_proj(o.reshape(B, T, self.value_dim))
 
     def _fla_delta_rule(self, q, k, v, a, b, initial_state):
         """fla's kernels with the gate, beta sigmoid and q/k L2 norm fused in, as fla's layer calls them:

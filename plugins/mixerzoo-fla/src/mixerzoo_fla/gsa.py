@@ -173,19 +173,24 @@ class GatedSlotAttention(Mixer):
                 q, k, v = self._feature_maps(q, k, v, B, T)
             g = F.logsigmoid(f) / self.gate_logit_normalizer
             o, (hk, hv) = self._fla_gsa(q, k, v, 1 - g.exp(), g, initial)
-        else:
-            g = F.logsigmoid(f.float()) / self.gate_logit_normalizer
-            o, (hk, hv) = chunk_gsa(q, k, v, 1 - g.exp(), g, scale=self.scale, initial_state=initial,
+        else:  # the gates are formed inside each segment from the logits (chunk_gsa's gate), as the prologue
+            o, (hk, hv) = chunk_gsa(q, k, v, f, f, scale=self.scale, initial_state=initial,
                                     chunk_len=self.chunk_len, checkpoint_chunks=self.checkpoint_chunks,
-                                    prologue=self._prologue, prologue_state=tuple(conv_in))
-        # training: recomputed in backward from o, so autograd does not keep the activated output and the norm's
-        # intermediates too (issue #17)
-        o = recomputed_in_backward(self._output_norm, o.to(x.dtype).reshape(B, T, self.value_dim))
-        return self.o_proj(o), GSAState(hk=hk, hv=hv, conv=conv)
+                                    prologue=self._prologue, prologue_state=tuple(conv_in), gate=self._gates)
+        # training: the output path recomputed in backward from o, so autograd does not keep the activated output,
+        # the norm's intermediates and the output projection's input too (issue #17)
+        y = recomputed_in_backward(self._output, o.to(x.dtype).reshape(B, T, self.value_dim))
+        return y, GSAState(hk=hk, hv=hv, conv=conv)
 
-    def _output_norm(self, o: torch.Tensor) -> torch.Tensor:
-        """``RMSNorm(silu(o))`` over ``[B, T, value_dim]`` (fla's GSA output path)."""
-        return self.g_norm(F.silu(o))
+    def _output(self, o: torch.Tensor) -> torch.Tensor:
+        """``o_proj(RMSNorm(silu(o)))``, ``[B, T, value_dim] -> [B, T, d_model]`` (fla's GSA output path)."""
+        return self.o_proj(self.g_norm(F.silu(o)))
+
+    def _gates(self, _, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, g) = (1 - alpha, log alpha)`` from the gate logits ``f [B, t, H, M]``, float32 (the CPU form's
+        ``gate``, :func:`mixerzoo_fla.ops.chunk_gsa`; its first argument, the same logits, is not used)."""
+        g = F.logsigmoid(f.float()) / self.gate_logit_normalizer
+        return 1 - g.exp(), g
 
     def _feature_maps(self, q, k, v, B: int, T: int):
         """``phi(q), phi(k), silu(v)`` in heads ``[B, T, heads, dim]`` (fla's GSA layer)."""

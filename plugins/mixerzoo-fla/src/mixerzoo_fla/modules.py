@@ -144,11 +144,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        # training: recomputed in backward from x and the gate, so autograd keeps those two instead of the
-        # normalised, scaled and activated intermediates (three more [B, T, H, D] tensors; issue #17)
-        return recomputed_in_backward(self._norm, x, gate, also=(self.weight,))
-
-    def _norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        # no recomputation of its own: GDN recomputes its whole output path (gate projection, this norm, output
+        # projection) in backward (issue #17)
         xf, gf = x.float(), gate.float()
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()
         y = y * (torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf))

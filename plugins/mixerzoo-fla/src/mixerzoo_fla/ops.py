@@ -204,7 +204,8 @@ def _delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor) -> tuple[torch.Tensor,
 def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
               scale: float | None = None, initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
               chunk_len: int = 32, checkpoint_chunks: int = 0, prologue: Callable | None = None,
-              prologue_state: tuple = ()) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+              prologue_state: tuple = (), gate: Callable | None = None
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Gated Slot Attention in chunked two-pass form (GSA paper, section 3: two GLA passes joined by a softmax).
 
     Same definition and calling convention as :func:`mixerzoo_fla.reference.gsa_recurrent` (and fla's
@@ -236,6 +237,10 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
             two states entering each segment instead of every chunk's states, scores and decays. 0: one pass.
         prologue, prologue_state: as :func:`chunk_gated_delta_rule`'s (GSA's short convolutions and feature maps:
             ``q, k, v`` are then the projections, and autograd keeps only them).
+        gate: optional ``gate(s, g) -> (s, g)`` run inside each segment, before the chunk walk (recomputed with
+            it): the GSA layer passes its gate logits as both ``s`` and ``g`` and forms ``1 - alpha`` and
+            ``log alpha`` there, so autograd keeps the logits only, not also the log-sigmoid, the gates and their
+            exponentials (issue #17).
 
     Returns:
         ``o [B, T, HQ, V]`` and ``(Hk, Hv)``, float32.
@@ -249,38 +254,40 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
     if chunk_len < 1:
         raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
     g = g.float()
+    with torch.no_grad():
+        log_gate = g if gate is None else gate(s, g)[1].float()
     T = q.shape[1]
     C = max(1, min(chunk_len, T))
     while True:
-        span = -_to_chunks(g, math.ceil(T / C), C).sum(-2).min().item()      # largest decay inside a chunk
-        if span <= GSA_MAX_LOG_SPAN:
-            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, False, checkpoint_chunks, prologue,
-                              prologue_state)
-        if C <= GSA_MIN_SPLIT_CHUNK:
-            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, True, checkpoint_chunks, prologue,
-                              prologue_state)
+        span = -_to_chunks(log_gate, math.ceil(T / C), C).sum(-2).min().item()      # largest decay inside a chunk
+        if span <= GSA_MAX_LOG_SPAN or C <= GSA_MIN_SPLIT_CHUNK:
+            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, span > GSA_MAX_LOG_SPAN, checkpoint_chunks,
+                              prologue, prologue_state, gate)
         C = math.ceil(C / 2)
 
 
-def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact, checkpoint_chunks, prologue, prologue_state):
+def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact, checkpoint_chunks, prologue, prologue_state, gate):
     B, T, HQ, K = q.shape
     H, V, M = k.shape[2], v.shape[3], s.shape[3]
     scale = K ** -0.5 if scale is None else scale
     hk = q.new_zeros(B, H, K, M, dtype=torch.float32) if initial_state is None else initial_state[0].float()
     hv = q.new_zeros(B, H, M, V, dtype=torch.float32) if initial_state is None else initial_state[1].float()
     # segments of whole chunks along time: chunk boundaries are those of one pass
-    segment = functools.partial(_gsa_segment, chunk=C, scale=scale, exact=exact, prologue=prologue)
+    segment = functools.partial(_gsa_segment, chunk=C, scale=scale, exact=exact, prologue=prologue, gate=gate)
     o, (hk, hv, *_) = run_segments(segment, (q, k, v, s, g), 0, (hk, hv, *prologue_state), checkpoint_chunks * C,
                                    dim=1)
     return o, (hk, hv)
 
 
 def _gsa_segment(q, k, v, s, g, pos: int, hk: torch.Tensor, hv: torch.Tensor, *prologue_state, chunk: int,
-                 scale: float, exact: bool, prologue: Callable | None) -> tuple:
-    """Tokens ``[B, t, heads, .]`` of :func:`chunk_gsa` from the states ``hk, hv``: the prologue, the query scale
-    and the float32 chunked layout, then :func:`_gsa_chunks`; ``(o [B, t, HQ, V], hk, hv, *prologue state)``."""
+                 scale: float, exact: bool, prologue: Callable | None, gate: Callable | None) -> tuple:
+    """Tokens ``[B, t, heads, .]`` of :func:`chunk_gsa` from the states ``hk, hv``: the prologue and the gates, the
+    query scale and the float32 chunked layout, then :func:`_gsa_chunks`; ``(o [B, t, HQ, V], hk, hv, *prologue
+    state)``."""
     if prologue is not None:
         q, k, v, prologue_state = prologue(q, k, v, prologue_state)
+    if gate is not None:
+        s, g = gate(s, g)
     T, HQ, H = q.shape[1], q.shape[2], k.shape[2]
     N = math.ceil(T / chunk)
     # queries carry a group axis: [B, H, N, G, C, K]; everything else is per key/value head: [B, H, N, C, *]

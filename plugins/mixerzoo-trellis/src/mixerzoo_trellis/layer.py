@@ -67,7 +67,8 @@ class ShortConv(nn.Module):
         prev = x.new_zeros(B, self.kernel_size - 1, Cn) if cache is None else cache.to(x.dtype)
         full = torch.cat([prev, x], dim=1)
         y = F.conv1d(full.transpose(1, 2), self.conv.weight, groups=Cn).transpose(1, 2)
-        return y, full[:, full.shape[1] - (self.kernel_size - 1):]
+        # a copy: a view would keep the whole padded input alive in the state (and in a training segment's carry)
+        return y, full[:, full.shape[1] - (self.kernel_size - 1):].clone()
 
 
 class Trellis(Mixer):
@@ -183,12 +184,7 @@ class Trellis(Mixer):
         H, D, m = self.n_heads, self.head_dim, self.num_slots
         pos = 0 if state is None else state.pos
         positions = torch.arange(pos, pos + T, device=x.device)
-        q, k, v, _ = self.qkv(x, positions)  # (B, H, T, D)
-        conv_cache = None
-        if self.conv is not None:
-            qk = torch.cat([q, k], dim=1).transpose(1, 2).reshape(B, T, 2 * H * D)
-            qk, conv_cache = self.conv(qk, None if state is None else state.conv)
-            q, k = qk.view(B, T, 2 * H, D).transpose(1, 2).split(H, dim=1)
+        q, k, v, _ = self.qkv(x, positions)  # (B, H, T, D), before the short convolution (in _memory)
         a = self.a_proj(x).view(B, T, H, m).transpose(1, 2)
         dtype, work = x.dtype, torch.promote_types(x.dtype, torch.float32)  # the memory runs in fp32 at least
         if self.forget_gate:
@@ -197,18 +193,31 @@ class Trellis(Mixer):
             log_beta = x.new_zeros(B, H, T, dtype=work)
         q, k, v, a = (t.to(work) for t in (q, k, v, a))
         gamma = self.gamma.to(work)
-        memory = None if state is None else state.memory
+        memory, conv_cache = (None, None) if state is None else (state.memory, state.conv)
         with torch.autocast(x.device.type, enabled=False):  # keep the memory in fp32 under bf16-mixed
-            o, memory = self._memory(q, k, v, a, log_beta, gamma, memory, pos)
-        # training: recomputed in backward from o and the gate, so autograd keeps those two instead of the norm's
-        # intermediates and the activated gate too (issue #17)
-        o = recomputed_in_backward(self._gated_output, o.transpose(1, 2).reshape(B, T, H * D).to(dtype),
-                                   self.g_proj(x))
-        return self.o_proj(o), TrellisState(*memory, conv=conv_cache, pos=pos + T)
+            o, memory, conv_cache = self._memory(q, k, v, a, log_beta, gamma, memory, conv_cache, pos)
+        # training: the output path recomputed in backward from o and x, so autograd keeps those two (x is kept by
+        # the projections anyway) instead of the gate projection, the norm's intermediates, the activated gate and
+        # the output projection's input too (issue #17)
+        y = recomputed_in_backward(self._output, o.transpose(1, 2).reshape(B, T, H * D).to(dtype), x)
+        return y, TrellisState(*memory, conv=conv_cache, pos=pos + T)
 
-    def _gated_output(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """``RMSNorm(o) * GELU(g)``, ``(B, T, H D)``: the heads' reads normalised and gated (paper eq. 14)."""
-        return self.o_norm(o) * F.gelu(g)
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``o_proj(RMSNorm(o) * GELU(W_g x))``, ``(B, T, H D) -> (B, T, d_model)``: the heads' reads normalised,
+        gated and projected (paper eq. 14)."""
+        return self.o_proj(self.o_norm(o) * F.gelu(self.g_proj(x)))
+
+    def _short_conv(self, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The causal short convolution of q and k ``(B, H, T, D)`` continuing ``cache`` (None: sequence start),
+        and the new cache; unchanged q, k and None without ``short_conv``."""
+        if self.conv is None:
+            return q, k, None
+        B, H, T, D = q.shape
+        qk = torch.cat([q, k], dim=1).transpose(1, 2).reshape(B, T, 2 * H * D)
+        qk, cache = self.conv(qk, cache)
+        q, k = qk.view(B, T, 2 * H, D).transpose(1, 2).split(H, dim=1)
+        return q, k, cache
 
     def _write_norm(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``write_norm: l2``: the written keys and values at unit L2 norm (unchanged with ``none``)."""
@@ -216,12 +225,15 @@ class Trellis(Mixer):
             return k, v
         return F.normalize(k, dim=-1, eps=1e-6), F.normalize(v, dim=-1, eps=1e-6)
 
-    def _memory(self, q, k, v, a, log_beta, gamma, memory, pos):
-        """The two-pass memory on ``(B, H, T, .)`` tensors: decode step, chunked form or reference."""
+    def _memory(self, q, k, v, a, log_beta, gamma, memory, conv_cache, pos):
+        """The short convolution and the two-pass memory on ``(B, H, T, .)`` tensors: decode step, chunked form or
+        reference. Returns ``o``, the memory and the convolution cache after."""
         B, H, T, D = q.shape
         opts = dict(phi=self.phi, f=self.f, pos=pos, detach_inner_grad=self.detach_inner_grad)
         if memory is None:
             memory = zero_memory(B, H, self.num_slots, D, D, q.dtype, q.device)
+        if self.use_reference or T == 1:
+            q, k, conv_cache = self._short_conv(q, k, conv_cache)
         if self.use_reference:
             k, v = self._write_norm(k, v)
             o, memory = trellis_reference(q, k, v, a, log_beta.exp(), gamma, chunk_len=self.chunk_len,
@@ -233,16 +245,19 @@ class Trellis(Mixer):
             o = o[:, :, None]
         else:  # one pass, or in training segments recomputed in backward (issue #17), carrying the memory
 
-            def segment(q, k, v, a, log_beta, gamma, p, *mem):
-                k, v = self._write_norm(k, v)  # inside: autograd keeps k and v as given, not their unit copies
+            def segment(q, k, v, a, log_beta, gamma, p, *carry):
+                # inside: autograd keeps q, k and v as projected, not also their convolved and unit copies
+                *mem, cache = carry
+                q, k, cache = self._short_conv(q, k, cache)
+                k, v = self._write_norm(k, v)
                 o, m = trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=TrellisMemory(*mem),
                                        **{**opts, "pos": p})
-                return (o, *m)
+                return (o, *m, cache)
 
-            o, carry = run_segments(segment, (q, k, v, a, log_beta), pos, memory,
-                                    span=self.chunk_len * self.checkpoint_chunks, extra=(gamma,))
+            o, (*carry, conv_cache) = run_segments(segment, (q, k, v, a, log_beta), pos, (*memory, conv_cache),
+                                                   span=self.chunk_len * self.checkpoint_chunks, extra=(gamma,))
             memory = TrellisMemory(*carry)
-        return o, memory
+        return o, memory, conv_cache
 
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, head_dim={self.head_dim}, num_slots={self.num_slots}, "
