@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.mixers.segments import recomputed_in_backward
+from mixerzoo.mixers.segments import recomputed_in_pieces
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
@@ -193,7 +193,8 @@ class GatedDeltaNet(Mixer):
         # the projections anyway) instead of the gate projection, the norm's intermediates and the output
         # projection's input: three more value-width tensors, each twice attention's width with expand_v 2
         # (issue #17)
-        y = recomputed_in_backward(self._output, o.to(x.dtype), x)
+        # (cut into the segments' spans: backward's transients are one span's)
+        y = recomputed_in_pieces(self._output, o.to(x.dtype), x, span=self.chunk_len * self.checkpoint_chunks)
         return y, GDNState(recurrent=s, conv=conv)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

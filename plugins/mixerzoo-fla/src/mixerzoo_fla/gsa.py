@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.mixers.segments import recomputed_in_backward
+from mixerzoo.mixers.segments import recomputed_in_pieces
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
@@ -179,7 +179,9 @@ class GatedSlotAttention(Mixer):
                                     prologue=self._prologue, prologue_state=tuple(conv_in), gate=self._gates)
         # training: the output path recomputed in backward from o, so autograd does not keep the activated output,
         # the norm's intermediates and the output projection's input too (issue #17)
-        y = recomputed_in_backward(self._output, o.to(x.dtype).reshape(B, T, self.value_dim))
+        # (cut into the segments' spans: backward's transients are one span's)
+        y = recomputed_in_pieces(self._output, o.to(x.dtype).reshape(B, T, self.value_dim),
+                                 span=self.chunk_len * self.checkpoint_chunks)
         return y, GSAState(hk=hk, hv=hv, conv=conv)
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:

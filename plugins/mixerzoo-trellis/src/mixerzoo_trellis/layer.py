@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection
-from mixerzoo.mixers.segments import recomputed_in_backward, run_segments
+from mixerzoo.mixers.segments import recomputed_in_pieces, run_segments
 from mixerzoo.protocol import Mixer, MixerState
 
 from .ops import FS, PHIS, TrellisMemory, check_choice, trellis_chunked, trellis_step, zero_memory
@@ -199,7 +199,9 @@ class Trellis(Mixer):
         # training: the output path recomputed in backward from o and x, so autograd keeps those two (x is kept by
         # the projections anyway) instead of the gate projection, the norm's intermediates, the activated gate and
         # the output projection's input too (issue #17)
-        y = recomputed_in_backward(self._output, o.transpose(1, 2).reshape(B, T, H * D).to(dtype), x)
+        # (cut into the segments' spans: backward's transients are one span's)
+        y = recomputed_in_pieces(self._output, o.transpose(1, 2).reshape(B, T, H * D).to(dtype), x,
+                                 span=self.chunk_len * self.checkpoint_chunks)
         return y, TrellisState(*memory, conv=conv_cache, pos=pos + T)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
