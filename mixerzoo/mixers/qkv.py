@@ -111,24 +111,34 @@ class QKVProjection(nn.Module):
             self.v_lambda = nn.Parameter(torch.zeros(n_kv_heads * head_dim))
 
 
-    def stream(self, x: torch.Tensor, state: StreamState | None, shared: dict | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+    def stream(self, x: torch.Tensor, state: StreamState | None, shared: dict | None = None,
+               finish_queries: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     tuple | None]:
         """The prelude every attention-like mixer shares: positions continue ``state`` (from 0 at ``None``), and
         q/k/v are projected with the state's token-shift carry.
 
         Args:
             x: ``(B, T, d_model)``. state: the mixer's :class:`StreamState` (or None at sequence start).
+            finish_queries: False returns ``q`` before its norm and positional encoding, for a mixer that applies
+                :meth:`finish_queries` itself, piece by piece inside a recomputed segment (so that autograd keeps
+                the projection only, not also the encoded queries; issue #17).
 
         Returns:
             ``q (B, H, T, D)``, ``k, v (B, H_kv, T, D)``, absolute ``positions (T,)``, the new shift carry.
         """
         p0 = 0 if state is None else state.next_pos
         positions = torch.arange(p0, p0 + x.shape[1], device=x.device)
-        q, k, v, shift = self(x, positions, None if state is None else state.shift, shared)
+        q, k, v, shift = self(x, positions, None if state is None else state.shift, shared, finish_queries)
         return q, k, v, positions, shift
 
+    def finish_queries(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The queries' per-head norm, then their positional encoding: ``q (B, H, T, D)`` at absolute ``positions
+        (T,)``, per token (so any piece of a sequence may be finished alone)."""
+        return self.pos.apply(self.q_norm(q), positions)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shift_state: tuple | None = None,
-                shared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+                shared: dict | None = None, finish_queries: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """Project and encode.
 
         Args:
@@ -136,6 +146,7 @@ class QKVProjection(nn.Module):
             positions: absolute positions ``(T,)`` of the tokens in ``x``.
             shift_state: previous-token projections from the state (``None`` at sequence start).
             shared: per-forward dict shared across layers (for the value residual).
+            finish_queries: False: ``q`` before :meth:`finish_queries` (see :meth:`stream`).
 
         Returns:
             ``q (B, H, T, D)``, ``k (B, H_kv, T, D)``, ``v (B, H_kv, T, D)``, new shift state (or None).
@@ -161,6 +172,7 @@ class QKVProjection(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = self.pos.apply(self.q_norm(q), positions)
+        if finish_queries:
+            q = self.finish_queries(q, positions)
         k = self.pos.apply(self.k_norm(k), positions)
         return q, k, v, new_shift

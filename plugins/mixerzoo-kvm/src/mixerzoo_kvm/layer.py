@@ -167,12 +167,18 @@ class KVMAttention(Mixer):
                 ) -> tuple[torch.Tensor, KVMState]:
         """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given (any ``T >= 1``)."""
         B, T, _ = x.shape
-        q, k, v, _, shift = self.qkv.stream(x, state, shared)
+        packed = not self.use_reference and T > 1
+        # the packed path finishes the queries (norm, RoPE) inside each recomputed group of query chunks, so autograd
+        # keeps their projection only (issue #17)
+        q, k, v, _, shift = self.qkv.stream(x, state, shared, finish_queries=not packed)
         g = merge_gate(x, self.gate_proj)
         if state is None:
             state = KVMState.empty(k, with_count=self.value_norm == "mean", with_gate=g is not None)
-        impl = kvm_chunk_loop if self.use_reference else kvm_step if T == 1 else kvm_packed
-        o, new_state = impl(self.spec, self.params, q, k, v, g, state)
+        if packed:
+            o, new_state = kvm_packed(self.spec, self.params, q, k, v, g, state, finish_q=self.qkv.finish_queries)
+        else:
+            impl = kvm_chunk_loop if self.use_reference else kvm_step
+            o, new_state = impl(self.spec, self.params, q, k, v, g, state)
         new_state.shift = shift
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), new_state
 

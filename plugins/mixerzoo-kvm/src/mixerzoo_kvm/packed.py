@@ -22,6 +22,7 @@ decoding uses :func:`kvm_step`, which needs no mask at all.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -163,7 +164,8 @@ def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) ->
 
 
 def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               g: torch.Tensor | None, state: KVMState) -> tuple[torch.Tensor, KVMState]:
+               g: torch.Tensor | None, state: KVMState, finish_q: Callable | None = None
+               ) -> tuple[torch.Tensor, KVMState]:
     """KVM attention over new tokens: the routing of every fold first, then query chunks group by group (each
     group's snapshots, memory rows and one attention call; recomputed in backward with ``checkpoint_chunks``).
     Same contract as :func:`mixerzoo_kvm.reference.kvm_chunk_loop` (which it equals to fp32 rounding).
@@ -172,6 +174,10 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         spec, params: the layer's options and learned pieces (``KVMAttention.spec`` / ``.params``).
         q: ``(B, H_q, T, D)``; k, v: ``(B, H, T, D)`` after q/k norm and RoPE; g: gates ``(B, H, T)`` or None.
         state: the state before these tokens.
+        finish_q: when given, ``q`` is the projection before its norm and RoPE, and ``finish_q(q_piece,
+            positions)`` (:meth:`mixerzoo.mixers.qkv.QKVProjection.finish_queries`) applies them inside each group
+            of query chunks, recomputed with it in training: autograd keeps the projection only, not also the
+            encoded queries (issue #17).
 
     Returns:
         ``o (B, H_q, T, D)`` and the new state (``shift`` left to the caller).
@@ -226,19 +232,16 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     entry = [0] * (n_q - n_folds) + list(range(1, n_folds + 1))
     rows = [sizes[e] for e in entry]
     two = spec.unrotate is not None  # pre_rope memory: 2D-channel queries and keys (ops.joint_queries)
-    q = joint_queries(q, torch.arange(p0, p1, device=dev), spec.unrotate)
-    E = q.shape[-1]
+    E = 2 * D if two else D
+    q_off = q_end = 0
     if n_q == 1:  # one (partial) chunk, e.g. a short continuation: no padding of queries or window
-        qb = q[:, :, None]
         q_pos = torch.arange(p0, p1, device=dev)[None]
         w0 = max((cq0 - nb + 1) * C, 0)
         grid_k, grid_v = K[:, :, w0 - kpos0:], V[:, :, w0 - kpos0:]
         k_pos = torch.arange(w0, p1, device=dev)[None]
-        q_off = 0
     else:  # chunk-aligned grid: queries padded to whole chunks; the window of chunk c is grid chunks c .. c + nb - 1
         q_off = p0 - cq0 * C
         q_end = (cq1 + 1) * C - p1
-        qb = (F.pad(q, (0, 0, q_off, q_end)) if q_off or q_end else q).view(B, Hq, n_q, C, E)  # no copy if whole chunks
         q_pos = torch.arange(cq0 * C, (cq1 + 1) * C, device=dev).view(n_q, C)
         k_pos = torch.arange(gs, ge, device=dev).unfold(0, nb * C, C)  # (n_q, L)
     L = k_pos.shape[1]
@@ -251,8 +254,16 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
 
     Cq = q_pos.shape[1]
     groups = _group_chunks(rows, max_chunks=spec.checkpoint_chunks or 16)
-    # grouped-query heads: the G query heads of one key/value head are stacked along the query axis
-    qg = qb.reshape(B, H, G, n_q, Cq, E).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n_q, G * Cq, E)
+
+    def group_queries(a: int, b: int, q_piece: torch.Tensor) -> torch.Tensor:
+        """Chunks ``a .. b-1``'s queries ``(B H, b - a, G Cq, E)`` from their tokens ``q_piece (B, H_q, t, D)``:
+        finished (``finish_q``), joint (``ops.joint_queries``), padded to whole chunks (no copy if whole), and
+        the G query heads of one key/value head stacked along the query axis."""
+        pos = torch.arange(max((cq0 + a) * C, p0), min((cq0 + b) * C, p1), device=dev)
+        qq = joint_queries(q_piece if finish_q is None else finish_q(q_piece, pos), pos, spec.unrotate)
+        front, back = q_off if a == 0 else 0, q_end if b == n_q else 0
+        qb = (F.pad(qq, (0, 0, front, back)) if front or back else qq).view(B, Hq, b - a, Cq, E)
+        return qb.reshape(B, H, G, b - a, Cq, E).permute(0, 1, 3, 2, 4, 5).reshape(B * H, b - a, G * Cq, E)
     tau_w, tau_s = params.tau_bswa.repeat(B), params.tau_state[None, :, None, None, None]
     # group (a, b) starts from snapshot ``first[g]`` and applies the folds up to its last chunk's snapshot
     first = [entry[a - 1] if a else 0 for a, _ in groups]
@@ -271,11 +282,14 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         fold_k, fold_v = blocks_k[f_0:f_0 + n_folds], blocks_v[f_0:f_0 + n_folds]
     g_folds = g_o.split(n_f, dim=2) if g_o is not None else [None] * len(groups)
 
-    def group(a: int, b: int, f0: int, n_win: int, reuse: dict | None, q_g, g_f, s_k, s_v, rho, count, *pieces):
-        """Chunks ``a .. b-1``: their snapshots from the state entering the group (``s_k, s_v, rho, count``,
-        snapshot ``f0``) and the group's folds, then their attention. ``pieces``: the window's key blocks, its value
-        blocks (``n_win`` each), then the folds' key and value blocks ``(B H, C, D)``; ``reuse`` see
-        :func:`memory_window_attention`. Returns the output and the state after."""
+    def group(a: int, b: int, f0: int, n_win: int, reuse: dict | None, q_piece, g_f, s_k, s_v, rho, count,
+              *pieces):
+        """Chunks ``a .. b-1``: their queries (from their tokens ``q_piece``, :func:`group_queries`), their
+        snapshots from the state entering the group (``s_k, s_v, rho, count``, snapshot ``f0``) and the group's
+        folds, then their attention. ``pieces``: the window's key blocks, its value blocks (``n_win`` each), then
+        the folds' key and value blocks ``(B H, C, D)``; ``reuse`` see :func:`memory_window_attention`. Returns
+        the output and the state after."""
+        q_g = group_queries(a, b, q_piece)
         win, fold_blocks = pieces[:2 * n_win], pieces[2 * n_win:]
         nf, n, R = len(fold_blocks) // 2, b - a, max(rows[a:b])
         k_f, v_f = ((torch.stack(t, dim=1) if t else q_g.new_empty(B * H, 0, C, D)).view(B, H, nf, C, D)
@@ -300,9 +314,11 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
 
     carry = (state.s_k, state.s_v.to(state.s_k.dtype), state.rho, state.count)
     lean = spec.checkpoint_chunks > 0 and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (qg, KP, VP))
+        t.requires_grad for t in (q, KP, VP))
     outs = []
-    for i, ((a, b), q_g) in enumerate(zip(groups, qg.split([b - a for a, b in groups], dim=1))):
+    # each group's tokens: one split, not slices (a slice's backward is a full-length zero gradient per group)
+    q_tokens = [min((cq0 + b) * C, p1) - max((cq0 + a) * C, p0) for a, b in groups]
+    for i, ((a, b), q_g) in enumerate(zip(groups, q.split(q_tokens, dim=2))):
         wk, wv = (pieces_k[a:b + nb - 1], pieces_v[a:b + nb - 1]) if n_q > 1 else (pieces_k, pieces_v)
         fs = slice(first[i], first[i] + n_f[i])
         # lean: recomputed in backward from the state entering the group: autograd keeps no snapshot, memory row or
