@@ -13,7 +13,8 @@ from mixerzoo import registry
 from mixerzoo.model import LanguageModel, LMConfig
 from mixerzoo.model.config import ConfigError
 from mixerzoo.protocol import state_nbytes
-from mixerzoo_kvm import KVMAttention, KVMState, kvm_chunk_loop, kvm_packed, kvm_step, memory_keys, state_budget
+from mixerzoo_kvm import (KVMAttention, KVMState, kvm_chunk_loop, kvm_packed, kvm_step, memory_keys, route_overflow,
+                          state_budget)
 
 # --------------------------------------------------------------------------------------------------------
 # Hand-checked example: 1 head, head_dim 4, chunk_len 4, window of one chunk, NoPE, LN_s = identity.
@@ -75,6 +76,39 @@ def test_hand_checked_append_and_merge(impl, protect):
     torch.testing.assert_close(o[0, 0, 0], weights @ values)
     assert state.win_k.shape[2] == 1 and state.next_pos == 9
 
+
+
+@pytest.mark.parametrize("n_protected,n_append", [(0, 0), (0, 3), (2, 3), (5, 2), (7, 4)])
+def test_routing_equals_its_plain_statement(n_protected, n_append):
+    """route_overflow against the rule written plainly (section 4): novelty as the best score over the current rows,
+    merge targets as the first argmax over the whole grown state with the protected rows masked, from one
+    concatenated score matrix. Rows are repeated so that ties occur; the first maximum must win, as there."""
+    g = torch.Generator().manual_seed(n_protected * 10 + n_append)
+    B, H, m, C, D = 2, 3, 6, 8, 4
+    rows = torch.randn(B, H, m // 2, D, generator=g).repeat(1, 1, 2, 1)    # each row twice: tied scores
+    kbar = torch.randn(B, H, C, D, generator=g)
+    kbar[:, :, 1] = kbar[:, :, 0]                                          # a repeated token: a tied appended row
+    route = route_overflow(rows, kbar, kbar, n_append, nn.Identity(), n_protected)
+    novelty = (kbar @ rows.transpose(-1, -2)).amax(-1)
+    append_idx = novelty.topk(n_append, dim=-1, largest=False).indices.sort(dim=-1).values
+    grown = torch.cat([rows, kbar.gather(2, append_idx[..., None].expand(-1, -1, -1, D))], dim=2)
+    logits = kbar @ grown.transpose(-1, -2)
+    logits[..., :n_protected] = float("-inf")
+    target = logits.argmax(-1).scatter(-1, append_idx, (m + torch.arange(n_append)).expand(B, H, n_append))
+    assert torch.equal(route.append_idx, append_idx)
+    assert torch.equal(route.target, target)
+
+
+def test_first_argmax_of_two_score_blocks_breaks_ties_as_argmax():
+    """The merge target's argmax over [current rows ; appended rows] taken without concatenating them: small
+    integer scores make ties within and across the blocks; the first maximum wins, as ``argmax`` of the whole."""
+    from mixerzoo_kvm.ops import _first_argmax
+
+    g = torch.Generator().manual_seed(0)
+    for m, n in ((5, 3), (5, 0), (0, 3), (1, 1)):
+        a = torch.randint(0, 3, (4, 7, m), generator=g).float()
+        b = torch.randint(0, 3, (4, 7, n), generator=g).float()
+        assert torch.equal(_first_argmax(a, b, m), torch.cat([a, b], -1).argmax(-1)), (m, n)
 
 def test_budget_rule():
     fixed = lambda t: 256  # noqa: E731

@@ -225,28 +225,43 @@ def route_overflow(keys_hat: torch.Tensor, kbar: torch.Tensor, append_rows: torc
     B, H, C, D = kbar.shape
     m = keys_hat.shape[2]
     kb = kbar.float()
+    # the scores against the current rows serve step 1 and, for those rows, step 2: one product, not two (at 32k a
+    # power-law state has ~3k rows, and this product per fold was ~6% of a KVM-sqrt training step; issue #17)
+    sim = kb @ keys_hat.float().transpose(-1, -2)  # (B, H, C, m)
     if n_append > 0:
-        novelty = (kb @ keys_hat.float().transpose(-1, -2)).amax(dim=-1)  # (B, H, C)
-        append_idx = novelty.topk(n_append, dim=-1, largest=False).indices.sort(dim=-1).values
+        append_idx = sim.amax(dim=-1).topk(n_append, dim=-1, largest=False).indices.sort(dim=-1).values
     else:
         append_idx = torch.zeros(B, H, 0, dtype=torch.long, device=kbar.device)
     appended = torch.zeros(B, H, C, dtype=torch.bool, device=kbar.device).scatter(-1, append_idx, True)
     new_rows = torch.gather(append_rows, 2, append_idx[..., None].expand(-1, -1, -1, D))
-    grown = torch.cat([keys_hat.float(), ln_s(new_rows).float()], dim=2)  # LN_s(s_+), (B, H, m', D)
     m_grown = m + n_append
     if n_protected >= m_grown and n_append < C:
         raise ValueError(f"no merge target: {n_protected} protected sink rows out of {m_grown} state rows")
-    logits = kb @ grown.transpose(-1, -2)  # (B, H, C, m')
-    if n_protected > 0:
-        logits[..., :n_protected] = float("-inf")
-    target = logits.argmax(dim=-1)
+    sim_new = kb @ ln_s(new_rows).float().transpose(-1, -2)  # (B, H, C, n_append): the appended rows, LN_s(s_+)
+    sim[..., :n_protected] = float("-inf")
+    sim_new[..., :max(n_protected - m, 0)] = float("-inf")
     own_rows = (m + torch.arange(n_append, device=kbar.device)).expand(B, H, n_append)
-    target = target.scatter(-1, append_idx, own_rows)
-    probs = None
     if soft:
+        logits = torch.cat([sim, sim_new], dim=-1)  # (B, H, C, m')
+        target = logits.argmax(dim=-1).scatter(-1, append_idx, own_rows)
         probs = (logits / math.sqrt(D)).softmax(dim=-1)
         probs = torch.where(appended[..., None], F.one_hot(target, m_grown).float(), probs)
-    return Routing(append_idx=append_idx, appended=appended, target=target, probs=probs)
+        return Routing(append_idx=append_idx, appended=appended, target=target, probs=probs)
+    # argmax over [current rows ; appended rows] without concatenating them: the first maximum, as argmax's
+    target = _first_argmax(sim, sim_new, m)
+    return Routing(append_idx=append_idx, appended=appended, target=target.scatter(-1, append_idx, own_rows))
+
+
+def _first_argmax(a: torch.Tensor, b: torch.Tensor, offset: int) -> torch.Tensor:
+    """``torch.cat([a, b], -1).argmax(-1)`` (the first maximum) without building the concatenation; ``offset`` is
+    ``a.shape[-1]``."""
+    if b.shape[-1] == 0:
+        return a.argmax(dim=-1)
+    if a.shape[-1] == 0:
+        return b.argmax(dim=-1) + offset
+    ia, ib = a.argmax(dim=-1, keepdim=True), b.argmax(dim=-1, keepdim=True)
+    later = b.gather(-1, ib) > a.gather(-1, ia)  # a tie goes to the earlier row, as argmax over the whole
+    return torch.where(later, ib + offset, ia).squeeze(-1)
 
 
 def keep_from(next_pos: int, chunk_len: int, n_bswa_chunks: int) -> int:
