@@ -31,6 +31,16 @@ def tiny_chunk():
     return dk, dv, counts, kc, vc
 
 
+def random_update(n: int, g: torch.Generator, B: int = 2, H: int = 3, L: int = 8, D: int = 6):
+    """A random update's inputs: unit-norm dictionary keys ``(B, H, n, D)``, values, integer counts in [1, 5),
+    a unit-norm chunk of ``L`` keys and its values."""
+    dk = torch.nn.functional.normalize(torch.randn(B, H, n, D, generator=g), dim=-1)
+    dv = torch.randn(B, H, n, D, generator=g)
+    counts = torch.randint(1, 5, (B, H, n), generator=g).float()
+    kc = torch.nn.functional.normalize(torch.randn(B, H, L, D, generator=g), dim=-1)
+    return dk, dv, counts, kc, torch.randn(B, H, L, D, generator=g)
+
+
 @pytest.mark.parametrize("fn", BOTH)
 def test_update_running_mean_by_hand(fn):
     dk, dv, counts, kc, vc = tiny_chunk()
@@ -110,12 +120,8 @@ def test_new_centroid_count_follows_eq_17_18():
                                                 (5, None, False, True), (0, 0.25, False, True)])
 def test_update_fast_equals_reference(n, lr, renorm, random):
     g = torch.Generator().manual_seed(n + 7)
-    B, H, L, D = 2, 3, 8, 6
-    dk = torch.nn.functional.normalize(torch.randn(B, H, n, D, generator=g), dim=-1)
-    dv = torch.randn(B, H, n, D, generator=g)
-    counts = torch.randint(1, 5, (B, H, n), generator=g).float()
-    kc = torch.nn.functional.normalize(torch.randn(B, H, L, D, generator=g), dim=-1)
-    vc = torch.randn(B, H, L, D, generator=g)
+    H, L = 3, 8
+    dk, dv, counts, kc, vc = random_update(n, g, H=H, L=L)
     scores = torch.rand(H, L, generator=g) if random else None
     for n_new in (1, 3, L if n == 0 else 0):
         fast = update_dictionary(dk, dv, counts, kc, vc, n_new, scores, lr, renorm)
@@ -130,12 +136,8 @@ def test_update_gradients_equal_reference(n, lr, renorm):
     """The fast update's written-out backward (``_MergeChunk``) gives the gradients autograd finds through the
     plain one-key-at-a-time reference, for the old dictionaries and the chunk's keys and values."""
     g = torch.Generator().manual_seed(n + 3)
-    B, H, L, D = 2, 3, 8, 6
-    dk = torch.nn.functional.normalize(torch.randn(B, H, n, D, generator=g), dim=-1)
-    dv = torch.randn(B, H, n, D, generator=g)
-    counts = torch.randint(1, 5, (B, H, n), generator=g).float()
-    kc = torch.nn.functional.normalize(torch.randn(B, H, L, D, generator=g), dim=-1)
-    vc = torch.randn(B, H, L, D, generator=g)
+    dk, dv, counts, kc, vc = random_update(n, g)
+    B, H, _, D = kc.shape
     for n_new in (1, 3):
         w_k, w_v = torch.randn(B, H, n + n_new, D, generator=g), torch.randn(B, H, n + n_new, D, generator=g)
         grads = []
@@ -154,11 +156,8 @@ def test_update_reuses_recorded_decisions(n):
     """The discrete choices recorded in ``decisions`` on the first call are what a second call uses (a segment's
     recomputation in backward), whatever the dictionary it is given: the same rows, not a fresh scoring."""
     g = torch.Generator().manual_seed(11)
-    B, H, L, D = 2, 3, 8, 6
-    dk = torch.nn.functional.normalize(torch.randn(B, H, n, D, generator=g), dim=-1)
-    dv, counts = torch.randn(B, H, n, D, generator=g), torch.randint(1, 5, (B, H, n), generator=g).float()
-    kc = torch.nn.functional.normalize(torch.randn(B, H, L, D, generator=g), dim=-1)
-    vc = torch.randn(B, H, L, D, generator=g)
+    dk, dv, counts, kc, vc = random_update(n, g)
+    B, H, L, D = kc.shape
     decisions = {}
     first = update_dictionary(dk, dv, counts, kc, vc, 3, decisions=decisions)
     assert set(decisions) == {"new_pos", "is_new", "assign"}
