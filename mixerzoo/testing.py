@@ -206,7 +206,6 @@ def check_recomputation(lean: nn.Module, keep: nn.Module, x: torch.Tensor, split
                                    f"piece given exactly the inputs of the first forward?\n{err}") from None
 
 
-
 class OperatorCalls(TorchDispatchMode):
     """Counts the ATen operators run inside it, to test *what work* a fast path does (a recomputation that must
     not run an attention again, a kernel that must be called once per chunk) without timing anything::
@@ -227,6 +226,7 @@ class OperatorCalls(TorchDispatchMode):
 
     def __getitem__(self, op) -> int:
         return self.counts[op]
+
 
 @torch.no_grad()
 def check_state(mixer: nn.Module, d_model: int, lengths: Iterable[int] = (8, 32), batch: int = 1,

@@ -169,12 +169,9 @@ class Attention(Mixer):
             # a block whose mask equals the previous one's passes the same additive mask: autograd keeps one mask
             # for a run of such blocks instead of one each (SDPA turns a boolean mask into a float one of its own per
             # call: (block, 2 block) floats per block, 30 of 111 MiB kept at 8k)
-            if last is not None and last[0].shape == mask.shape and torch.equal(last[0], mask):
-                mask = last[1]
-            else:
+            if last is None or last[0].shape != mask.shape or not torch.equal(last[0], mask):
                 last = (mask, torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf")))
-                mask = last[1]
-            outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=gqa))
+            outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=last[1], enable_gqa=gqa))
         return torch.cat(outs, dim=2)
 
     def _cached_positions(self, next_pos: int, cached: int, device: torch.device) -> torch.Tensor:

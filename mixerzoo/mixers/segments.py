@@ -14,7 +14,13 @@ from typing import Callable, Sequence
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["segment_sizes", "run_segments", "recomputed_in_backward", "recomputed_in_pieces"]
+__all__ = ["segment_sizes", "run_segments", "recomputed_in_backward", "recomputed_in_pieces", "training"]
+
+
+def training(tensors) -> bool:
+    """Whether autograd will record work on ``tensors``: gradients enabled and one of them (non-tensors ignored)
+    requires a gradient. The condition under which recomputing in backward saves anything."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def segment_sizes(length: int, pos: int, span: int) -> list[int]:
@@ -51,7 +57,7 @@ def run_segments(segment: Callable[..., tuple], seqs: Sequence[torch.Tensor], po
     Returns:
         The pieces' outputs concatenated along ``dim`` and the state after the last one.
     """
-    recompute = bool(span) and torch.is_grad_enabled() and any(t.requires_grad for t in seqs)
+    recompute = bool(span) and training(seqs)
     sizes = segment_sizes(seqs[0].shape[dim], pos, span if recompute else 0)
     outs = []
     carry = tuple(carry)
@@ -72,7 +78,7 @@ def recomputed_in_backward(fn: Callable[..., object], *args, also: Sequence[torc
     intermediates in backward. For cheap pieces whose intermediates are large (a norm, a gate, a short
     convolution: issue #17). ``also``: tensors ``fn`` uses without taking them as arguments (its parameters),
     which decide like ``args`` whether there is anything to keep."""
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *also)):
+    if training((*args, *also)):
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
 
@@ -86,9 +92,7 @@ def recomputed_in_pieces(fn: Callable[..., torch.Tensor], *args: torch.Tensor, s
     time instead of for the whole sequence at once (issue #17: a value-width output path at 8k tokens peaked at
     several full-length float32 tensors). Without gradients, or with ``span`` 0 or not below the length, one call.
     """
-    length = args[0].shape[dim]
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (*args, *also))
-    if not training or not span or length <= span:
+    if not training((*args, *also)) or not span or args[0].shape[dim] <= span:
         return recomputed_in_backward(fn, *args, also=also)
     outs = [recomputed_in_backward(fn, *pieces, also=also) for pieces in zip(*(t.split(span, dim=dim) for t in args))]
     return torch.cat(outs, dim=dim)

@@ -171,8 +171,7 @@ class GatedSlotAttention(Mixer):
         if use_fla:
             if not self.use_short_conv:
                 q, k, v = self._feature_maps(q, k, v, B, T)
-            g = F.logsigmoid(f) / self.gate_logit_normalizer
-            o, (hk, hv) = self._fla_gsa(q, k, v, 1 - g.exp(), g, initial)
+            o, (hk, hv) = self._fla_gsa(q, k, v, *self._gates(f, f), initial)
         else:  # the gates are formed inside each segment from the logits (chunk_gsa's gate), as the prologue
             o, (hk, hv) = chunk_gsa(q, k, v, f, f, scale=self.scale, initial_state=initial,
                                     chunk_len=self.chunk_len, checkpoint_chunks=self.checkpoint_chunks,
@@ -189,9 +188,10 @@ class GatedSlotAttention(Mixer):
         return self.o_proj(self.g_norm(F.silu(o)))
 
     def _gates(self, _, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(s, g) = (1 - alpha, log alpha)`` from the gate logits ``f [B, t, H, M]``, float32 (the CPU form's
-        ``gate``, :func:`mixerzoo_fla.ops.chunk_gsa`; its first argument, the same logits, is not used)."""
-        g = F.logsigmoid(f.float()) / self.gate_logit_normalizer
+        """``(s, g) = (1 - alpha, log alpha)`` from the gate logits ``f [B, t, H, M]``, in their dtype (the CPU
+        form's ``gate``, :func:`mixerzoo_fla.ops.chunk_gsa`, which passes them as float32; its first argument, the
+        same logits, is not used)."""
+        g = F.logsigmoid(f) / self.gate_logit_normalizer
         return 1 - g.exp(), g
 
     def _feature_maps(self, q, k, v, B: int, T: int):

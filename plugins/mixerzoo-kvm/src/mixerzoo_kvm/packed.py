@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from mixerzoo.mixers.segments import training
+
 from .lean_attention import memory_window_attention, shared_mask
 from .ops import (KVMParams, KVMSpec, Routing, fold, joint_keys, joint_queries, keep_from, memory_keys, read_values,
                   route_overflow, state_budget)
@@ -172,7 +174,8 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
 
     Args:
         spec, params: the layer's options and learned pieces (``KVMAttention.spec`` / ``.params``).
-        q: ``(B, H_q, T, D)``; k, v: ``(B, H, T, D)`` after q/k norm and RoPE; g: gates ``(B, H, T)`` or None.
+        q: ``(B, H_q, T, D)``; k, v: ``(B, H, T, D)`` after q/k norm and RoPE (q before them when ``finish_q`` is
+            given); g: gates ``(B, H, T)`` or None.
         state: the state before these tokens.
         finish_q: when given, ``q`` is the projection before its norm and RoPE, and ``finish_q(q_piece,
             positions)`` (:meth:`mixerzoo.mixers.qkv.QKVProjection.finish_queries`) applies them inside each group
@@ -255,11 +258,15 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     Cq = q_pos.shape[1]
     groups = _group_chunks(rows, max_chunks=spec.checkpoint_chunks or 16)
 
+    def token_span(a: int, b: int) -> tuple[int, int]:
+        """Absolute positions ``[start, end)`` of the new tokens in query chunks ``a .. b-1``."""
+        return max((cq0 + a) * C, p0), min((cq0 + b) * C, p1)
+
     def group_queries(a: int, b: int, q_piece: torch.Tensor) -> torch.Tensor:
         """Chunks ``a .. b-1``'s queries ``(B H, b - a, G Cq, E)`` from their tokens ``q_piece (B, H_q, t, D)``:
         finished (``finish_q``), joint (``ops.joint_queries``), padded to whole chunks (no copy if whole), and
         the G query heads of one key/value head stacked along the query axis."""
-        pos = torch.arange(max((cq0 + a) * C, p0), min((cq0 + b) * C, p1), device=dev)
+        pos = torch.arange(*token_span(a, b), device=dev)
         qq = joint_queries(q_piece if finish_q is None else finish_q(q_piece, pos), pos, spec.unrotate)
         front, back = q_off if a == 0 else 0, q_end if b == n_q else 0
         qb = (F.pad(qq, (0, 0, front, back)) if front or back else qq).view(B, Hq, b - a, Cq, E)
@@ -313,17 +320,16 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         return o, last[0], last[1], rho, last[2]
 
     carry = (state.s_k, state.s_v.to(state.s_k.dtype), state.rho, state.count)
-    lean = spec.checkpoint_chunks > 0 and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, KP, VP))
+    lean = spec.checkpoint_chunks > 0 and training((q, KP, VP))
     outs = []
     # each group's tokens: one split, not slices (a slice's backward is a full-length zero gradient per group)
-    q_tokens = [min((cq0 + b) * C, p1) - max((cq0 + a) * C, p0) for a, b in groups]
-    for i, ((a, b), q_g) in enumerate(zip(groups, q.split(q_tokens, dim=2))):
+    q_tokens = [end - start for start, end in (token_span(a, b) for a, b in groups)]
+    for i, ((a, b), q_piece) in enumerate(zip(groups, q.split(q_tokens, dim=2))):
         wk, wv = (pieces_k[a:b + nb - 1], pieces_v[a:b + nb - 1]) if n_q > 1 else (pieces_k, pieces_v)
         fs = slice(first[i], first[i] + n_f[i])
         # lean: recomputed in backward from the state entering the group: autograd keeps no snapshot, memory row or
         # key list, only each group's inputs (issue #17); the recomputation reuses the read's output (`reuse`)
-        args = (a, b, first[i], len(wk), {} if lean else None, q_g, g_folds[i], *carry, *wk, *wv, *fold_k[fs],
+        args = (a, b, first[i], len(wk), {} if lean else None, q_piece, g_folds[i], *carry, *wk, *wv, *fold_k[fs],
                 *fold_v[fs])
         if lean:
             o, *carry = torch.utils.checkpoint.checkpoint(group, *args, use_reentrant=False)
