@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mixerzoo.evaluation.cost import LiveTensorBytes
-from mixerzoo.mixers.segments import recomputed_in_backward, recomputed_in_pieces, run_segments, segment_sizes
+from mixerzoo.mixers.segments import recomputed_in_backward, run_segments, segment_sizes
 from mixerzoo.testing import ConformanceError, check_recomputation
 
 
@@ -108,30 +108,6 @@ def test_recomputed_in_backward_keeps_only_the_arguments():
     with torch.no_grad():
         torch.testing.assert_close(recomputed_in_backward(fn, x), ref_y, atol=0, rtol=0)
 
-
-
-def test_recomputed_in_pieces_equals_one_call_with_a_smaller_backward_peak():
-    """A per-token function cut into pieces of ``span`` tokens: the same value and gradients as one call, and the
-    step's live peak lower (the recomputed intermediates and their gradients exist one piece at a time)."""
-    gen = torch.Generator().manual_seed(0)
-    w = (0.5 * torch.randn(64, generator=gen)).requires_grad_()
-
-    def fn(x):
-        return ((x * w).exp() * x).sin()
-
-    x = (0.5 * torch.randn(1, 512, 64, generator=gen)).requires_grad_()
-    peaks, results = {}, {}
-    for span in (0, 64):
-        with LiveTensorBytes(exclude=[x, w]) as mem:
-            y = recomputed_in_pieces(fn, x, span=span, also=(w,))
-            results[span] = (y.detach(), torch.autograd.grad(y.square().sum(), (x, w)))
-        peaks[span] = mem.peak
-    torch.testing.assert_close(results[64][0], results[0][0], atol=0, rtol=0)
-    for a, b in zip(results[64][1], results[0][1]):  # w's gradient is summed over the pieces: rounding differs
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert peaks[64] < 0.8 * peaks[0], peaks
-    with torch.no_grad():
-        torch.testing.assert_close(recomputed_in_pieces(fn, x, span=64), results[0][0], atol=0, rtol=0)
 
 def test_check_recomputation_passes_an_exact_recomputation_and_names_what_differs():
     """The conformance kit's check_recomputation: a mixer run in recomputed segments against itself run in one

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["segment_sizes", "run_segments", "recomputed_in_backward", "recomputed_in_pieces", "training"]
+__all__ = ["segment_sizes", "run_segments", "recomputed_in_backward", "training"]
 
 
 def training(tensors) -> bool:
@@ -81,18 +81,3 @@ def recomputed_in_backward(fn: Callable[..., object], *args, also: Sequence[torc
     if training((*args, *also)):
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
-
-
-def recomputed_in_pieces(fn: Callable[..., torch.Tensor], *args: torch.Tensor, span: int, dim: int = 1,
-                         also: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-    """``fn(*args)`` for an ``fn`` that acts on each token alone (an output path: gate projection, norm, output
-    projection), when training cut into pieces of ``span`` tokens along ``dim`` of every argument, each under
-    :func:`recomputed_in_backward`, the outputs concatenated. Same result as one call; what it changes is
-    backward's transient memory: each piece's recomputed intermediates and their gradients exist one piece at a
-    time instead of for the whole sequence at once (issue #17: a value-width output path at 8k tokens peaked at
-    several full-length float32 tensors). Without gradients, or with ``span`` 0 or not below the length, one call.
-    """
-    if not training((*args, *also)) or not span or args[0].shape[dim] <= span:
-        return recomputed_in_backward(fn, *args, also=also)
-    outs = [recomputed_in_backward(fn, *pieces, also=also) for pieces in zip(*(t.split(span, dim=dim) for t in args))]
-    return torch.cat(outs, dim=dim)

@@ -10,7 +10,6 @@ mechanism's options. On CUDA it calls fla's Triton kernels; elsewhere the chunke
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -18,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.mixers.segments import recomputed_in_pieces
+from mixerzoo.mixers.segments import run_segments
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
-from .modules import GatedRMSNorm, ShortConvolution, short_conv_caches, short_conv_qkv, short_convs_in_heads
+from .modules import GatedRMSNorm, ShortConvolution, short_conv_qkv
 from .ops import check_checkpoint_chunks, chunk_gated_delta_rule, gdn_log_decay
 
 __all__ = ["GatedDeltaNet", "GDNState"]
@@ -160,42 +159,46 @@ class GatedDeltaNet(Mixer):
 
     def forward(self, x: torch.Tensor, state: GDNState | None = None) -> tuple[torch.Tensor, GDNState]:
         """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given."""
+        B = x.shape[0]
+        conv = None if state is None else state.conv
+        if _backend.resolve_backend(self.backend, x.device) == "fla":
+            q, k, v, a, b, conv = self._inputs(x, conv, use_fla=True)
+            o, s = self._fla_delta_rule(q, k, v, a, b, None if state is None else state.recurrent)
+            return self._output(o.to(x.dtype), x), GDNState(recurrent=s, conv=conv)
+        # CPU: one pass, or in training segments of checkpoint_chunks chunks recomputed in backward, each running
+        # the whole layer from its slice of x (issue #17): autograd keeps x, the state entering each segment and
+        # the output, not the projections, convolutions, gates and output path (value-width tensors, twice
+        # attention's width with expand_v 2), and backward's gradients of q, k, v exist one segment at a time
+        s0 = (x.new_zeros(B, self.n_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
+              if state is None else state.recurrent.float())
+        caches = (tuple(conv) if conv is not None else (None,) * 3) if self.use_short_conv else ()
+        y, (s, *caches) = run_segments(self._cpu_layer, (x,), 0, (s0, *caches),
+                                       span=self.chunk_len * self.checkpoint_chunks, dim=1)
+        return y, GDNState(recurrent=s, conv=tuple(caches) if self.use_short_conv else None)
+
+    def _inputs(self, x: torch.Tensor, conv: tuple | None, use_fla: bool):
+        """Projections and short convolutions of ``x [B, T, d_model]`` (continuing the caches ``conv``):
+        ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, the decay and beta logits ``a, b [B, T, HV]`` (``a`` None
+        without ``use_decay``) and the new caches (None without short convolutions)."""
         B, T, _ = x.shape
-        use_fla = _backend.resolve_backend(self.backend, x.device) == "fla"
-        prologue, conv_in = None, ()
-        if self.use_short_conv and not use_fla:
-            # CPU form: the short convolutions run inside each recomputed segment of the chunk walk (its prologue),
-            # so autograd keeps the projections only, not the convolutions' outputs too (issue #17)
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            conv_in = state.conv if state is not None else (None, None, None)
-            conv = short_conv_caches(self, q, k, v, conv_in)
-            prologue = functools.partial(short_convs_in_heads, self)
-        elif self.use_short_conv:
-            q, k, v, conv = short_conv_qkv(self, x, state.conv if state is not None else None, use_fla)
+        if self.use_short_conv:
+            q, k, v, conv = short_conv_qkv(self, x, conv, use_fla)
         else:
-            q, k, v = F.silu(self.q_proj(x)), F.silu(self.k_proj(x)), F.silu(self.v_proj(x))
-            conv = None
+            q, k, v, conv = F.silu(self.q_proj(x)), F.silu(self.k_proj(x)), F.silu(self.v_proj(x)), None
         q, k = q.view(B, T, self.n_heads, self.head_k_dim), k.view(B, T, self.n_heads, self.head_k_dim)
         v = v.view(B, T, self.n_v_heads, self.head_v_dim)
-        a = self.a_proj(x) if self.use_decay else None
-        b = self.b_proj(x)
-        s0 = None if state is None else state.recurrent
-        if use_fla:
-            o, s = self._fla_delta_rule(q, k, v, a, b, s0)
-        else:
-            beta = b.float().sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)
-            g = gdn_log_decay(a, self.A_log, self.dt_bias) if self.use_decay else \
-                b.new_zeros(B, T, self.n_v_heads, dtype=torch.float32)  # DeltaNet: log alpha = 0
-            o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_len=self.chunk_len,
-                                          checkpoint_chunks=self.checkpoint_chunks, use_qk_l2norm=True,
-                                          prologue=prologue, prologue_state=tuple(conv_in))
-        # training: the output path recomputed in backward from o and x, so autograd keeps those two (x is kept by
-        # the projections anyway) instead of the gate projection, the norm's intermediates and the output
-        # projection's input: three more value-width tensors, each twice attention's width with expand_v 2
-        # (issue #17)
-        # (cut into the segments' spans: backward's transients are one span's)
-        y = recomputed_in_pieces(self._output, o.to(x.dtype), x, span=self.chunk_len * self.checkpoint_chunks)
-        return y, GDNState(recurrent=s, conv=conv)
+        return q, k, v, self.a_proj(x) if self.use_decay else None, self.b_proj(x), conv
+
+    def _cpu_layer(self, x: torch.Tensor, _pos: int, s: torch.Tensor, *caches) -> tuple:
+        """The CPU form of the layer on ``x [B, t, d_model]`` from the delta-rule state ``s`` and the convolution
+        caches (none without short convolutions): ``(y, s after, *caches after)``."""
+        q, k, v, a, b, conv = self._inputs(x, caches or None, use_fla=False)
+        beta = b.float().sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)
+        g = gdn_log_decay(a, self.A_log, self.dt_bias) if self.use_decay else \
+            b.new_zeros(b.shape, dtype=torch.float32)  # DeltaNet: log alpha = 0
+        o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s, chunk_len=self.chunk_len,
+                                      use_qk_l2norm=True)
+        return (self._output(o.to(x.dtype), x), s, *(conv or ()))
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``o_proj(norm(o, gate))``: the heads' reads ``o [B, T, n_v_heads, head_v_dim]`` normalised (gated by

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.mixers.segments import recomputed_in_pieces
+from mixerzoo.mixers.segments import run_segments
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
-from .modules import ShortConvolution, short_conv_caches, short_conv_qkv, short_convs_in_heads
+from .modules import ShortConvolution, short_conv_qkv
 from .ops import check_checkpoint_chunks, chunk_gsa
 
 __all__ = ["GatedSlotAttention", "GSAState"]
@@ -150,47 +150,51 @@ class GatedSlotAttention(Mixer):
 
     def forward(self, x: torch.Tensor, state: GSAState | None = None) -> tuple[torch.Tensor, GSAState]:
         """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given."""
-        B, T, _ = x.shape
-        use_fla = _backend.resolve_backend(self.backend, x.device) == "fla"
-        conv_in = state.conv if state is not None and state.conv is not None else (None, None, None)
-        if self.use_short_conv and use_fla:
-            q, k, v, conv = short_conv_qkv(self, x, state.conv if state is not None else None, use_fla)
-            q, k, v = self._feature_maps(q, k, v, B, T)
+        B = x.shape[0]
+        conv = None if state is None else state.conv
+        if _backend.resolve_backend(self.backend, x.device) == "fla":
+            q, k, v, f, conv = self._inputs(x, conv, use_fla=True)
+            o, (hk, hv) = self._fla_gsa(q, k, v, *self._gates(f), None if state is None else (state.hk, state.hv))
+            return self._output(o.to(x.dtype).flatten(2)), GSAState(hk=hk, hv=hv, conv=conv)
+        # CPU: one pass, or in training segments of checkpoint_chunks chunks recomputed in backward, each running
+        # the whole layer from its slice of x (issue #17): autograd keeps x, the two memories entering each
+        # segment and the output, not the projections, convolutions, feature maps, gates and output path
+        if state is None:
+            hk = x.new_zeros(B, self.n_kv_heads, self.head_k_dim, self.num_slots, dtype=torch.float32)
+            hv = x.new_zeros(B, self.n_kv_heads, self.num_slots, self.head_v_dim, dtype=torch.float32)
         else:
-            # CPU form: the short convolutions and feature maps run inside each recomputed segment of the chunk
-            # walk (its prologue), so autograd keeps the projections only (issue #17)
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            conv = None
-            if self.use_short_conv:
-                conv = short_conv_caches(self, q, k, v, conv_in)
-            q = q.view(B, T, self.n_heads, self.head_k_dim)
-            k = k.view(B, T, self.n_kv_heads, self.head_k_dim)
-            v = v.view(B, T, self.n_kv_heads, self.head_v_dim)
-        f = self.f_proj(x).view(B, T, self.n_kv_heads, self.num_slots)
-        initial = None if state is None else (state.hk, state.hv)
-        if use_fla:
-            if not self.use_short_conv:
-                q, k, v = self._feature_maps(q, k, v, B, T)
-            o, (hk, hv) = self._fla_gsa(q, k, v, *self._gates(f, f), initial)
-        else:  # the gates are formed inside each segment from the logits (chunk_gsa's gate), as the prologue
-            o, (hk, hv) = chunk_gsa(q, k, v, f, f, scale=self.scale, initial_state=initial,
-                                    chunk_len=self.chunk_len, checkpoint_chunks=self.checkpoint_chunks,
-                                    prologue=self._prologue, prologue_state=tuple(conv_in), gate=self._gates)
-        # training: the output path recomputed in backward from o, so autograd does not keep the activated output,
-        # the norm's intermediates and the output projection's input too (issue #17)
-        # (cut into the segments' spans: backward's transients are one span's)
-        y = recomputed_in_pieces(self._output, o.to(x.dtype).reshape(B, T, self.value_dim),
-                                 span=self.chunk_len * self.checkpoint_chunks)
-        return y, GSAState(hk=hk, hv=hv, conv=conv)
+            hk, hv = state.hk.float(), state.hv.float()
+        caches = (tuple(conv) if conv is not None else (None,) * 3) if self.use_short_conv else ()
+        y, (hk, hv, *caches) = run_segments(self._cpu_layer, (x,), 0, (hk, hv, *caches),
+                                            span=self.chunk_len * self.checkpoint_chunks, dim=1)
+        return y, GSAState(hk=hk, hv=hv, conv=tuple(caches) if self.use_short_conv else None)
+
+    def _inputs(self, x: torch.Tensor, conv: tuple | None, use_fla: bool):
+        """Projections, short convolutions (continuing the caches ``conv``) and feature maps of
+        ``x [B, T, d_model]``: ``phi(q) [B, T, HQ, K]``, ``phi(k) [B, T, H, K]``, ``silu(v) [B, T, H, V]``, the gate
+        logits ``f [B, T, H, M]`` and the new caches (None without short convolutions)."""
+        B, T, _ = x.shape
+        if self.use_short_conv:
+            q, k, v, conv = short_conv_qkv(self, x, conv, use_fla)
+        else:
+            q, k, v, conv = self.q_proj(x), self.k_proj(x), self.v_proj(x), None
+        return (*self._feature_maps(q, k, v, B, T), self.f_proj(x).view(B, T, self.n_kv_heads, self.num_slots),
+                conv)
+
+    def _cpu_layer(self, x: torch.Tensor, _pos: int, hk: torch.Tensor, hv: torch.Tensor, *caches) -> tuple:
+        """The CPU form of the layer on ``x [B, t, d_model]`` from the memories ``hk, hv`` and the convolution
+        caches (none without short convolutions): ``(y, hk after, hv after, *caches after)``."""
+        q, k, v, f, conv = self._inputs(x, caches or None, use_fla=False)
+        o, (hk, hv) = chunk_gsa(q, k, v, *self._gates(f.float()), scale=self.scale, initial_state=(hk, hv),
+                                chunk_len=self.chunk_len)
+        return (self._output(o.to(x.dtype).flatten(2)), hk, hv, *(conv or ()))
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         """``o_proj(RMSNorm(silu(o)))``, ``[B, T, value_dim] -> [B, T, d_model]`` (fla's GSA output path)."""
         return self.o_proj(self.g_norm(F.silu(o)))
 
-    def _gates(self, _, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(s, g) = (1 - alpha, log alpha)`` from the gate logits ``f [B, t, H, M]``, in their dtype (the CPU
-        form's ``gate``, :func:`mixerzoo_fla.ops.chunk_gsa`, which passes them as float32; its first argument, the
-        same logits, is not used)."""
+    def _gates(self, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, g) = (1 - alpha, log alpha)`` from the gate logits ``f [B, t, H, M]``, in their dtype."""
         g = F.logsigmoid(f) / self.gate_logit_normalizer
         return 1 - g.exp(), g
 
@@ -200,13 +204,6 @@ class GatedSlotAttention(Mixer):
         return (phi(q.reshape(B, T, self.n_heads, self.head_k_dim)),
                 phi(k.reshape(B, T, self.n_kv_heads, self.head_k_dim)),
                 F.silu(v.reshape(B, T, self.n_kv_heads, self.head_v_dim)))
-
-    def _prologue(self, q, k, v, caches):
-        """The CPU form's prologue (:func:`mixerzoo_fla.ops.chunk_gsa`): one segment's short convolutions
-        (continuing ``caches``) and feature maps, on the projections in heads ``[B, t, heads, dim]``."""
-        if self.use_short_conv:
-            q, k, v, caches = short_convs_in_heads(self, q, k, v, caches)
-        return (*self._feature_maps(q, k, v, *q.shape[:2]), caches)
 
     def _fla_gsa(self, q, k, v, s, g, initial_state):
         """fla's kernels as fla's layer calls them: key/value/slot heads repeated to the query heads,

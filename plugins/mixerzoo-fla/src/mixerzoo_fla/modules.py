@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from mixerzoo.mixers.segments import recomputed_in_backward
 from torch import nn
 
 from . import backend as _backend
 
-__all__ = ["ShortConvolution", "GatedRMSNorm", "short_conv_qkv", "short_convs_in_heads", "short_conv_caches"]
+__all__ = ["ShortConvolution", "GatedRMSNorm", "short_conv_qkv"]
 
 
 class ShortConvolution(nn.Conv1d):
@@ -61,15 +60,9 @@ class ShortConvolution(nn.Conv1d):
                 initial_state=None if cache is None else cache.to(x.dtype),
                 output_final_state=True, activation=self.activation)
             return y, new_cache
+        # (no recomputation of its own: on CPU the GDN and GSA layers recompute whole segments in training)
         past = self._past(x, cache)
-        # training: the padded input and the pre-activation output (two more [B, T, D] tensors) are recomputed in
-        # backward instead of kept, a depthwise convolution being cheap (issue #17)
-        y = recomputed_in_backward(self._conv, past, x, also=(self.weight,)) if T > 1 else self._conv(past, x)
-        return y, self._next_cache(past, x)
-
-    def next_cache(self, x: torch.Tensor, cache: torch.Tensor | None = None) -> torch.Tensor:
-        """The cache ``[B, D, W]`` after ``x [B, T, D]`` (what :meth:`forward` returns), without convolving."""
-        return self._next_cache(self._past(x, cache), x)
+        return self._conv(past, x), self._next_cache(past, x)
 
     def _past(self, x: torch.Tensor, cache: torch.Tensor | None) -> torch.Tensor:
         """The ``W - 1`` inputs before ``x``: ``[B, D, W - 1]``, zeros at the start of a sequence."""
@@ -101,26 +94,6 @@ def short_conv_qkv(layer: nn.Module, x: torch.Tensor, conv_state: tuple | None, 
     return q, k, v, (cq, ck, cv)
 
 
-def short_convs_in_heads(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: tuple):
-    """``layer.{q,k,v}_conv1d`` over ``q, k, v`` given in heads ``[B, t, heads, dim]``, continuing ``caches`` (a
-    cache or None each): the CPU forms' prologue (one recomputed segment at a time, GDN and GSA). Returns the
-    convolved ``q, k, v`` in the same shapes and the new caches."""
-    outs, new = [], []
-    for x, conv, cache in zip((q, k, v), (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d), caches):
-        y, cache = conv(x.reshape(*x.shape[:2], -1), cache)
-        outs.append(y.view(x.shape))
-        new.append(cache)
-    return (*outs, tuple(new))
-
-
-def short_conv_caches(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: tuple) -> tuple:
-    """The caches ``layer.{q,k,v}_conv1d`` hold after ``q, k, v [B, T, D]`` (the projections), continuing
-    ``caches`` (a cache or None each), without convolving: the state when the convolutions themselves run inside
-    the CPU forms' segments (:func:`short_convs_in_heads`)."""
-    convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
-    return tuple(conv.next_cache(x, cache) for conv, x, cache in zip(convs, (q, k, v), caches))
-
-
 class GatedRMSNorm(nn.Module):
     """``RMSNorm(x) * weight * act(gate)`` over the last dimension (fla's ``FusedRMSNormGated``, in PyTorch).
 
@@ -144,8 +117,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        # no recomputation of its own: GDN recomputes its whole output path (gate projection, this norm, output
-        # projection) in backward (issue #17)
+        # no recomputation of its own: on CPU, GDN recomputes whole segments of the layer in training (issue #17)
         xf, gf = x.float(), gate.float()
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()
         y = y * (torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf))

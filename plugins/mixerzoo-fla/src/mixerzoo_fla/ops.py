@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -103,8 +102,7 @@ def _pairwise_decay(b: torch.Tensor, per_slot: bool = False) -> torch.Tensor:
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            scale: float | None = None, initial_state: torch.Tensor | None = None,
-                           chunk_len: int = 64, checkpoint_chunks: int = 0, use_qk_l2norm: bool = False,
-                           prologue: Callable | None = None, prologue_state: tuple = ()
+                           chunk_len: int = 64, checkpoint_chunks: int = 0, use_qk_l2norm: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule in chunkwise-parallel (WY / UT-transform) form (GDN paper, section 3.2).
 
@@ -127,13 +125,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         checkpoint_chunks: when training, run segments of this many chunks under ``torch.utils.checkpoint``
             (:func:`mixerzoo.mixers.segments.run_segments`): autograd keeps the state entering each segment instead
             of every chunk's UT factors, decays and states, and backward recomputes one segment at a time (same
-            results; more compute). 0: one pass.
+            results; more compute). 0: one pass. (The GDN layer instead recomputes whole segments of the layer,
+            projections to output projection, and calls this with 0 inside each.)
         use_qk_l2norm: L2-normalise q and k here (fla's ``use_qk_l2norm_in_kernel``): inside each recomputed
             segment, with the query scale and the float32 chunked copies, so autograd keeps only the inputs as
             given instead of the normalised, scaled and chunked copies too (issue #17).
-        prologue: ``prologue(q, k, v, state) -> (q, k, v, state)`` run first in every segment (so inside its
-            recomputation), its ``state`` carried from segment to segment starting at ``prologue_state``: GDN's
-            short convolutions, whose outputs autograd then does not keep (only their inputs, ``q, k, v`` here).
 
     Returns:
         ``o [B, T, HV, V]`` and the final state ``[B, HV, K, V]``, float32.
@@ -151,19 +147,15 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     C = min(chunk_len, T)
     S = q.new_zeros(B, HV, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
     # segments of whole chunks along time: chunk boundaries are those of one pass
-    segment = functools.partial(_delta_rule_segment, chunk=C, scale=scale, group=HV // H, l2norm=use_qk_l2norm,
-                                prologue=prologue)
-    o, (S, *_) = run_segments(segment, (q, k, v, g, beta), 0, (S, *prologue_state), checkpoint_chunks * C, dim=1)
+    segment = functools.partial(_delta_rule_segment, chunk=C, scale=scale, group=HV // H, l2norm=use_qk_l2norm)
+    o, (S,) = run_segments(segment, (q, k, v, g, beta), 0, (S,), checkpoint_chunks * C, dim=1)
     return o, S
 
 
-def _delta_rule_segment(q, k, v, g, beta, pos: int, S: torch.Tensor, *prologue_state, chunk: int, scale: float,
-                        group: int, l2norm: bool, prologue: Callable | None) -> tuple:
-    """Tokens ``[B, t, H, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: the prologue, the optional q/k
-    L2 norm, the query scale and the float32 chunked layout, then :func:`_delta_rule_chunks`;
-    ``(o [B, t, HV, V], S after, *prologue state after)``."""
-    if prologue is not None:
-        q, k, v, prologue_state = prologue(q, k, v, prologue_state)
+def _delta_rule_segment(q, k, v, g, beta, pos: int, S: torch.Tensor, *, chunk: int, scale: float, group: int,
+                        l2norm: bool) -> tuple:
+    """Tokens ``[B, t, H, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: the optional q/k L2 norm, the
+    query scale and the float32 chunked layout, then :func:`_delta_rule_chunks`; ``(o [B, t, HV, V], S after)``."""
     T = q.shape[1]
     N = math.ceil(T / chunk)
     if l2norm:
@@ -173,7 +165,7 @@ def _delta_rule_segment(q, k, v, g, beta, pos: int, S: torch.Tensor, *prologue_s
     q, k, v = (_to_chunks(x, N, chunk) for x in (q.float() * scale, k.float(), v.float()))  # [B, HV, N, C, D]
     g, beta = (_to_chunks(x.float()[..., None], N, chunk)[..., 0] for x in (g, beta))      # [B, HV, N, C]
     o, S = _delta_rule_chunks(q, k, v, g, beta, S)
-    return (_from_chunks(o, T), S, *prologue_state)
+    return _from_chunks(o, T), S
 
 
 def _delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,8 +195,7 @@ def _delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor) -> tuple[torch.Tensor,
 
 def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
               scale: float | None = None, initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-              chunk_len: int = 32, checkpoint_chunks: int = 0, prologue: Callable | None = None,
-              prologue_state: tuple = (), gate: Callable | None = None
+              chunk_len: int = 32, checkpoint_chunks: int = 0
               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Gated Slot Attention in chunked two-pass form (GSA paper, section 3: two GLA passes joined by a softmax).
 
@@ -235,12 +226,7 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
         checkpoint_chunks: when training, run segments of this many chunks under ``torch.utils.checkpoint``
             (:func:`mixerzoo.mixers.segments.run_segments`, as :func:`chunk_gated_delta_rule`): autograd keeps the
             two states entering each segment instead of every chunk's states, scores and decays. 0: one pass.
-        prologue, prologue_state: as :func:`chunk_gated_delta_rule`'s (GSA's short convolutions and feature maps:
-            ``q, k, v`` are then the projections, and autograd keeps only them).
-        gate: optional ``gate(s, g) -> (s, g)`` run inside each segment, before the chunk walk (recomputed with
-            it): the GSA layer passes its gate logits as both ``s`` and ``g`` and forms ``1 - alpha`` and
-            ``log alpha`` there, so autograd keeps the logits only, not also the log-sigmoid, the gates and their
-            exponentials (issue #17).
+            (The GSA layer instead recomputes whole segments of the layer and calls this with 0 inside each.)
 
     Returns:
         ``o [B, T, HQ, V]`` and ``(Hk, Hv)``, float32.
@@ -254,47 +240,39 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
     if chunk_len < 1:
         raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
     g = g.float()
-    with torch.no_grad():
-        log_gate = g if gate is None else gate(s, g)[1].float()
+    log_gate = g.detach()
     T = q.shape[1]
     C = max(1, min(chunk_len, T))
     while True:
         span = -_to_chunks(log_gate, math.ceil(T / C), C).sum(-2).min().item()      # largest decay inside a chunk
         if span <= GSA_MAX_LOG_SPAN or C <= GSA_MIN_SPLIT_CHUNK:
-            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, span > GSA_MAX_LOG_SPAN, checkpoint_chunks,
-                              prologue, prologue_state, gate)
+            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, span > GSA_MAX_LOG_SPAN, checkpoint_chunks)
         C = math.ceil(C / 2)
 
 
-def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact, checkpoint_chunks, prologue, prologue_state, gate):
+def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact, checkpoint_chunks):
     B, T, HQ, K = q.shape
     H, V, M = k.shape[2], v.shape[3], s.shape[3]
     scale = K ** -0.5 if scale is None else scale
     hk = q.new_zeros(B, H, K, M, dtype=torch.float32) if initial_state is None else initial_state[0].float()
     hv = q.new_zeros(B, H, M, V, dtype=torch.float32) if initial_state is None else initial_state[1].float()
     # segments of whole chunks along time: chunk boundaries are those of one pass
-    segment = functools.partial(_gsa_segment, chunk=C, scale=scale, exact=exact, prologue=prologue, gate=gate)
-    o, (hk, hv, *_) = run_segments(segment, (q, k, v, s, g), 0, (hk, hv, *prologue_state), checkpoint_chunks * C,
-                                   dim=1)
+    segment = functools.partial(_gsa_segment, chunk=C, scale=scale, exact=exact)
+    o, (hk, hv) = run_segments(segment, (q, k, v, s, g), 0, (hk, hv), checkpoint_chunks * C, dim=1)
     return o, (hk, hv)
 
 
-def _gsa_segment(q, k, v, s, g, pos: int, hk: torch.Tensor, hv: torch.Tensor, *prologue_state, chunk: int,
-                 scale: float, exact: bool, prologue: Callable | None, gate: Callable | None) -> tuple:
-    """Tokens ``[B, t, heads, .]`` of :func:`chunk_gsa` from the states ``hk, hv``: the prologue and the gates, the
-    query scale and the float32 chunked layout, then :func:`_gsa_chunks`; ``(o [B, t, HQ, V], hk, hv, *prologue
-    state)``."""
-    if prologue is not None:
-        q, k, v, prologue_state = prologue(q, k, v, prologue_state)
-    if gate is not None:
-        s, g = gate(s, g)
+def _gsa_segment(q, k, v, s, g, pos: int, hk: torch.Tensor, hv: torch.Tensor, *, chunk: int, scale: float,
+                 exact: bool) -> tuple:
+    """Tokens ``[B, t, heads, .]`` of :func:`chunk_gsa` from the states ``hk, hv``: the query scale and the float32
+    chunked layout, then :func:`_gsa_chunks`; ``(o [B, t, HQ, V], hk, hv)``."""
     T, HQ, H = q.shape[1], q.shape[2], k.shape[2]
     N = math.ceil(T / chunk)
     # queries carry a group axis: [B, H, N, G, C, K]; everything else is per key/value head: [B, H, N, C, *]
     q = _to_chunks(q.float() * scale, N, chunk).unflatten(1, (H, HQ // H)).transpose(2, 3)
     k, v, s, g = (_to_chunks(x.float(), N, chunk) for x in (k, v, s, g))
     o, hk, hv = _gsa_chunks(q, k, v, s, g, exact, hk, hv)
-    return (_from_chunks(o.transpose(2, 3).flatten(1, 2), T), hk, hv, *prologue_state)
+    return _from_chunks(o.transpose(2, 3).flatten(1, 2), T), hk, hv
 
 
 def _gsa_chunks(q, k, v, s, g, exact: bool, hk: torch.Tensor, hv: torch.Tensor):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection
-from mixerzoo.mixers.segments import recomputed_in_pieces, run_segments
+from mixerzoo.mixers.segments import run_segments
 from mixerzoo.protocol import Mixer, MixerState
 
 from .ops import FS, PHIS, TrellisMemory, check_choice, trellis_chunked, trellis_step, zero_memory
@@ -181,28 +181,56 @@ class Trellis(Mixer):
         positions, so any split point continues exactly).
         """
         B, T, _ = x.shape
-        H, D, m = self.n_heads, self.head_dim, self.num_slots
         pos = 0 if state is None else state.pos
+        work = torch.promote_types(x.dtype, torch.float32)  # the memory runs in fp32 at least
+        if state is None:
+            memory, conv_cache = zero_memory(B, self.n_heads, self.num_slots, self.head_dim, self.head_dim, work,
+                                             x.device), None
+        else:
+            memory, conv_cache = state.memory, state.conv
+        if self.use_reference or T == 1:
+            y, *memory, conv_cache = self._layer(x, pos, *memory, conv_cache)
+        else:
+            # one pass, or in training segments recomputed in backward, each running the whole layer from its
+            # slice of x (issue #17): autograd keeps x, the memory entering each segment and the output, not the
+            # projections, their convolved and unit copies, the reads or the output path's intermediates; and
+            # backward's gradients of q, k, v and a exist one segment at a time, not for the whole sequence
+            y, (*memory, conv_cache) = run_segments(self._layer, (x,), pos, (*memory, conv_cache),
+                                                    span=self.chunk_len * self.checkpoint_chunks, dim=1)
+        return y, TrellisState(*memory, conv=conv_cache, pos=pos + T)
+
+    def _layer(self, x: torch.Tensor, pos: int, mk, mk_grad, mv, mv_grad, conv_cache):
+        """The layer on ``x (B, T, d_model)`` at absolute position ``pos`` from the memories and convolution cache
+        before it: projections, short convolution, write norm, the two-pass memory (token-loop reference, decode
+        step or chunked form), output path. Returns ``(y, mk, mk_grad, mv, mv_grad, conv_cache)``."""
+        B, T, _ = x.shape
+        H, m = self.n_heads, self.num_slots
         positions = torch.arange(pos, pos + T, device=x.device)
-        q, k, v, _ = self.qkv(x, positions)  # (B, H, T, D), before the short convolution (in _memory)
+        q, k, v, _ = self.qkv(x, positions)  # (B, H, T, D)
         a = self.a_proj(x).view(B, T, H, m).transpose(1, 2)
-        dtype, work = x.dtype, torch.promote_types(x.dtype, torch.float32)  # the memory runs in fp32 at least
+        work = mk.dtype
         if self.forget_gate:
             log_beta = F.logsigmoid(self.b_proj(x).to(work)).transpose(1, 2)  # (B, H, T)
         else:
             log_beta = x.new_zeros(B, H, T, dtype=work)
         q, k, v, a = (t.to(work) for t in (q, k, v, a))
-        gamma = self.gamma.to(work)
-        memory, conv_cache = (None, None) if state is None else (state.memory, state.conv)
+        memory = TrellisMemory(mk, mk_grad, mv, mv_grad)
+        opts = dict(phi=self.phi, f=self.f, pos=pos, detach_inner_grad=self.detach_inner_grad)
         with torch.autocast(x.device.type, enabled=False):  # keep the memory in fp32 under bf16-mixed
-            o, memory, conv_cache = self._memory(q, k, v, a, log_beta, gamma, memory, conv_cache, pos)
-        # training: the output path recomputed in backward from o and x, so autograd keeps those two (x is kept by
-        # the projections anyway) instead of the gate projection, the norm's intermediates, the activated gate and
-        # the output projection's input too (issue #17)
-        # (cut into the segments' spans: backward's transients are one span's)
-        y = recomputed_in_pieces(self._output, o.transpose(1, 2).reshape(B, T, H * D).to(dtype), x,
-                                 span=self.chunk_len * self.checkpoint_chunks)
-        return y, TrellisState(*memory, conv=conv_cache, pos=pos + T)
+            q, k, conv_cache = self._short_conv(q, k, conv_cache)
+            k, v = self._write_norm(k, v)
+            gamma = self.gamma.to(work)
+            if self.use_reference:
+                o, memory = trellis_reference(q, k, v, a, log_beta.exp(), gamma, chunk_len=self.chunk_len,
+                                              memory=memory, **opts)
+            elif T == 1:  # decode: one step of the same chunked recurrence
+                o, memory = trellis_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], a[:, :, 0], log_beta[:, :, 0], gamma,
+                                         self.chunk_len, memory=memory, **opts)
+                o = o[:, :, None]
+            else:
+                o, memory = trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=memory, **opts)
+        y = self._output(o.transpose(1, 2).reshape(B, T, H * self.head_dim).to(x.dtype), x)
+        return (y, *memory, conv_cache)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``o_proj(RMSNorm(o) * GELU(W_g x))``, ``(B, T, H D) -> (B, T, d_model)``: the heads' reads normalised,
@@ -226,40 +254,6 @@ class Trellis(Mixer):
         if not self.write_norm:
             return k, v
         return F.normalize(k, dim=-1, eps=1e-6), F.normalize(v, dim=-1, eps=1e-6)
-
-    def _memory(self, q, k, v, a, log_beta, gamma, memory, conv_cache, pos):
-        """The short convolution and the two-pass memory on ``(B, H, T, .)`` tensors: decode step, chunked form or
-        reference. Returns ``o``, the memory and the convolution cache after."""
-        B, H, T, D = q.shape
-        opts = dict(phi=self.phi, f=self.f, pos=pos, detach_inner_grad=self.detach_inner_grad)
-        if memory is None:
-            memory = zero_memory(B, H, self.num_slots, D, D, q.dtype, q.device)
-        if self.use_reference or T == 1:
-            q, k, conv_cache = self._short_conv(q, k, conv_cache)
-        if self.use_reference:
-            k, v = self._write_norm(k, v)
-            o, memory = trellis_reference(q, k, v, a, log_beta.exp(), gamma, chunk_len=self.chunk_len,
-                                          memory=memory, **opts)
-        elif T == 1:  # decode: one step of the same chunked recurrence
-            k, v = self._write_norm(k, v)
-            o, memory = trellis_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], a[:, :, 0], log_beta[:, :, 0], gamma,
-                                     self.chunk_len, memory=memory, **opts)
-            o = o[:, :, None]
-        else:  # one pass, or in training segments recomputed in backward (issue #17), carrying the memory
-
-            def segment(q, k, v, a, log_beta, gamma, p, *carry):
-                # inside: autograd keeps q, k and v as projected, not also their convolved and unit copies
-                *mem, cache = carry
-                q, k, cache = self._short_conv(q, k, cache)
-                k, v = self._write_norm(k, v)
-                o, m = trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=TrellisMemory(*mem),
-                                       **{**opts, "pos": p})
-                return (o, *m, cache)
-
-            o, (*carry, conv_cache) = run_segments(segment, (q, k, v, a, log_beta), pos, (*memory, conv_cache),
-                                                   span=self.chunk_len * self.checkpoint_chunks, extra=(gamma,))
-            memory = TrellisMemory(*carry)
-        return o, memory, conv_cache
 
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, head_dim={self.head_dim}, num_slots={self.num_slots}, "
