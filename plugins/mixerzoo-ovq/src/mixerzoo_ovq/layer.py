@@ -203,22 +203,41 @@ class OVQAttention(Mixer):
         if st.buf_k.shape[2] != p0 % L:
             raise ValueError(f"{self.mixer_name} state holds {st.buf_k.shape[2]} buffered tokens at position {p0}, "
                              f"expected {p0 % L}: was chunk_len changed mid-sequence?")
-        q, k, v, _, shift = self.qkv.stream(x, st, shared)
-        carry = self._carry(st, k.dtype)
         # training: segments of checkpoint_chunks chunks recomputed in backward, so autograd keeps one dictionary
         # per segment instead of one [dictionary ; chunk] key list, value list and bias per chunk (issue #17,
         # paper sec. 3.4)
         # memo: what backward's recomputation of a segment takes from its first run instead of computing again:
         # each chunk's discrete dictionary choices (ops.update_dictionary) and read (ops.chunk_attention)
-        o, carry = run_segments(self._segment, (q, k, v), p0, carry, span=L * self.checkpoint_chunks, memo=True)
-        y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        span = L * self.checkpoint_chunks
+        carry = self._carry(st)
+        if self.qkv.value_residual and shared is not None:
+            # the first layer's values are shared with the later layers for the whole call: project it here
+            q, k, v, _, shift = self.qkv.stream(x, st, shared)
+            o, carry = run_segments(self._segment, (q, k, v), p0, carry, span=span, memo=True)
+            return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), self._state(carry, p0 + T, shift)
+        # each segment runs the whole layer from its slice of x (projections, token shift carried, reads and
+        # merges, output projection): autograd keeps x, the dictionary entering each segment and the output, not
+        # the projections, and backward's q/k/v gradients exist one segment at a time (issue #17)
+        shift = (st.shift or (None,) * 3) if self.qkv.token_shift else ()
+        y, carry = run_segments(self._layer_segment, (x,), p0, (*carry, *shift), span=span, dim=1, memo=True)
+        carry, shift = carry[:5], tuple(carry[5:]) or None
         return y, self._state(carry, p0 + T, shift)
 
-    def _carry(self, st: OVQState, dtype: torch.dtype) -> tuple:
+    def _layer_segment(self, x: torch.Tensor, memo: dict | None, pos: int, *carry) -> tuple:
+        """The layer on ``x (B, T, d_model)`` at absolute position ``pos``: the projections (continuing the token
+        shift carried after the five dictionary tensors of :meth:`_carry`, none without ``token_shift``), then
+        :meth:`_segment`, then the output projection. Returns ``(y, *carry after)``."""
+        B, T, _ = x.shape
+        positions = torch.arange(pos, pos + T, device=x.device)
+        q, k, v, shift = self.qkv(x, positions, tuple(carry[5:]) or None)
+        o, *dictionary = self._segment(q, k, v, memo, pos, *carry[:5])
+        return (self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), *dictionary, *(shift or ()))
+
+    def _carry(self, st: OVQState) -> tuple:
         """What the chunk loop carries: ``(dk, dv, counts, buf_k, buf_v)``. The dictionary and its counts stay
         float32 under autocast (bf16 running means drift ~1.5% after 8k merges); attention reads them in the
-        compute dtype."""
-        return st.dk.float(), st.dv.float(), st.counts, st.buf_k.to(dtype), st.buf_v.to(dtype)
+        compute dtype, and the buffered tokens join the new ones in theirs (:meth:`_segment`)."""
+        return st.dk.float(), st.dv.float(), st.counts, st.buf_k, st.buf_v
 
     def _state(self, carry: tuple, next_pos: int, shift) -> OVQState:
         """The state after the chunk loop (inverse of :meth:`_carry`)."""
@@ -251,6 +270,7 @@ class OVQAttention(Mixer):
         normalised copies (two ``(B, H, T, D)`` tensors a layer; issue #17). Returns ``(o (B, H, T, D), dk, dv,
         counts, buf_k, buf_v)``."""
         q, k = self.normalize_qk(q, k)
+        buf_k, buf_v = buf_k.to(k.dtype), buf_v.to(v.dtype)
         L = self.chunk_len
         attend = reference.chunk_attention_reference if self.use_reference else ops.chunk_attention
         T = q.shape[2]

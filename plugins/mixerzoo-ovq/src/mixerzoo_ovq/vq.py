@@ -130,10 +130,9 @@ class VQAttention(OVQAttention):
         return VQState(dv=torch.zeros(batch, Hkv, N, D, device=device),
                        counts=torch.zeros(batch, Hkv, N, device=device), buf_k=z, buf_v=z, next_pos=0)
 
-    def _carry(self, st: VQState, dtype: torch.dtype) -> tuple:
+    def _carry(self, st: VQState) -> tuple:
         B = st.dv.shape[0]
-        return (self.codes().float()[None].expand(B, -1, -1, -1), st.dv.float(), st.counts, st.buf_k.to(dtype),
-                st.buf_v.to(dtype))
+        return self.codes().float()[None].expand(B, -1, -1, -1), st.dv.float(), st.counts, st.buf_k, st.buf_v
 
     def _state(self, carry: tuple, next_pos: int, shift) -> VQState:
         _, dv, counts, buf_k, buf_v = carry
