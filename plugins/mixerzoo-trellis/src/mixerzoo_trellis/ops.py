@@ -37,8 +37,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PHIS", "FS", "TrellisMemory", "zero_memory", "phi_forward", "inner_grad", "normalized_silu",
-           "trellis_chunked", "trellis_step", "trellis_recurrent", "check_choice"]
+__all__ = ["PHIS", "FS", "TrellisMemory", "zero_memory", "phi_forward", "inner_grad", "silu_residual_grad_reference",
+           "normalized_silu", "trellis_chunked", "trellis_step", "trellis_recurrent", "check_choice"]
 
 PHIS = ("silu", "identity")
 """Inner nonlinearity ``phi`` of the reconstruction loss: ``silu`` (default) or ``identity`` (delta rule)."""
@@ -108,8 +108,40 @@ def inner_grad(m_grad: torch.Tensor, w: torch.Tensor, a: torch.Tensor, phi: str,
     z = w @ m_grad.transpose(-1, -2)
     if phi == "identity":
         return z - a
+    return _SiluResidualGrad.apply(z, a)
+
+
+def silu_residual_grad_reference(z: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``SiLU'(z) (SiLU(z) - a)`` elementwise, written with autograd (the readable form of :class:`_SiluResidualGrad`,
+    which the tests compare it with)."""
     s = torch.sigmoid(z)
     return s * (1 + z * (1 - s)) * (z * s - a)
+
+
+class _SiluResidualGrad(torch.autograd.Function):
+    """``u = p (phi - a)`` with ``phi = SiLU(z) = z s``, ``p = SiLU'(z) = s (1 + z (1 - s))``, ``s = sigmoid(z)``
+    (:func:`inner_grad` for ``phi = silu``), with its backward written out: ``du/dz = SiLU''(z) (phi - a) + p^2``
+    with ``SiLU''(z) = s (1 - s) (2 + z (1 - 2 s))``, and ``du/da = -p``. One autograd node instead of eight: the
+    chunk scan runs it once per chunk on ``(C, m)`` tensors, where the engine's per-node cost outweighed the
+    arithmetic (issue #17: elementwise products were a quarter of a Trellis training step at 8k)."""
+
+    @staticmethod
+    def forward(ctx, z, a):
+        s = torch.sigmoid(z)
+        phi = z * s
+        p = torch.addcmul(s, phi, 1 - s)
+        r = phi - a
+        ctx.save_for_backward(z, s, p, r)
+        return p * r
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, s, p, r = ctx.saved_tensors
+        one_minus_s = 1 - s
+        second = s * one_minus_s * torch.addcmul(torch.full_like(z, 2.0), z, one_minus_s - s)  # SiLU''(z)
+        grad_z = grad * torch.addcmul(p * p, second, r)
+        grad_a = -grad * p if ctx.needs_input_grad[1] else None
+        return grad_z, grad_a
 
 
 def normalized_silu(s: torch.Tensor, f: str) -> torch.Tensor:
@@ -143,15 +175,18 @@ def _scan(w: torch.Tensor, a: torch.Tensor, decay_end: torch.Tensor, to_end: tor
         the gradient base used by the last chunk.
     """
     us, starts = [], []
+    # gamma folded into the (C, m) factor (autograd then saves a small tensor, not a memory-sized one), for every
+    # chunk at once: the loop's cost is its number of small operations
+    step = to_end[..., None] * gamma[:, :, None]  # (B, H, N, C, 1)
+    decay = decay_end[..., None, None]  # (B, H, N, 1, 1)
     # unbind once: indexing w[:, :, c] inside the loop would make the backward pass O(N^2) (every slice's
     # gradient is a zero tensor of the full size)
-    for wc, ac, dc, ec in zip(w.unbind(2), a.unbind(2), decay_end.unbind(2), to_end.unbind(2)):
+    for wc, ac, dc, ec in zip(w.unbind(2), a.unbind(2), decay.unbind(2), step.unbind(2)):
         u = inner_grad(m_grad, wc, ac, phi, detach)
         us.append(u)
         starts.append(m_start)
         last_grad = m_grad
-        # gamma folded into the (C, m) factor: autograd then saves a small tensor, not a memory-sized one
-        m_start = dc[:, :, None, None] * m_start - (u * (ec[..., None] * gamma)).transpose(-1, -2) @ wc
+        m_start = dc * m_start - (u * ec).transpose(-1, -2) @ wc
         m_grad = m_start
     return torch.stack(us, 2), torch.stack(starts, 2), m_start, last_grad
 
