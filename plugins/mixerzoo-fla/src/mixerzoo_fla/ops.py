@@ -186,10 +186,13 @@ def _delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor) -> tuple[torch.Tensor,
         q_decayed = qb * gamma.exp()[..., None]
         k_to_end = kb * (gamma[..., -1:] - gamma).exp()[..., None]
         chunk_decay = gamma[..., -1].exp()[..., None, None]                             # [B, HV, n, 1, 1]
-        for n in range(qb.shape[2]):
-            v_new = u[:, :, n] - w[:, :, n] @ S
-            outs.append(q_decayed[:, :, n] @ S + attn[:, :, n] @ v_new)
-            S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+        # unbind once per block: indexing [:, :, n] in the loop would give every chunk a block-sized zero gradient
+        # in backward (filling them was 7% of a GDN step at 8k)
+        for u_n, w_n, qd_n, attn_n, decay_n, ke_n in zip(*(t.unbind(2) for t in (u, w, q_decayed, attn, chunk_decay,
+                                                                                   k_to_end))):
+            v_new = u_n - w_n @ S
+            outs.append(qd_n @ S + attn_n @ v_new)
+            S = decay_n * S + ke_n.transpose(-1, -2) @ v_new
     return torch.stack(outs, dim=2), S
 
 
@@ -297,9 +300,9 @@ def _gsa_chunks(q, k, v, s, g, exact: bool, hk: torch.Tensor, hv: torch.Tensor):
         # pass 1: slot scores z, softmax -> p
         u_k = kb.transpose(-1, -2) @ s_to_end                           # [B, H, n, K, M]
         hk_starts = []
-        for n in range(u_k.shape[2]):
+        for decay_n, u_n in zip(chunk_decay.unbind(2), u_k.unbind(2)):  # unbind: see _delta_rule_chunks
             hk_starts.append(hk)
-            hk = hk * chunk_decay[:, :, n, None, :] + u_k[:, :, n]
+            hk = hk * decay_n[:, :, None, :] + u_n
         z = (qb @ torch.stack(hk_starts, dim=2)[:, :, None]) * b_exp[:, :, None]   # [B, H, G, n, C, M]
         qk = (qb @ kb[:, :, None].transpose(-1, -2)).masked_fill(~causal, 0.0)    # [B, H, G, n, C, C]
         if exact:
@@ -311,9 +314,9 @@ def _gsa_chunks(q, k, v, s, g, exact: bool, hk: torch.Tensor, hv: torch.Tensor):
         # pass 2: read the values through the slot probabilities
         u_v = s_to_end.transpose(-1, -2) @ vb                           # [B, H, n, M, V]
         hv_starts = []
-        for n in range(u_v.shape[2]):
+        for decay_n, u_n in zip(chunk_decay.unbind(2), u_v.unbind(2)):
             hv_starts.append(hv)
-            hv = chunk_decay[:, :, n, :, None] * hv + u_v[:, :, n]
+            hv = decay_n[:, :, :, None] * hv + u_n
         p_decayed = p * b_exp[:, :, None]
         o = p_decayed @ torch.stack(hv_starts, dim=2)[:, :, None]       # [B, H, G, n, C, V]
         if exact:
