@@ -129,15 +129,15 @@ def _snapshots(spec: KVMSpec, params: KVMParams, state: KVMState, kbar: torch.Te
         snaps = []
         for s0, x in zip((s_k0, s_v0), xs):
             run = [s0]
-            for f, r in enumerate(routes):
+            for f, (r, x_f) in enumerate(zip(routes, x.unbind(2))):
                 probs = r.probs if r.probs is not None else F.one_hot(r.target, sizes[f + 1]).float()
-                add = probs.transpose(-1, -2).to(x.dtype) @ x[:, :, f]
+                add = probs.transpose(-1, -2).to(x.dtype) @ x_f
                 run.append(run[-1] + F.pad(add, (0, 0, 0, R - sizes[f + 1])))
             snaps.append(torch.stack(run, dim=2))
         s_k, s_v = snaps
     norms = v_o.float().norm(dim=-1)  # (B, H, F, C)
-    rho = torch.cat([state.rho] + [torch.gather(norms[:, :, f], 2, r.append_idx) for f, r in enumerate(routes)],
-                    dim=2)
+    # unbind, not norms[:, :, f]: each index's backward would be a zero tensor of all the folds' norms
+    rho = torch.cat([state.rho] + [torch.gather(n, 2, r.append_idx) for n, r in zip(norms.unbind(2), routes)], dim=2)
     count = None
     if state.count is not None:
         with torch.no_grad():
