@@ -174,13 +174,15 @@ class KVMAttention(Mixer):
         g = merge_gate(x, self.gate_proj)
         if state is None:
             state = KVMState.empty(k, with_count=self.value_norm == "mean", with_gate=g is not None)
-        if packed:
-            o, new_state = kvm_packed(self.spec, self.params, q, k, v, g, state, finish_q=self.qkv.finish_queries)
+        if packed:  # the output projection too runs inside each recomputed group (issue #17)
+            y, new_state = kvm_packed(self.spec, self.params, q, k, v, g, state, finish_q=self.qkv.finish_queries,
+                                      out_proj=self.o_proj)
         else:
             impl = kvm_chunk_loop if self.use_reference else kvm_step
             o, new_state = impl(self.spec, self.params, q, k, v, g, state)
+            y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         new_state.shift = shift
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), new_state
+        return y, new_state
 
     def extra_repr(self) -> str:
         return (f"chunk_len={self.chunk_len}, n_bswa_chunks={self.n_bswa_chunks}, sink_len={self.sink_len}, "

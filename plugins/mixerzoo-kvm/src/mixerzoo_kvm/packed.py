@@ -166,8 +166,8 @@ def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) ->
 
 
 def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               g: torch.Tensor | None, state: KVMState, finish_q: Callable | None = None
-               ) -> tuple[torch.Tensor, KVMState]:
+               g: torch.Tensor | None, state: KVMState, finish_q: Callable | None = None,
+               out_proj: Callable | None = None) -> tuple[torch.Tensor, KVMState]:
     """KVM attention over new tokens: the routing of every fold first, then query chunks group by group (each
     group's snapshots, memory rows and one attention call; recomputed in backward with ``checkpoint_chunks``).
     Same contract as :func:`mixerzoo_kvm.reference.kvm_chunk_loop` (which it equals to fp32 rounding).
@@ -181,9 +181,14 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             positions)`` (:meth:`mixerzoo.mixers.qkv.QKVProjection.finish_queries`) applies them inside each group
             of query chunks, recomputed with it in training: autograd keeps the projection only, not also the
             encoded queries (issue #17).
+        out_proj: when given, the layer's output projection ``(B, t, H_q D) -> (B, t, d_model)``, applied to each
+            group's read inside the group (so recomputed with it in training: autograd keeps the group's output
+            projected, not also the heads' reads for the projection's backward; issue #17); the call then returns
+            ``y (B, T, d_model)`` instead of ``o``.
 
     Returns:
-        ``o (B, H_q, T, D)`` and the new state (``shift`` left to the caller).
+        ``o (B, H_q, T, D)`` (``y (B, T, d_model)`` with ``out_proj``) and the new state (``shift`` left to the
+        caller).
 
     Raises:
         ValueError: the state's window does not hold the chunk that must be folded next.
@@ -271,6 +276,13 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         front, back = q_off if a == 0 else 0, q_end if b == n_q else 0
         qb = (F.pad(qq, (0, 0, front, back)) if front or back else qq).view(B, Hq, b - a, Cq, E)
         return qb.reshape(B, H, G, b - a, Cq, E).permute(0, 1, 3, 2, 4, 5).reshape(B * H, b - a, G * Cq, E)
+
+    def group_tokens(a: int, b: int, o: torch.Tensor) -> torch.Tensor:
+        """Chunks ``a .. b-1``'s reads ``(B H, b - a, G Cq, D)`` as ``(B, H_q, t, D)`` for their new tokens (the
+        inverse of :func:`group_queries`' layout, the padding dropped)."""
+        front, back = q_off if a == 0 else 0, q_end if b == n_q else 0
+        o = o.view(B, H, b - a, G, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, (b - a) * Cq, D)
+        return o[:, :, front:o.shape[2] - back]
     tau_w, tau_s = params.tau_bswa.repeat(B), params.tau_state[None, :, None, None, None]
     # group (a, b) starts from snapshot ``first[g]`` and applies the folds up to its last chunk's snapshot
     first = [entry[a - 1] if a else 0 for a, _ in groups]
@@ -315,6 +327,8 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         mask = shared_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1))  # booleans, a byte each
         o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, mem_k, mem_v.reshape(B * H, n, R, D),
                                     mask, L, C, two, D ** -0.5, reuse)
+        if out_proj is not None:
+            o = out_proj(group_tokens(a, b, o).transpose(1, 2).flatten(2))
         # copies: a view of the last snapshot would keep every snapshot of the group alive as the next group's input
         last = (s_k[:, :, -1].clone(), s_v[:, :, -1].clone(), None if count is None else count[:, :, -1].clone())
         return o, last[0], last[1], rho, last[2]
@@ -336,8 +350,10 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         else:
             o, *carry = group(*args)
         outs.append(o)
-    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    o = o.view(B, H, n_q, G, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n_q * Cq, D)[:, :, q_off:q_off + T]
+    if out_proj is not None:
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    else:
+        o = group_tokens(0, n_q, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
 
     keep = keep_from(p1, C, nb) - kpos0
     # copies, so that the state does not keep the whole prefill's keys (or a group's snapshots) alive
