@@ -14,6 +14,7 @@ from torch import nn
 
 from ..positional import build_positional
 from ..protocol import MixerState
+from .segments import recomputed_in_backward
 
 __all__ = ["QKVProjection", "StreamState", "head_norm", "token_shift"]
 
@@ -112,8 +113,8 @@ class QKVProjection(nn.Module):
 
 
     def stream(self, x: torch.Tensor, state: StreamState | None, shared: dict | None = None,
-               finish_queries: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                     tuple | None]:
+               finish_queries: bool = True, recompute_keys: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """The prelude every attention-like mixer shares: positions continue ``state`` (from 0 at ``None``), and
         q/k/v are projected with the state's token-shift carry.
 
@@ -122,13 +123,15 @@ class QKVProjection(nn.Module):
             finish_queries: False returns ``q`` before its norm and positional encoding, for a mixer that applies
                 :meth:`finish_queries` itself, piece by piece inside a recomputed segment (so that autograd keeps
                 the projection only, not also the encoded queries; issue #17).
+            recompute_keys: see :meth:`forward`.
 
         Returns:
             ``q (B, H, T, D)``, ``k, v (B, H_kv, T, D)``, absolute ``positions (T,)``, the new shift carry.
         """
         p0 = 0 if state is None else state.next_pos
         positions = torch.arange(p0, p0 + x.shape[1], device=x.device)
-        q, k, v, shift = self(x, positions, None if state is None else state.shift, shared, finish_queries)
+        q, k, v, shift = self(x, positions, None if state is None else state.shift, shared, finish_queries,
+                              recompute_keys)
         return q, k, v, positions, shift
 
     def finish_queries(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -137,7 +140,7 @@ class QKVProjection(nn.Module):
         return self.pos.apply(self.q_norm(q), positions)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shift_state: tuple | None = None,
-                shared: dict | None = None, finish_queries: bool = True
+                shared: dict | None = None, finish_queries: bool = True, recompute_keys: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """Project and encode.
 
@@ -147,12 +150,18 @@ class QKVProjection(nn.Module):
             shift_state: previous-token projections from the state (``None`` at sequence start).
             shared: per-forward dict shared across layers (for the value residual).
             finish_queries: False: ``q`` before :meth:`finish_queries` (see :meth:`stream`).
+            recompute_keys: in training, without ``token_shift``: the keys' projection, norm and positional
+                encoding run under :func:`mixerzoo.mixers.segments.recomputed_in_backward` from ``x``, so autograd
+                keeps ``x`` (kept anyway) instead of the key projection that the norm's backward needs: for a mixer
+                that copies the encoded keys into buffers of its own (KVM; issue #17). Same values.
 
         Returns:
             ``q (B, H, T, D)``, ``k (B, H_kv, T, D)``, ``v (B, H_kv, T, D)``, new shift state (or None).
         """
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        lean_keys = recompute_keys and not self.token_shift
+        q, v = self.q_proj(x), self.v_proj(x)
+        k = None if lean_keys else self.k_proj(x)
         # KVM appendix B: the value residual (eq. 8) mixes in the first layer's plain value projection, then the
         # token shift (eq. 9) acts on the result
         if self.value_residual and shared is not None:
@@ -170,9 +179,22 @@ class QKVProjection(nn.Module):
             (q, pq), (k, pk), (v, pv) = (token_shift(a, mu, p) for a, mu, p in zip((q, k, v), self.shift_mu, prev))
             new_shift = (pq, pk, pv)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if finish_queries:
             q = self.finish_queries(q, positions)
-        k = self.pos.apply(self.k_norm(k), positions)
+        if lean_keys:
+            k = recomputed_in_backward(self._encoded_keys, x, positions,
+                                       also=(*self.k_proj.parameters(), *self.k_norm.parameters()))
+        else:
+            k = self._encode_keys(k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2), positions)
         return q, k, v, new_shift
+
+    def _encode_keys(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The keys' per-head norm, then their positional encoding: ``k (B, H_kv, T, D)``."""
+        return self.pos.apply(self.k_norm(k), positions)
+
+    def _encoded_keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x (B, T, d_model)`` projected to keys ``(B, H_kv, T, D)`` and encoded (no token shift)."""
+        B, T, _ = x.shape
+        return self._encode_keys(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2),
+                                 positions)

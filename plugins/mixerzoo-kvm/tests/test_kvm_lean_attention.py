@@ -131,9 +131,10 @@ def test_training_keeps_no_more_than_full_attention():
     """What a training step keeps for backward (live tensors when the forward pass ends) is below full attention's
     at the same width, q/k norm and RoPE: KVM keeps what attention keeps (projections, keys, values, the read's
     output) plus one state per group, but finishes the queries (norm, RoPE) and applies the output projection
-    inside each recomputed group, so it keeps neither the encoded queries nor the heads' reads as the output
-    projection's input: 7.04 token tensors here against attention's 8.19 (0.86x; 0.98x with the output projection
-    outside the groups, 1.09x with the encoded queries kept too)."""
+    inside each recomputed group and recomputes the keys' projection and norm in backward, so it keeps neither the
+    encoded queries, nor the heads' reads as the output projection's input, nor the key projection for the norm's
+    backward: 5.98 token tensors here against attention's 8.19 (0.73x; 0.86x keeping the key projection, 0.98x
+    with the output projection outside the groups too, 1.09x with the encoded queries kept as well)."""
     from mixerzoo import registry
     from mixerzoo.evaluation.cost import LiveTensorBytes
 
@@ -149,7 +150,7 @@ def test_training_keeps_no_more_than_full_attention():
             y, _ = layer(x)
             kept[name] = mem.current
             y.square().mean().backward()
-    assert kept["kvm"] <= 0.9 * kept["attention"], {k: v / (T * d * 4) for k, v in kept.items()}
+    assert kept["kvm"] <= 0.8 * kept["attention"], {k: v / (T * d * 4) for k, v in kept.items()}
 
 @pytest.mark.parametrize("name", ["default", "power_law", "pre_rope_gqa_grow", "value_mean"])
 @pytest.mark.parametrize("checkpoint_chunks", [1, 3])

@@ -170,7 +170,11 @@ class KVMAttention(Mixer):
         packed = not self.use_reference and T > 1
         # the packed path finishes the queries (norm, RoPE) inside each recomputed group of query chunks, so autograd
         # keeps their projection only (issue #17)
-        q, k, v, _, shift = self.qkv.stream(x, state, shared, finish_queries=not packed)
+        # (and, when its groups are recomputed, recomputes the keys' projection and norm in backward: the keys are
+        # copied into the padded grid the groups read, so keeping the projection for the norm's backward too would
+        # hold them twice)
+        q, k, v, _, shift = self.qkv.stream(x, state, shared, finish_queries=not packed,
+                                            recompute_keys=packed and self.checkpoint_chunks > 0)
         g = merge_gate(x, self.gate_proj)
         if state is None:
             state = KVMState.empty(k, with_count=self.value_norm == "mean", with_gate=g is not None)
