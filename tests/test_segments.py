@@ -156,3 +156,24 @@ def test_qkv_keys_recomputed_in_backward_give_the_same_keys_and_gradients_for_le
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
     assert kept[True] <= kept[False] - x.numel() * 4, kept
+
+
+def test_kept_for_backward_counts_what_autograd_keeps_and_the_output():
+    """``mixerzoo.testing.kept_for_backward`` on a mixer whose kept tensors are known: ``y = exp(x W)`` keeps the
+    product (for exp's backward it is exp's own output, which is also ``y``: one tensor) and the product's input
+    ``x`` (excluded); its state, one tensor, is excluded too. With sin instead of exp the product is kept for
+    sin's backward besides the output: two tensors."""
+    from mixerzoo.testing import kept_for_backward
+
+    class Toy(torch.nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.w, self.fn = torch.nn.Parameter(torch.eye(16)), fn
+
+        def forward(self, x, state=None):
+            return self.fn(x @ self.w), {"last": x[:, -1:].detach().clone()}
+
+    x = torch.randn(2, 64, 16, requires_grad=True)
+    one = x.numel() * 4
+    assert kept_for_backward(Toy(torch.exp), x, warmup=8) == one
+    assert kept_for_backward(Toy(torch.sin), x, warmup=8) == 2 * one

@@ -9,8 +9,7 @@ import torch
 from mixerzoo import registry
 from mixerzoo.model import LanguageModel
 from mixerzoo.model.config import ConfigError
-from mixerzoo.protocol import state_tensors
-from mixerzoo.testing import check_recomputation, run_conformance
+from mixerzoo.testing import check_recomputation, kept_for_backward, run_conformance
 from mixerzoo_fla import GatedDeltaNet, GatedSlotAttention, GDNState, GSAState
 
 D = 32
@@ -132,8 +131,6 @@ def test_layer_recomputed_in_segments(cls, options, bound):
     maps, gates, chunk walk, output path) in segments recomputed in backward: 1-chunk segments (the context crosses
     every boundary) give the outputs, gradients and states of one pass, continuing from a state included; and
     autograd keeps little more than the output and each segment's entering state."""
-    from mixerzoo.evaluation.cost import LiveTensorBytes
-
     torch.manual_seed(0)
     seg = cls(D, n_heads=2, chunk_len=8, checkpoint_chunks=1, **options)
     one = cls(D, n_heads=2, chunk_len=8, checkpoint_chunks=0, **options)
@@ -142,10 +139,6 @@ def test_layer_recomputed_in_segments(cls, options, bound):
     # what the forward leaves alive for backward, in (T, d_model) float32 tensors (the output is one). Keeping
     # everything (checkpoint_chunks 0): GDN 47.7, GSA 113 with convolutions; with the convolutions in the chunk
     # walk's segments (session 10): 12.8 and 30.4; whole-layer segments: 2.5 and 5.4
-    layer = cls(D, n_heads=2, chunk_len=8, checkpoint_chunks=4, **options)
-    x = torch.randn(1, 512, D, requires_grad=True)
-    layer(x[:, :64])[0].sum().backward()  # lazy initialisation outside the count
-    with LiveTensorBytes(exclude=[*layer.parameters(), x]) as mem:
-        y, st = layer(x)
-        kept = mem.current - sum(t.untyped_storage().nbytes() for t in state_tensors(st))
+    kept = kept_for_backward(cls(D, n_heads=2, chunk_len=8, checkpoint_chunks=4, **options),
+                             torch.randn(1, 512, D, requires_grad=True))
     assert kept < bound * 512 * D * 4, kept / (512 * D * 4)

@@ -6,7 +6,7 @@ import torch
 from mixerzoo import registry
 from mixerzoo.model import LanguageModel
 from mixerzoo.schedules import SaturatingSchedule
-from mixerzoo.testing import OperatorCalls, decode_stepwise, run_conformance
+from mixerzoo.testing import OperatorCalls, decode_stepwise, kept_for_backward, run_conformance
 from mixerzoo_ovq import OVQAttention, ovq_attention_reference
 
 D_MODEL = 32
@@ -102,15 +102,8 @@ def test_training_keeps_little_more_than_the_output():
     """Each recomputed segment runs the whole layer from its slice of x (projections to output projection), so what
     the forward leaves alive for backward is the output and the dictionary entering each segment: in (T, d_model)
     float32 tensors 3.1 here, where projecting the whole call outside the segments left 7.1 (q, k and v kept)."""
-    from mixerzoo.evaluation.cost import LiveTensorBytes
-    from mixerzoo.testing import state_tensors
-
     layer = OVQAttention(D_MODEL, n_heads=2, chunk_len=8, max_size=16, checkpoint_chunks=4)
-    x = torch.randn(1, 512, D_MODEL, requires_grad=True)
-    layer(x[:, :64])[0].sum().backward()  # lazy initialisation outside the count
-    with LiveTensorBytes(exclude=[*layer.parameters(), x]) as mem:
-        y, state = layer(x)
-        kept = mem.current - sum(t.untyped_storage().nbytes() for t in state_tensors(state))
+    kept = kept_for_backward(layer, torch.randn(1, 512, D_MODEL, requires_grad=True))
     assert kept < 4.0 * 512 * D_MODEL * 4, kept / (512 * D_MODEL * 4)
 
 

@@ -11,7 +11,7 @@ import torch
 from mixerzoo import registry
 from mixerzoo.model import LanguageModel, LMConfig
 from mixerzoo.model.config import ConfigError
-from mixerzoo.testing import check_recomputation, decode_stepwise, run_conformance
+from mixerzoo.testing import check_recomputation, decode_stepwise, kept_for_backward, run_conformance
 from mixerzoo_trellis import Trellis, TrellisState
 
 D_MODEL = 32
@@ -157,14 +157,6 @@ def test_training_keeps_little_more_than_the_output():
     projection), so what the forward leaves alive for backward is the output and the memories entering each
     segment: in (T, d_model) float32 tensors 1.6 here, where recomputing only the memory's segments (the
     projections and the output path's input kept) left 6.3 and keeping everything 41."""
-    from mixerzoo.evaluation.cost import LiveTensorBytes
-    from mixerzoo.testing import state_tensors
-
     torch.manual_seed(0)
-    lean = layer(chunk_len=8, checkpoint_chunks=4)
-    x = torch.randn(1, 512, D_MODEL, requires_grad=True)
-    lean(x[:, :64])[0].sum().backward()  # lazy initialisation outside the count
-    with LiveTensorBytes(exclude=[*lean.parameters(), x]) as mem:
-        y, state = lean(x)
-        kept = mem.current - sum(t.untyped_storage().nbytes() for t in state_tensors(state))
+    kept = kept_for_backward(layer(chunk_len=8, checkpoint_chunks=4), torch.randn(1, 512, D_MODEL, requires_grad=True))
     assert kept < 2.0 * 512 * D_MODEL * 4, kept / (512 * D_MODEL * 4)
