@@ -32,7 +32,7 @@ from .protocol import state_nbytes, state_tensors
 
 __all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
            "check_state", "check_cuda_bf16", "check_autocast_bf16", "check_recomputation", "run_conformance",
-           "decode_stepwise", "OperatorCalls", "kept_for_backward",
+           "decode_stepwise", "OperatorCalls",
            "FP32_ATOL", "FP32_RTOL", "AUTOCAST_BF16_ATOL", "AUTOCAST_BF16_RTOL"]
 
 FP32_ATOL = 1e-4
@@ -204,21 +204,6 @@ def check_recomputation(lean: nn.Module, keep: nn.Module, x: torch.Tensor, split
         except AssertionError as err:
             raise ConformanceError(f"recomputation: the {what} differs from keeping every tensor; is the recomputed "
                                    f"piece given exactly the inputs of the first forward?\n{err}") from None
-
-
-def kept_for_backward(mixer: nn.Module, x: torch.Tensor, warmup: int = 64) -> int:
-    """Bytes of tensor storage that a training forward of ``mixer`` on ``x (B, T, d_model)`` (which must require a
-    gradient) leaves alive for backward: what a model of ``n`` such layers holds ``n`` times before its backward
-    starts (issue #17). The output counts; the parameters, ``x`` and the returned state's tensors do not. A
-    training step on ``x[:, :warmup]`` runs first, so lazy initialisation (imports, caches) is outside the count.
-    Exact and independent of the machine (:class:`mixerzoo.evaluation.cost.LiveTensorBytes`), so tests may bound
-    it."""
-    from .evaluation.cost import LiveTensorBytes
-
-    _call(mixer, x[:, :warmup])[0].sum().backward()
-    with LiveTensorBytes(exclude=[*mixer.parameters(), x]) as mem:
-        _, state = _call(mixer, x)
-        return mem.current - sum(t.untyped_storage().nbytes() for t in state_tensors(state))
 
 
 class OperatorCalls(TorchDispatchMode):

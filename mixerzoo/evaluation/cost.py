@@ -38,10 +38,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..model.config import ConfigError
-from ..protocol import state_nbytes
+from ..protocol import state_nbytes, state_tensors
 from .models import model_device, model_vocab, stream_logits
 
-__all__ = ["CudaPeakMemory", "LiveTensorBytes", "measure_cost", "cost_sweep"]
+__all__ = ["CudaPeakMemory", "LiveTensorBytes", "kept_for_backward", "measure_cost", "cost_sweep"]
 
 
 def _sync(device: torch.device) -> None:
@@ -119,6 +119,19 @@ class LiveTensorBytes(TorchDispatchMode):
         if entry[1] == 0:
             self.current -= entry[0]
             del self._live[ptr]
+
+
+def kept_for_backward(mixer: torch.nn.Module, x: torch.Tensor, warmup: int = 64) -> int:
+    """Bytes of tensor storage that a training forward of ``mixer`` on ``x (B, T, d_model)`` (which must require a
+    gradient) leaves alive for backward: what a model of ``n`` such layers holds ``n`` times before its backward
+    starts (issue #17). The output counts; the parameters, ``x`` and the returned state's tensors do not. A
+    training step on ``x[:, :warmup]`` runs first, so lazy initialisation (imports, caches) is outside the count.
+    Exact and independent of the machine (:class:`LiveTensorBytes`), so tests may bound it. ``mixer(x, state)``
+    returns ``(y, state)`` (the Mixer protocol)."""
+    mixer(x[:, :warmup])[0].sum().backward()
+    with LiveTensorBytes(exclude=[*mixer.parameters(), x]) as mem:
+        _, state = mixer(x)
+        return mem.current - sum(t.untyped_storage().nbytes() for t in state_tensors(state))
 
 
 class _NotMeasured:

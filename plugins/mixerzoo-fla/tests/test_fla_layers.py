@@ -9,7 +9,8 @@ import torch
 from mixerzoo import registry
 from mixerzoo.model import LanguageModel
 from mixerzoo.model.config import ConfigError
-from mixerzoo.testing import check_recomputation, kept_for_backward, run_conformance
+from mixerzoo.evaluation.cost import kept_for_backward
+from mixerzoo.testing import check_recomputation, run_conformance
 from mixerzoo_fla import GatedDeltaNet, GatedSlotAttention, GDNState, GSAState
 
 D = 32

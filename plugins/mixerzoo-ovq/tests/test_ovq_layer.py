@@ -6,7 +6,8 @@ import torch
 from mixerzoo import registry
 from mixerzoo.model import LanguageModel
 from mixerzoo.schedules import SaturatingSchedule
-from mixerzoo.testing import OperatorCalls, decode_stepwise, kept_for_backward, run_conformance
+from mixerzoo.evaluation.cost import kept_for_backward
+from mixerzoo.testing import OperatorCalls, decode_stepwise, run_conformance
 from mixerzoo_ovq import OVQAttention, ovq_attention_reference
 
 D_MODEL = 32

@@ -11,7 +11,8 @@ import torch
 from mixerzoo import registry
 from mixerzoo.model import LanguageModel, LMConfig
 from mixerzoo.model.config import ConfigError
-from mixerzoo.testing import check_recomputation, decode_stepwise, kept_for_backward, run_conformance
+from mixerzoo.evaluation.cost import kept_for_backward
+from mixerzoo.testing import check_recomputation, decode_stepwise, run_conformance
 from mixerzoo_trellis import Trellis, TrellisState
 
 D_MODEL = 32
