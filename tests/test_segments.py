@@ -159,9 +159,9 @@ def test_qkv_keys_recomputed_in_backward_give_the_same_keys_and_gradients_for_le
 
 
 def test_kept_for_backward_counts_what_autograd_keeps_and_the_output():
-    """``mixerzoo.evaluation.cost.kept_for_backward`` on a mixer whose kept tensors are known: ``y = exp(x W)`` keeps the
-    product (for exp's backward it is exp's own output, which is also ``y``: one tensor) and the product's input
-    ``x`` (excluded); its state, one tensor, is excluded too. With sin instead of exp the product is kept for
+    """``mixerzoo.evaluation.cost.kept_for_backward`` on a mixer whose kept tensors are known: ``y = exp(x W)``
+    keeps the product (for exp's backward it is exp's own output, which is also ``y``: one tensor) and the
+    product's input ``x`` (excluded); its state, one tensor, is excluded too. With sin instead of exp the product is kept for
     sin's backward besides the output: two tensors."""
     from mixerzoo.evaluation.cost import kept_for_backward
 

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["segment_sizes", "run_segments", "recomputed_in_backward", "training"]
+__all__ = ["segment_sizes", "run_segments", "optional_carry", "recomputed_in_backward", "training"]
 
 
 def training(tensors) -> bool:
@@ -70,6 +70,15 @@ def run_segments(segment: Callable[..., tuple], seqs: Sequence[torch.Tensor], po
         outs.append(out)
         pos += pieces[0].shape[dim]
     return torch.cat(outs, dim=dim), tuple(carry)
+
+
+def optional_carry(parts: Sequence | None, used: bool, n: int = 3) -> tuple:
+    """State parts that a layer carries through :func:`run_segments` only when one of its options uses them (short
+    convolutions' caches, a token shift's previous projections): ``()`` when unused, else ``parts``, or ``n`` Nones
+    at a sequence start. The segment gets them last in its carry; ``tuple(rest) or None`` turns them back."""
+    if not used:
+        return ()
+    return tuple(parts) if parts is not None else (None,) * n
 
 
 def recomputed_in_backward(fn: Callable[..., object], *args, also: Sequence[torch.Tensor] = ()):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.mixers.segments import run_segments
+from mixerzoo.mixers.segments import optional_carry, run_segments
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
@@ -171,10 +171,9 @@ class GatedDeltaNet(Mixer):
         # attention's width with expand_v 2), and backward's gradients of q, k, v exist one segment at a time
         s0 = (x.new_zeros(B, self.n_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
               if state is None else state.recurrent.float())
-        caches = (tuple(conv) if conv is not None else (None,) * 3) if self.use_short_conv else ()
-        y, (s, *caches) = run_segments(self._cpu_layer, (x,), 0, (s0, *caches),
+        y, (s, *caches) = run_segments(self._cpu_layer, (x,), 0, (s0, *optional_carry(conv, self.use_short_conv)),
                                        span=self.chunk_len * self.checkpoint_chunks, dim=1)
-        return y, GDNState(recurrent=s, conv=tuple(caches) if self.use_short_conv else None)
+        return y, GDNState(recurrent=s, conv=tuple(caches) or None)
 
     def _inputs(self, x: torch.Tensor, conv: tuple | None, use_fla: bool):
         """Projections and short convolutions of ``x [B, T, d_model]`` (continuing the caches ``conv``):
@@ -192,7 +191,7 @@ class GatedDeltaNet(Mixer):
     def _cpu_layer(self, x: torch.Tensor, _pos: int, s: torch.Tensor, *caches) -> tuple:
         """The CPU form of the layer on ``x [B, t, d_model]`` from the delta-rule state ``s`` and the convolution
         caches (none without short convolutions): ``(y, s after, *caches after)``."""
-        q, k, v, a, b, conv = self._inputs(x, caches or None, use_fla=False)
+        q, k, v, a, b, conv = self._inputs(x, caches, use_fla=False)
         beta = b.float().sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)
         g = gdn_log_decay(a, self.A_log, self.dt_bias) if self.use_decay else \
             b.new_zeros(b.shape, dtype=torch.float32)  # DeltaNet: log alpha = 0

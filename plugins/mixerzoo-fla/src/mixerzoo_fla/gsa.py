@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.mixers.segments import run_segments
+from mixerzoo.mixers.segments import optional_carry, run_segments
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
@@ -164,10 +164,10 @@ class GatedSlotAttention(Mixer):
             hv = x.new_zeros(B, self.n_kv_heads, self.num_slots, self.head_v_dim, dtype=torch.float32)
         else:
             hk, hv = state.hk.float(), state.hv.float()
-        caches = (tuple(conv) if conv is not None else (None,) * 3) if self.use_short_conv else ()
-        y, (hk, hv, *caches) = run_segments(self._cpu_layer, (x,), 0, (hk, hv, *caches),
+        y, (hk, hv, *caches) = run_segments(self._cpu_layer, (x,), 0,
+                                            (hk, hv, *optional_carry(conv, self.use_short_conv)),
                                             span=self.chunk_len * self.checkpoint_chunks, dim=1)
-        return y, GSAState(hk=hk, hv=hv, conv=tuple(caches) if self.use_short_conv else None)
+        return y, GSAState(hk=hk, hv=hv, conv=tuple(caches) or None)
 
     def _inputs(self, x: torch.Tensor, conv: tuple | None, use_fla: bool):
         """Projections, short convolutions (continuing the caches ``conv``) and feature maps of
@@ -184,7 +184,7 @@ class GatedSlotAttention(Mixer):
     def _cpu_layer(self, x: torch.Tensor, _pos: int, hk: torch.Tensor, hv: torch.Tensor, *caches) -> tuple:
         """The CPU form of the layer on ``x [B, t, d_model]`` from the memories ``hk, hv`` and the convolution
         caches (none without short convolutions): ``(y, hk after, hv after, *caches after)``."""
-        q, k, v, f, conv = self._inputs(x, caches or None, use_fla=False)
+        q, k, v, f, conv = self._inputs(x, caches, use_fla=False)
         o, (hk, hv) = chunk_gsa(q, k, v, *self._gates(f.float()), scale=self.scale, initial_state=(hk, hv),
                                 chunk_len=self.chunk_len)
         return (self._output(o.to(x.dtype).flatten(2)), hk, hv, *(conv or ()))

@@ -350,10 +350,9 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         else:
             o, *carry = group(*args)
         outs.append(o)
-    if out_proj is not None:
-        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    else:
-        o = group_tokens(0, n_q, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    if out_proj is None:
+        o = group_tokens(0, n_q, o)
 
     keep = keep_from(p1, C, nb) - kpos0
     # copies, so that the state does not keep the whole prefill's keys (or a group's snapshots) alive

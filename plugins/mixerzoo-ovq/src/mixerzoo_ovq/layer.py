@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection, StreamState
-from mixerzoo.mixers.segments import run_segments
+from mixerzoo.mixers.segments import optional_carry, run_segments
 from mixerzoo.protocol import Mixer
 from mixerzoo.schedules import build_schedule
 
@@ -214,11 +214,11 @@ class OVQAttention(Mixer):
             # the first layer's values are shared with the later layers for the whole call: project it here
             q, k, v, _, shift = self.qkv.stream(x, st, shared)
             o, carry = run_segments(self._segment, (q, k, v), p0, carry, span=span, memo=True)
-            return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), self._state(carry, p0 + T, shift)
+            return self._output(o), self._state(carry, p0 + T, shift)
         # each segment runs the whole layer from its slice of x (projections, token shift carried, reads and
         # merges, output projection): autograd keeps x, the dictionary entering each segment and the output, not
         # the projections, and backward's q/k/v gradients exist one segment at a time (issue #17)
-        shift = (st.shift or (None,) * 3) if self.qkv.token_shift else ()
+        shift = optional_carry(st.shift, self.qkv.token_shift)
         y, carry = run_segments(self._layer_segment, (x,), p0, (*carry, *shift), span=span, dim=1, memo=True)
         carry, shift = carry[:5], tuple(carry[5:]) or None
         return y, self._state(carry, p0 + T, shift)
@@ -227,11 +227,14 @@ class OVQAttention(Mixer):
         """The layer on ``x (B, T, d_model)`` at absolute position ``pos``: the projections (continuing the token
         shift carried after the five dictionary tensors of :meth:`_carry`, none without ``token_shift``), then
         :meth:`_segment`, then the output projection. Returns ``(y, *carry after)``."""
-        B, T, _ = x.shape
-        positions = torch.arange(pos, pos + T, device=x.device)
+        positions = torch.arange(pos, pos + x.shape[1], device=x.device)
         q, k, v, shift = self.qkv(x, positions, tuple(carry[5:]) or None)
         o, *dictionary = self._segment(q, k, v, memo, pos, *carry[:5])
-        return (self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), *dictionary, *(shift or ()))
+        return (self._output(o), *dictionary, *(shift or ()))
+
+    def _output(self, o: torch.Tensor) -> torch.Tensor:
+        """The heads' reads ``o (B, H, T, D)`` concatenated and projected: ``(B, T, d_model)``."""
+        return self.o_proj(o.transpose(1, 2).flatten(2))
 
     def _carry(self, st: OVQState) -> tuple:
         """What the chunk loop carries: ``(dk, dv, counts, buf_k, buf_v)``. The dictionary and its counts stay
