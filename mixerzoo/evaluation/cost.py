@@ -127,7 +127,8 @@ def kept_for_backward(mixer: torch.nn.Module, x: torch.Tensor, warmup: int = 64)
     starts (issue #17). The output counts; the parameters, ``x`` and the returned state's tensors do not. A
     training step on ``x[:, :warmup]`` runs first, so lazy initialisation (imports, caches) is outside the count.
     Exact and independent of the machine (:class:`LiveTensorBytes`), so tests may bound it. ``mixer(x, state)``
-    returns ``(y, state)`` (the Mixer protocol)."""
+    returns ``(y, state)`` (the Mixer protocol). A state tensor that backward also uses (attention's key/value
+    cache is its keys and values) is not counted either: compare such mixers with :class:`LiveTensorBytes`."""
     mixer(x[:, :warmup])[0].sum().backward()
     with LiveTensorBytes(exclude=[*mixer.parameters(), x]) as mem:
         _, state = mixer(x)
