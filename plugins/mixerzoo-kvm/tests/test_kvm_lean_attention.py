@@ -182,3 +182,34 @@ def test_recomputation_does_not_run_the_read_again():
 def test_bad_checkpoint_chunks_is_named():
     with pytest.raises(ValueError, match="checkpoint_chunks"):
         KVMAttention(32, n_heads=2, checkpoint_chunks=-1)
+
+
+@pytest.mark.parametrize("use", ["both", "after_only", "last_only"])
+def test_fold_scan_equals_its_plain_statement(use):
+    """``_FoldScan`` (every fold's state and a separate final state, with its reverse-running-sum backward)
+    equals a loop of out-of-place ``scatter_add`` under plain autograd, in values and gradients, also when only
+    one of its two outputs reaches the loss (the other's gradient is then None, not a zero tensor)."""
+    from mixerzoo_kvm.packed import _FoldScan
+
+    g = torch.Generator().manual_seed(0)
+    B, H, F, C, R, D = 2, 3, 4, 5, 7, 6
+    s0 = torch.randn(B, H, R, D, generator=g, dtype=torch.float64, requires_grad=True)
+    src = torch.randn(B, H, F, C, D, generator=g, dtype=torch.float64, requires_grad=True)
+    index = torch.randint(0, R, (B, H, F, C), generator=g)
+    w_after, w_last = torch.randn(B, H, F, R, D, generator=g, dtype=torch.float64), torch.randn(
+        B, H, R, D, generator=g, dtype=torch.float64)
+
+    def loss(after, last):
+        return ((after * w_after).sum() if use != "last_only" else 0) + ((last * w_last).sum() if use != "after_only"
+                                                                          else 0)
+
+    states, s = [], s0
+    for f in range(F):
+        s = s.scatter_add(2, index[:, :, f, :, None].expand(-1, -1, -1, D), src[:, :, f])
+        states.append(s)
+    expected = torch.stack(states, dim=2), s
+    after, last = _FoldScan.apply(s0, src, index)
+    torch.testing.assert_close(after, expected[0])
+    torch.testing.assert_close(last, expected[1])
+    grads = torch.autograd.grad(loss(after, last), (s0, src))
+    torch.testing.assert_close(grads, torch.autograd.grad(loss(*expected), (s0, src)))

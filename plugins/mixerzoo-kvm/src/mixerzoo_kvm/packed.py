@@ -22,7 +22,7 @@ decoding uses :func:`kvm_step`, which needs no mask at all.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -71,50 +71,87 @@ def _route_all(spec: KVMSpec, params: KVMParams, s_k0: torch.Tensor, kbar: torch
 class _FoldScan(torch.autograd.Function):
     """Stored sums after every fold for winner-take-all routing, in linear time and memory.
 
-    ``out[:, :, 0] = s0`` and ``out[:, :, f + 1] = out[:, :, f]`` plus ``src[:, :, f, j]`` added into row
-    ``index[:, :, f, j]`` (scatter-add). Backward: the gradient of ``src[f]`` is the reverse running sum of the
-    output gradient over folds ``> f``, gathered at the same rows; ``s0`` gets the sum over all folds.
-    Shapes: ``s0 (B, H, R, D)``, ``src (B, H, F, C, D)``, ``index (B, H, F, C)`` -> ``(B, H, F + 1, R, D)``.
+    ``after[:, :, f]`` is the state after fold ``f``: ``s0`` plus ``src[:, :, f', j]`` added into row
+    ``index[:, :, f', j]`` (scatter-add) for every ``f' <= f``; ``last`` is a separate copy of the state after the
+    final fold, the next group's input. Keeping ``last`` out of ``after`` means neither is read through a view of
+    the other, whose backward would be a zero tensor of every snapshot (issue #17). Backward: the gradient of
+    ``src[f]`` is the reverse running sum of the gradients of ``last`` and of ``after`` over folds ``>= f``,
+    gathered at the same rows; ``s0`` gets the whole sum.
+    Shapes: ``s0 (B, H, R, D)``, ``src (B, H, F, C, D)``, ``index (B, H, F, C)`` with ``F >= 1`` ->
+    ``after (B, H, F, R, D)``, ``last (B, H, R, D)``.
     """
 
     @staticmethod
-    def forward(ctx, s0: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, s0: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, H, n_folds, C, D = src.shape
         idx = index[..., None].expand(-1, -1, -1, -1, D)
-        out = s0.new_empty(B, H, n_folds + 1, s0.shape[2], D)
-        out[:, :, 0] = s0
+        after = s0.new_empty(B, H, n_folds, s0.shape[2], D)
+        last = s0.clone()
         for f in range(n_folds):
-            out[:, :, f + 1] = out[:, :, f]
-            out[:, :, f + 1].scatter_add_(2, idx[:, :, f], src[:, :, f])
+            last.scatter_add_(2, idx[:, :, f], src[:, :, f])
+            after[:, :, f] = last
         ctx.save_for_backward(idx)
-        return out
+        ctx.set_materialize_grads(False)
+        return after, last
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad_after: torch.Tensor | None, grad_last: torch.Tensor | None):
         (idx,) = ctx.saved_tensors
-        n_folds = grad.shape[2] - 1
-        acc = grad[:, :, n_folds].clone()
-        grad_src = grad.new_empty(idx.shape)
+        n_folds = idx.shape[2]
+        acc = None if grad_last is None else grad_last.clone()
+        grad_src = None
         for f in range(n_folds - 1, -1, -1):
+            if grad_after is not None:
+                acc = grad_after[:, :, f].clone() if acc is None else acc.add_(grad_after[:, :, f])
+            if acc is None:  # nothing downstream of this fold or any later one
+                continue
+            if grad_src is None:
+                grad_src = acc.new_zeros(idx.shape)
             grad_src[:, :, f] = acc.gather(2, idx[:, :, f])
-            acc += grad[:, :, f]
         return acc, grad_src, None
 
 
-def _snapshots(spec: KVMSpec, params: KVMParams, state: KVMState, kbar: torch.Tensor, v_o: torch.Tensor,
-               g: torch.Tensor | None, routes: list[Routing], sizes: list[int]):
-    """Stored sums after every fold, with gradient; entry 0 is the incoming state, entry ``f + 1`` the state
-    after fold ``f``.
+class _Snapshots(NamedTuple):
+    """A group's states, with gradient: ``k0, v0`` the state entering the group and ``last_k, last_v`` the state
+    after its final fold, ``(B, H, R, D)``; ``k, v`` the state after each fold ``(B, H, F, R, D)``; radii ``rho
+    (B, H, R)``; token counts ``count (B, H, F + 1, R)`` (entry 0 entering, no gradient) or None. ``R`` is the
+    rows after the final fold; rows a state does not have yet are zero padding."""
 
-    Returns ``(s_k, s_v, rho, count)``: sums ``(B, H, F + 1, R, D)``, radii ``(B, H, R)`` and token counts
-    ``(B, H, F + 1, R)`` (or None), with ``R = sizes[-1]`` rows (rows past ``sizes[entry]`` are zero padding).
-    """
+    k0: torch.Tensor
+    v0: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    last_k: torch.Tensor
+    last_v: torch.Tensor
+    rho: torch.Tensor
+    count: torch.Tensor | None
+
+    def read(self, entries: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The snapshots that query chunks read, ``(B, H, n, R, D)`` each, and their counts: entry 0 is the
+        entering state, entry ``f + 1`` the state after fold ``f``. When the chunks read the states after the
+        folds one for one (every group past the first few chunks), that is ``k``, ``v`` as they are: no gathered
+        copy, whose backward would be a zero tensor of every snapshot (issue #17)."""
+        count = None if self.count is None else self.count[:, :, entries]
+        if entries == list(range(1, self.k.shape[2] + 1)):
+            return self.k, self.v, count
+        idx = torch.tensor(entries, device=self.k.device)
+        k, v = (torch.cat([s0[:, :, None], s], dim=2)[:, :, idx] for s0, s in ((self.k0, self.k), (self.v0, self.v)))
+        return k, v, count
+
+
+def _snapshots(spec: KVMSpec, params: KVMParams, state: KVMState, kbar: torch.Tensor, v_o: torch.Tensor,
+               g: torch.Tensor | None, routes: list[Routing], sizes: list[int]) -> _Snapshots:
+    """The states a group's chunks read, from ``state`` and the group's ``F`` folds (overflow keys ``kbar`` and
+    values ``v_o``, ``(B, H, F, C, D)``, gates ``g (B, H, F, C)`` or None, their routing, ``sizes[f]`` rows
+    before fold ``f``); see :class:`_Snapshots`."""
     B, H, n_folds, C, D = kbar.shape
     R = sizes[-1]
     s_k0 = F.pad(state.s_k, (0, 0, 0, R - state.n_rows))
     s_v0 = F.pad(state.s_v.to(state.s_k.dtype), (0, 0, 0, R - state.n_rows))
     if n_folds == 0:
-        return s_k0[:, :, None], s_v0[:, :, None], state.rho, None if state.count is None else state.count[:, :, None]
+        none = s_k0.new_empty(B, H, 0, R, D)
+        return _Snapshots(s_k0, s_v0, none, none, s_k0, s_v0, state.rho,
+                          None if state.count is None else state.count[:, :, None])
     appended = torch.stack([r.appended for r in routes], dim=2)  # (B, H, F, C)
     initial = torch.tensor([s == 0 for s in sizes[:-1]], device=kbar.device)[:, None]  # folds that initialise
     xs = [kbar, v_o.to(kbar.dtype)]
@@ -124,7 +161,7 @@ def _snapshots(spec: KVMSpec, params: KVMParams, state: KVMState, kbar: torch.Te
         xs = [x * w for x in xs]
     if spec.routing == "hard":
         target = torch.stack([r.target for r in routes], dim=2)  # (B, H, F, C)
-        s_k, s_v = (_FoldScan.apply(s0, x, target) for s0, x in zip((s_k0, s_v0), xs))
+        (s_k, last_k), (s_v, last_v) = (_FoldScan.apply(s0, x, target) for s0, x in zip((s_k0, s_v0), xs))
     else:  # soft routing (an ablation): dense weights, a plain running sum
         snaps = []
         for s0, x in zip((s_k0, s_v0), xs):
@@ -133,8 +170,8 @@ def _snapshots(spec: KVMSpec, params: KVMParams, state: KVMState, kbar: torch.Te
                 probs = r.probs if r.probs is not None else F.one_hot(r.target, sizes[f + 1]).float()
                 add = probs.transpose(-1, -2).to(x.dtype) @ x_f
                 run.append(run[-1] + F.pad(add, (0, 0, 0, R - sizes[f + 1])))
-            snaps.append(torch.stack(run, dim=2))
-        s_k, s_v = snaps
+            snaps.append((torch.stack(run[1:], dim=2), run[-1]))
+        (s_k, last_k), (s_v, last_v) = snaps
     norms = v_o.float().norm(dim=-1)  # (B, H, F, C)
     # unbind, not norms[:, :, f]: each index's backward would be a zero tensor of all the folds' norms
     rho = torch.cat([state.rho] + [torch.gather(n, 2, r.append_idx) for n, r in zip(norms.unbind(2), routes)], dim=2)
@@ -147,7 +184,7 @@ def _snapshots(spec: KVMSpec, params: KVMParams, state: KVMState, kbar: torch.Te
                 per_fold.append(F.pad(probs.sum(dim=2), (0, R - sizes[f + 1])))
             c0 = F.pad(state.count, (0, R - state.count.shape[2]))[:, :, None]
             count = torch.cat([c0, c0 + torch.stack(per_fold, dim=2).cumsum(dim=2)], dim=2)
-    return s_k, s_v, rho, count
+    return _Snapshots(s_k0, s_v0, s_k, s_v, last_k, last_v, rho, count)
 
 
 def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) -> list[tuple[int, int]]:
@@ -316,12 +353,10 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         kbar = memory_keys(k_f.reshape(B, H, nf * C, D), spec.rotary_dim, params.ln_s,
                            o_pos[f0 * C:(f0 + nf) * C], spec.unrotate).view(B, H, nf, C, D)
         entering = dataclasses.replace(state, s_k=s_k, s_v=s_v, rho=rho, count=count)
-        s_k, s_v, rho, count = _snapshots(spec, params, entering, kbar, v_f, g_f, routes[f0:f0 + nf],
-                                          sizes[f0:f0 + nf + 1])
-        local = torch.tensor([entry[i] - f0 for i in range(a, b)], device=dev)
-        mem_k = (params.ln_s(s_k[:, :, local, :R]) * tau_s).reshape(B * H, n, R, D)
-        cnt = None if count is None else count[:, :, local, :R]
-        mem_v = read_values(s_v[:, :, local, :R], rho[:, :, None, :R], cnt, spec.value_norm, spec.eps)
+        snaps = _snapshots(spec, params, entering, kbar, v_f, g_f, routes[f0:f0 + nf], sizes[f0:f0 + nf + 1])
+        read_k, read_v, cnt = snaps.read([entry[i] - f0 for i in range(a, b)])  # R rows: the group's largest
+        mem_k = (params.ln_s(read_k) * tau_s).reshape(B * H, n, R, D)
+        mem_v = read_values(read_v, snaps.rho[:, :, None], cnt, spec.value_norm, spec.eps)
         rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
         mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask(a, b)], dim=2)  # (n, Cq, S)
         mask = shared_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1))  # booleans, a byte each
@@ -329,9 +364,10 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
                                     mask, L, C, two, D ** -0.5, reuse)
         if out_proj is not None:
             o = out_proj(group_tokens(a, b, o).transpose(1, 2).flatten(2))
-        # copies: a view of the last snapshot would keep every snapshot of the group alive as the next group's input
-        last = (s_k[:, :, -1].clone(), s_v[:, :, -1].clone(), None if count is None else count[:, :, -1].clone())
-        return o, last[0], last[1], rho, last[2]
+        # separate tensors, not views of the snapshots: a view would keep every snapshot of the group alive as the
+        # next group's input
+        return (o, snaps.last_k, snaps.last_v, snaps.rho,
+                None if snaps.count is None else snaps.count[:, :, -1].clone())
 
     carry = (state.s_k, state.s_v.to(state.s_k.dtype), state.rho, state.count)
     lean = spec.checkpoint_chunks > 0 and training((q, KP, VP))
