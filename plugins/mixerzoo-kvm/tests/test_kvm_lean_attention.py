@@ -3,6 +3,7 @@ training step of the packed path keeps no concatenated key lists for the backwar
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mixerzoo.testing import OperatorCalls, check_recomputation
 from mixerzoo_kvm import KVMAttention, lean_attention
@@ -41,6 +42,35 @@ def test_lean_equals_reference_values_and_gradients(pre_rope, layout, boolean_ma
     assert fast.shape == ref.shape == (3, n, 8, 4)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(_grads(fast, args), _grads(ref, args)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+
+@pytest.mark.parametrize("pre_rope", [False, True], ids=["paper", "pre_rope"])
+@pytest.mark.parametrize("layout", ["chunks", "single_chunk"])
+def test_memory_rows_made_inside_the_read_equal_the_reference(pre_rope, layout):
+    """Memory rows made one chunk at a time inside the read (``rows``: a LayerNorm with its weight and bias, a
+    per-row temperature and the radius readout, as KVM's) equal the reference that makes every chunk's rows first,
+    in values and in the gradients of the sources and of every shared tensor."""
+    from mixerzoo_kvm.ops import read_values
+
+    n = 1 if layout == "single_chunk" else 5
+    args = list(_inputs(pre_rope, n, R=6, shared_mask=False))
+    g = torch.Generator().manual_seed(1)
+    N, D = args[4].shape[0], args[4].shape[-1]
+    weight, bias = (torch.randn(D, generator=g).requires_grad_(True) for _ in range(2))
+    tau_state, rho = torch.rand(N, 1, 1, 1, generator=g) + 0.5, torch.rand(N, 1, 6, generator=g) + 0.5
+    shared = (weight, bias, tau_state.requires_grad_(True), rho.requires_grad_(True))
+
+    def rows(k_c, v_c, c, w, b, tau, radius):
+        return (F.layer_norm(k_c, (D,), w, b) * tau, read_values(v_c, radius, None, "radius", 1e-6))
+
+    fast = memory_window_attention(*args, rows=rows, shared=shared)
+    ref = memory_window_attention_reference(*args, rows=rows, shared=shared)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    wrt = (*args[:6], *shared)
+    loss = lambda out: (out * torch.linspace(-1, 1, out.shape[-1])).square().sum()  # noqa: E731
+    for a, b in zip(torch.autograd.grad(loss(fast), wrt), torch.autograd.grad(loss(ref), wrt)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
@@ -104,18 +134,21 @@ def test_training_step_keeps_no_key_lists():
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
-def test_training_step_peak_shares_one_gradient_per_key_block():
-    """The peak of live tensors over a whole training step (forward and backward). The folds and the window
-    reads take the same key/value blocks, so each block's gradient from both paths accumulates in one buffer,
-    and the backward rebuilds one chunk's key list at a time: 12.95 token tensors at this size; 14.96 when
-    the folds had their own key/value gradients and the backward rebuilt a whole group's keys (full attention
-    of the same width: 11.06)."""
+@pytest.mark.parametrize("schedule, bound", [({"name": "fixed", "size": 32}, 10.5),
+                                             ({"name": "power_law", "coef": 4, "exponent": 0.5, "min_size": 32}, 12.5)],
+                         ids=["fixed", "power_law"])
+def test_training_step_peak_shares_one_gradient_per_key_block(schedule, bound):
+    """The peak of live tensors over a whole training step (forward and backward), in ``(T, d_model)`` tensors.
+    The folds and the window reads take the same key/value blocks, so each block's gradient from both paths
+    accumulates in one buffer; the backward rebuilds one chunk's key list at a time; the memory rows are made one
+    chunk at a time inside the read from the fold scan's snapshots, which no gather or select copies. Fixed state:
+    9.89 (9.99 with the rows made for the whole group first, 12.95 with per-fold gradients and whole-group key
+    lists); growing state: 11.93 (13.26 with the rows made for the whole group first; full attention: 11.06)."""
     from mixerzoo.evaluation.cost import LiveTensorBytes
 
     torch.manual_seed(0)
     T, d = 2048, 64
-    layer = KVMAttention(d, n_heads=2, chunk_len=32, n_bswa_chunks=2, schedule={"name": "fixed", "size": 32},
-                         checkpoint_chunks=4)
+    layer = KVMAttention(d, n_heads=2, chunk_len=32, n_bswa_chunks=2, schedule=schedule, checkpoint_chunks=4)
     x = torch.randn(1, T, d, requires_grad=True)
     layer(x[:, :256])[0].square().mean().backward()  # lazy imports and caches outside the measured step
     layer.zero_grad(set_to_none=True)
@@ -123,8 +156,7 @@ def test_training_step_peak_shares_one_gradient_per_key_block():
     with LiveTensorBytes(exclude=[*layer.parameters(), x]) as mem:
         y, _ = layer(x)
         y.square().mean().backward()
-    assert mem.peak < 14 * T * d * 4, mem.peak / (T * d * 4)
-
+    assert mem.peak < bound * T * d * 4, mem.peak / (T * d * 4)
 
 
 def test_training_keeps_no_more_than_full_attention():

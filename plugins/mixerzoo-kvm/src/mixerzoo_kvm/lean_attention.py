@@ -18,6 +18,8 @@ with autograd, which the tests compare it with.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -70,11 +72,12 @@ def _window_pieces(block_rows: list[int], start: int, L: int) -> list[tuple[int,
     return pieces
 
 
-def _keys_values(mem_k: torch.Tensor, mem_v: torch.Tensor, blocks_k, blocks_v, chunks: range, L: int, C: int,
+def _keys_values(mem_k: torch.Tensor, mem_v: torch.Tensor, blocks_k, blocks_v, c: int, L: int, C: int,
                  tau: torch.Tensor, pre_rope: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``keys, values (N, len(chunks), R + L, E)``: ``[mem_k ; tau * win_k]`` and ``[mem_v ; win_v]`` of the
-    given chunks, written into two preallocated buffers straight from the key/value row blocks (the layout of
-    :func:`mixerzoo_kvm.ops.joint_keys`, with ``tau`` fused in; no grid-sized copy of the blocks is made).
+    """``keys, values (N, 1, R + L, E)`` of chunk ``c``: ``[mem_k ; tau * win_k]`` and ``[mem_v ; win_v]`` from
+    the chunk's memory rows ``mem_k, mem_v (N, 1, R, D)``, written into two preallocated buffers straight from the
+    key/value row blocks (the layout of :func:`mixerzoo_kvm.ops.joint_keys`, with ``tau`` fused in; no grid-sized
+    copy of the blocks is made).
 
     With ``pre_rope``, ``E = 2D`` channels: keys ``[mem_k | 0]`` and ``[0 | tau * win_k]``, values ``[v | 0]``
     (the CPU kernels want one head size; the extra output channels are dropped). ``tau (N,)`` scales each leading
@@ -82,17 +85,23 @@ def _keys_values(mem_k: torch.Tensor, mem_v: torch.Tensor, blocks_k, blocks_v, c
     N, _, R, D = mem_k.shape
     E = 2 * D if pre_rope else D
     new = torch.zeros if pre_rope else torch.empty
-    keys = new(N, len(chunks), R + L, E, dtype=dtype, device=mem_k.device)
-    values = new(N, len(chunks), R + L, E, dtype=dtype, device=mem_k.device)
-    keys[:, :, :R, :D] = mem_k[:, chunks.start:chunks.stop]
-    values[:, :, :R, :D] = mem_v[:, chunks.start:chunks.stop]
+    keys = new(N, 1, R + L, E, dtype=dtype, device=mem_k.device)
+    values = new(N, 1, R + L, E, dtype=dtype, device=mem_k.device)
+    keys[:, :, :R, :D] = mem_k
+    values[:, :, :R, :D] = mem_v
     tau = tau.to(dtype)[:, None, None]
     rows = [b.shape[1] for b in blocks_k]
-    for j, c in enumerate(chunks):
-        for i, r0, w0, n in _window_pieces(rows, c * C, L):
-            torch.mul(blocks_k[i][:, r0:r0 + n], tau, out=keys[:, j, R + w0:R + w0 + n, E - D:])
-            values[:, j, R + w0:R + w0 + n, :D] = blocks_v[i][:, r0:r0 + n]
+    for i, r0, w0, n in _window_pieces(rows, c * C, L):
+        torch.mul(blocks_k[i][:, r0:r0 + n], tau, out=keys[:, 0, R + w0:R + w0 + n, E - D:])
+        values[:, 0, R + w0:R + w0 + n, :D] = blocks_v[i][:, r0:r0 + n]
     return keys, values
+
+
+def _chunk_rows(rows: Callable | None, mem_k: torch.Tensor, mem_v: torch.Tensor, c: int,
+                shared: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk ``c``'s memory rows ``(N, 1, R, D)``: the given rows, or ``rows`` made from its sources."""
+    k, v = mem_k[:, c:c + 1], mem_v[:, c:c + 1]
+    return (k, v) if rows is None else rows(k, v, c, *shared)
 
 
 def _joined(grid) -> torch.Tensor:
@@ -101,9 +110,14 @@ def _joined(grid) -> torch.Tensor:
 
 
 def memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask, window: int, chunk_len: int,
-                                      pre_rope: bool, scale: float) -> torch.Tensor:
-    """The readable form of :func:`memory_window_attention` (plain autograd: stores the concatenated keys)."""
+                                      pre_rope: bool, scale: float, rows: Callable | None = None,
+                                      shared: tuple = ()) -> torch.Tensor:
+    """The readable form of :func:`memory_window_attention` (plain autograd: stores the concatenated keys and every
+    chunk's memory rows)."""
     grid_k, grid_v = _joined(grid_k), _joined(grid_v)
+    if rows is not None:
+        made = [rows(mem_k[:, c:c + 1], mem_v[:, c:c + 1], c, *shared) for c in range(mem_k.shape[1])]
+        mem_k, mem_v = (torch.cat(t, dim=1) for t in zip(*made))
     keys = joint_keys(mem_k, [_windows(grid_k, window, chunk_len) * tau[:, None, None, None]], pre_rope, dim=2)
     values = torch.cat([mem_v, _windows(grid_v, window, chunk_len)], dim=2)
     dt = q.dtype
@@ -114,33 +128,36 @@ def memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask
 
 class _MemoryWindowAttention(torch.autograd.Function):
     """See :func:`memory_window_attention`. Saves ``q``, the output, the log-sum-exp and the sources (which exist
-    anyway); the backward rebuilds the key lists one chunk at a time, so its transient buffers are one chunk's
-    (``R + L`` keys), not the group's, and adds each chunk's window gradient straight into its blocks' gradients."""
+    anyway); the backward rebuilds each chunk's memory rows and key list in turn, so its transient buffers are one
+    chunk's (``R + L`` keys), not the group's, adds each chunk's window gradients straight into its blocks'
+    gradients, and takes each chunk's memory-row gradient back to the rows' sources (``rows``) at once."""
 
     @staticmethod
     def forward(ctx, q, tau, mem_k, mem_v, mask, L: int, C: int, pre_rope: bool, scale: float, reuse: dict | None,
-                n_blocks: int, *blocks):
+                rows: Callable | None, n_shared: int, n_blocks: int, *rest):
+        shared, blocks = rest[:n_shared], rest[n_shared:]
         if reuse:  # the recomputation of a checkpointed group: the read's output is already known
             out, lse = reuse.pop("out"), reuse.pop("lse")
         else:
             N, n, Lq, E = q.shape
             out = q.new_empty(N, n, Lq, E)
             lse = torch.empty(N, n, Lq, dtype=torch.float32, device=q.device)
-            for c in range(n):  # one chunk's key list at a time: the transient buffers do not grow with the group
-                keys, values = _keys_values(mem_k, mem_v, blocks[:n_blocks], blocks[n_blocks:], range(c, c + 1), L,
-                                            C, tau, pre_rope, q.dtype)
+            for c in range(n):  # one chunk's rows and key list at a time: the transient buffers do not grow with n
+                keys, values = _keys_values(*_chunk_rows(rows, mem_k, mem_v, c, shared), blocks[:n_blocks],
+                                            blocks[n_blocks:], c, L, C, tau, pre_rope, q.dtype)
                 out[:, c:c + 1], lse[:, c:c + 1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q[:, c:c + 1], keys, values, attn_mask=_chunk_mask(mask, c, q.dtype), scale=scale)
             if reuse is not None:
                 reuse.update(out=out.detach(), lse=lse)
-        ctx.save_for_backward(q, tau, mem_k, mem_v, mask, out, lse, *blocks)
-        ctx.meta = L, C, pre_rope, scale, n_blocks
+        ctx.save_for_backward(q, tau, mem_k, mem_v, mask, out, lse, *shared, *blocks)
+        ctx.meta = L, C, pre_rope, scale, rows, n_shared, n_blocks
         return out[..., :mem_v.shape[-1]] if pre_rope else out
 
     @staticmethod
     def backward(ctx, grad_out):
-        L, C, pre_rope, scale, n_blocks = ctx.meta
-        q, tau, mem_k, mem_v, mask, out, lse, *blocks = ctx.saved_tensors
+        L, C, pre_rope, scale, rows, n_shared, n_blocks = ctx.meta
+        q, tau, mem_k, mem_v, mask, out, lse, *rest = ctx.saved_tensors
+        shared, blocks = rest[:n_shared], rest[n_shared:]
         blocks_k, blocks_v = blocks[:n_blocks], blocks[n_blocks:]
         N, n, R, D = mem_k.shape
         E = q.shape[-1]
@@ -154,31 +171,55 @@ class _MemoryWindowAttention(torch.autograd.Function):
         # gradients of every block, and with overlapping windows that is every group's)
         g_k = [torch.zeros(b.shape, dtype=torch.float32, device=q.device) for b in blocks_k]
         g_v = [torch.zeros(b.shape, dtype=torch.float32, device=q.device) for b in blocks_v]
-        rows = [b.shape[1] for b in blocks_k]
+        first_shared = 13  # forward's arguments before ``rest``
+        wants = [ctx.needs_input_grad[first_shared + i] for i in range(n_shared)]
+        g_shared = [None] * n_shared
+        block_rows = [b.shape[1] for b in blocks_k]
         tau_ = tau.to(torch.float32)[:, None, None]
         for c in range(n):
-            keys, values = _keys_values(mem_k, mem_v, blocks_k, blocks_v, range(c, c + 1), L, C, tau, pre_rope,
+            if rows is None:
+                mk, mv = mem_k[:, c:c + 1], mem_v[:, c:c + 1]
+            else:  # the chunk's rows again, as a small graph of their own to take their gradient back to the sources
+                with torch.enable_grad():
+                    src = [t[:, c:c + 1].detach().requires_grad_() for t in (mem_k, mem_v)]
+                    leaves = [t.detach().requires_grad_(w) for t, w in zip(shared, wants)]
+                    mk, mv = rows(*src, c, *leaves)
+            keys, values = _keys_values(mk.detach(), mv.detach(), blocks_k, blocks_v, c, L, C, tau, pre_rope,
                                         q.dtype)
             m = _chunk_mask(mask, c, q.dtype)
             gq_c, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out[:, c:c + 1], q[:, c:c + 1], keys, values, out[:, c:c + 1], lse[:, c:c + 1], 0.0, False,
                 attn_mask=m, scale=scale)
+            del keys, values
             gq[:, c:c + 1] = gq_c
-            g_mem_k[:, c] = gk[:, 0, :R, :D]
-            g_mem_v[:, c] = gv[:, 0, :R, :D]
+            if rows is None:
+                g_mem_k[:, c] = gk[:, 0, :R, :D]
+                g_mem_v[:, c] = gv[:, 0, :R, :D]
+            else:
+                inputs = src + [t for t, w in zip(leaves, wants) if w]
+                grads = torch.autograd.grad((mk, mv), inputs, (gk[:, :, :R, :D], gv[:, :, :R, :D]),
+                                            allow_unused=True)
+                for g_src, g in zip((g_mem_k, g_mem_v), grads[:2]):
+                    g_src[:, c:c + 1] = 0 if g is None else g
+                it = iter(grads[2:])
+                for i, w in enumerate(wants):
+                    if w and (g := next(it)) is not None:
+                        g_shared[i] = g if g_shared[i] is None else g_shared[i] + g
             g_win = gk[:, 0, R:, E - D:].float()  # d/d(tau * window keys)
-            for i, r0, w0, n_rows in _window_pieces(rows, c * C, L):
+            for i, r0, w0, n_rows in _window_pieces(block_rows, c * C, L):
                 g_tau += (g_win[:, w0:w0 + n_rows] * blocks_k[i][:, r0:r0 + n_rows]).sum(dim=(1, 2),
                                                                                         dtype=torch.float32)
                 g_k[i][:, r0:r0 + n_rows] += g_win[:, w0:w0 + n_rows] * tau_
                 g_v[i][:, r0:r0 + n_rows] += gv[:, 0, R + w0:R + w0 + n_rows, :D]
         g_blocks = [g.to(b.dtype) for g, b in zip(g_k + g_v, blocks)]
-        return (gq, g_tau.to(tau.dtype), g_mem_k, g_mem_v, None, None, None, None, None, None, None, *g_blocks)
+        return (gq, g_tau.to(tau.dtype), g_mem_k, g_mem_v, None, None, None, None, None, None, None, None, None,
+                *g_shared, *g_blocks)
 
 
 def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch.Tensor, tau: torch.Tensor,
                             mem_k: torch.Tensor, mem_v: torch.Tensor, mask: torch.Tensor, window: int,
-                            chunk_len: int, pre_rope: bool, scale: float, reuse: dict | None = None) -> torch.Tensor:
+                            chunk_len: int, pre_rope: bool, scale: float, reuse: dict | None = None,
+                            rows: Callable | None = None, shared: tuple = ()) -> torch.Tensor:
     """KVM's read for ``n`` query chunks: ``softmax(scale * q [mem_k ; tau * win_k]^T + mask) [mem_v ; win_v]``.
 
     Query chunk ``c`` attends to its state snapshot's rows ``mem_k[:, c]`` and to its block window, keys
@@ -194,7 +235,7 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
             every block's gradient is in (blocks shared by the overlapping windows of several calls).
         tau: ``(N,)`` inverse temperature of the window keys (``tau_bswa`` per row).
         mem_k, mem_v: ``(N, n, R, D)`` memory rows, already normalised and scaled (``tau_state * LN_s(s_k)`` and
-            the value readout).
+            the value readout), or their sources (``rows``).
         mask: ``(1, n | 1, Lq, R + window)``, boolean (True = may attend; :func:`shared_mask`) or the additive
             float form (:func:`additive_mask`).
         window: ``L`` window keys per chunk; chunk_len: ``C``, the stride between windows.
@@ -204,17 +245,23 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
             log-sum-exp on the first run, and the recomputation in backward takes them from it instead of running
             the attention again (what backward needs from the forward is exactly those two; full attention keeps
             its output too). The same inputs must come back, as a checkpoint's recomputation guarantees.
+        rows: when given, ``mem_k, mem_v`` are the *sources* of the memory rows (e.g. the state snapshots,
+            ``(N, n, R, D)``) and ``rows(k_c, v_c, c, *shared) -> (mem_k_c, mem_v_c)`` makes chunk ``c``'s rows
+            ``(N, 1, R, D)`` from its sources' slices ``(N, 1, R, D)``: made one chunk at a time in forward and
+            again in backward, so no group-sized tensor of normalised rows, nor its gradient, ever exists (issue
+            #17); ``rows`` must be a pure function of its arguments.
+        shared: tensors ``rows`` reads for every chunk (parameters, radii), which get gradients.
 
     Returns:
         ``(N, n, Lq, D)`` in ``q``'s dtype.
     """
     if q.device.type != "cpu" or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         return memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask, window, chunk_len,
-                                                 pre_rope, scale)
+                                                 pre_rope, scale, rows, shared)
     blocks_k = (grid_k,) if isinstance(grid_k, torch.Tensor) else tuple(grid_k)
     blocks_v = (grid_v,) if isinstance(grid_v, torch.Tensor) else tuple(grid_v)
     if len(blocks_k) != len(blocks_v):
         raise ValueError(f"memory_window_attention: {len(blocks_k)} key blocks but {len(blocks_v)} value blocks")
     mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
-    return _MemoryWindowAttention.apply(q, tau, mem_k, mem_v, mask, window, chunk_len, pre_rope, scale,
-                                        reuse, len(blocks_k), *blocks_k, *blocks_v)
+    return _MemoryWindowAttention.apply(q, tau, mem_k, mem_v, mask, window, chunk_len, pre_rope, scale, reuse, rows,
+                                        len(shared), len(blocks_k), *shared, *blocks_k, *blocks_v)

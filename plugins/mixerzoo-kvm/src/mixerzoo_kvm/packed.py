@@ -4,11 +4,11 @@
    block, tracking the stored key sums in a preallocated buffer (:func:`mixerzoo_kvm.ops.route_overflow`).
 2. **Groups of query chunks** (at most ``checkpoint_chunks`` chunks, state sizes within 1.25x): from the state
    entering the group, the group's folds as one differentiable scan (``_FoldScan``: a ``scatter_add`` per fold,
-   a reverse running sum in backward), the snapshot each chunk reads, ``LN_s`` and the value readout; then one
-   attention call for the group (:func:`mixerzoo_kvm.lean_attention.memory_window_attention`: keys
-   ``[snapshot rows ; block window]``, the windows read from chunk-aligned blocks of one padded copy of the
-   keys, the same blocks the folds take, one broadcast mask when the chunks share a pattern, grouped-query heads
-   folded into the query length).
+   a reverse running sum in backward), the snapshot each chunk reads; then one attention call for the group
+   (:func:`mixerzoo_kvm.lean_attention.memory_window_attention`: keys ``[snapshot rows ; block window]``, the
+   rows (``tau_state * LN_s`` and the value readout) made one chunk at a time inside the call, the windows read
+   from chunk-aligned blocks of one padded copy of the keys, the same blocks the folds take, one broadcast mask
+   when the chunks share a pattern, grouped-query heads folded into the query length).
 3. **Training memory** (issue #17): with ``checkpoint_chunks > 0`` each group runs under
    ``torch.utils.checkpoint`` and is recomputed in backward from the state entering it, so autograd keeps no
    snapshot, memory row or key list, only each group's inputs. With 0, nothing is recomputed (one attention
@@ -320,7 +320,10 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         front, back = q_off if a == 0 else 0, q_end if b == n_q else 0
         o = o.view(B, H, b - a, G, Cq, D).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, (b - a) * Cq, D)
         return o[:, :, front:o.shape[2] - back]
-    tau_w, tau_s = params.tau_bswa.repeat(B), params.tau_state[None, :, None, None, None]
+    tau_w, tau_s = params.tau_bswa.repeat(B), params.tau_state.repeat(B)[:, None, None, None]
+    # LN_s's parameters go into the read as tensors of their own, so its backward can give them their gradient
+    ln_named = dict(params.ln_s.named_parameters()) if isinstance(params.ln_s, torch.nn.Module) else {}
+    ln_names, ln_params = tuple(ln_named), tuple(ln_named.values())
     # group (a, b) starts from snapshot ``first[g]`` and applies the folds up to its last chunk's snapshot
     first = [entry[a - 1] if a else 0 for a, _ in groups]
     n_f = [entry[b - 1] - f0 for (_, b), f0 in zip(groups, first)]
@@ -355,13 +358,21 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         entering = dataclasses.replace(state, s_k=s_k, s_v=s_v, rho=rho, count=count)
         snaps = _snapshots(spec, params, entering, kbar, v_f, g_f, routes[f0:f0 + nf], sizes[f0:f0 + nf + 1])
         read_k, read_v, cnt = snaps.read([entry[i] - f0 for i in range(a, b)])  # R rows: the group's largest
-        mem_k = (params.ln_s(read_k) * tau_s).reshape(B * H, n, R, D)
-        mem_v = read_values(read_v, snaps.rho[:, :, None], cnt, spec.value_norm, spec.eps)
+        cnt = None if cnt is None else cnt.reshape(B * H, n, R)
+
+        def memory_rows(k_c, v_c, c, tau, rho, *ln):
+            """Chunk ``c``'s memory rows from its snapshot ``(B H, 1, R, D)``: ``tau_state * LN_s(s_k)`` and the
+            value readout, made inside the read one chunk at a time (``rows`` of :func:`memory_window_attention`)."""
+            ln_s = params.ln_s if not ln else lambda t: torch.func.functional_call(params.ln_s, dict(zip(ln_names, ln)),
+                                                                                   (t,))
+            return ln_s(k_c) * tau, read_values(v_c, rho, None if cnt is None else cnt[:, c:c + 1], spec.value_norm,
+                                                spec.eps)
         rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
         mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask(a, b)], dim=2)  # (n, Cq, S)
         mask = shared_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1))  # booleans, a byte each
-        o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, mem_k, mem_v.reshape(B * H, n, R, D),
-                                    mask, L, C, two, D ** -0.5, reuse)
+        o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, read_k.reshape(B * H, n, R, D),
+                                    read_v.reshape(B * H, n, R, D), mask, L, C, two, D ** -0.5, reuse,
+                                    rows=memory_rows, shared=(tau_s, snaps.rho.reshape(B * H, 1, R), *ln_params))
         if out_proj is not None:
             o = out_proj(group_tokens(a, b, o).transpose(1, 2).flatten(2))
         # separate tensors, not views of the snapshots: a view would keep every snapshot of the group alive as the
