@@ -49,26 +49,34 @@ def test_lean_equals_reference_values_and_gradients(pre_rope, layout, boolean_ma
 @pytest.mark.parametrize("pre_rope", [False, True], ids=["paper", "pre_rope"])
 @pytest.mark.parametrize("layout", ["chunks", "single_chunk"])
 def test_memory_rows_made_inside_the_read_equal_the_reference(pre_rope, layout):
-    """Memory rows made one chunk at a time inside the read (``rows``: a LayerNorm with its weight and bias, a
-    per-row temperature and the radius readout, as KVM's) equal the reference that makes every chunk's rows first,
-    in values and in the gradients of the sources and of every shared tensor."""
+    """Memory rows made one chunk at a time inside the read (``rows``, as KVM's: a snapshot from an entering state
+    and scatter-added folds, a LayerNorm with its weight and bias, a per-row temperature and the radius readout)
+    equal the reference that makes every chunk's rows first, in values and in the gradients of every shared
+    tensor."""
     from mixerzoo_kvm.ops import read_values
 
     n = 1 if layout == "single_chunk" else 5
     args = list(_inputs(pre_rope, n, R=6, shared_mask=False))
+    args[4] = args[5] = None
     g = torch.Generator().manual_seed(1)
-    N, D = args[4].shape[0], args[4].shape[-1]
-    weight, bias = (torch.randn(D, generator=g).requires_grad_(True) for _ in range(2))
-    tau_state, rho = torch.rand(N, 1, 1, 1, generator=g) + 0.5, torch.rand(N, 1, 6, generator=g) + 0.5
-    shared = (weight, bias, tau_state.requires_grad_(True), rho.requires_grad_(True))
+    N, D, m, C = args[0].shape[0], args[1].shape[-1], 4, 3
+    leaf = lambda *s: torch.randn(*s, generator=g).requires_grad_(True)  # noqa: E731
+    s0, x = leaf(N, m, D), leaf(N, n, C, D)  # entering state of m rows; what the fold before each chunk adds
+    target = torch.randint(0, 6, (N, n * C), generator=g)
+    weight, bias = leaf(D), leaf(D)
+    tau_state = (torch.rand(N, 1, 1, 1, generator=g) + 0.5).requires_grad_(True)
+    rho = (torch.rand(N, 1, 6, generator=g) + 0.5).requires_grad_(True)
+    shared = (s0, x, weight, bias, tau_state, rho)
 
-    def rows(k_c, v_c, c, w, b, tau, radius):
-        return (F.layer_norm(k_c, (D,), w, b) * tau, read_values(v_c, radius, None, "radius", 1e-6))
+    def rows(c, s0, x, w, b, tau, radius):
+        snap = F.pad(s0, (0, 0, 0, 6 - m)).scatter_add(1, target[:, :(c + 1) * C, None].expand(-1, -1, D),
+                                                        x[:, :c + 1].reshape(N, (c + 1) * C, D))[:, None]
+        return F.layer_norm(snap, (D,), w, b) * tau, read_values(2 * snap, radius, None, "radius", 1e-6)
 
     fast = memory_window_attention(*args, rows=rows, shared=shared)
     ref = memory_window_attention_reference(*args, rows=rows, shared=shared)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
-    wrt = (*args[:6], *shared)
+    wrt = (args[0], *args[1:4], *shared)
     loss = lambda out: (out * torch.linspace(-1, 1, out.shape[-1])).square().sum()  # noqa: E731
     for a, b in zip(torch.autograd.grad(loss(fast), wrt), torch.autograd.grad(loss(ref), wrt)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -140,10 +148,10 @@ def test_training_step_keeps_no_key_lists():
 def test_training_step_peak_shares_one_gradient_per_key_block(schedule, bound):
     """The peak of live tensors over a whole training step (forward and backward), in ``(T, d_model)`` tensors.
     The folds and the window reads take the same key/value blocks, so each block's gradient from both paths
-    accumulates in one buffer; the backward rebuilds one chunk's key list at a time; the memory rows are made one
-    chunk at a time inside the read from the fold scan's snapshots, which no gather or select copies. Fixed state:
-    9.89 (9.99 with the rows made for the whole group first, 12.95 with per-fold gradients and whole-group key
-    lists); growing state: 11.93 (13.26 with the rows made for the whole group first; full attention: 11.06)."""
+    accumulates in one buffer; the backward rebuilds one chunk's key list at a time; each chunk's snapshot and
+    memory rows are made inside the read one chunk at a time. Fixed state: 9.96 (9.99 with a group's snapshots
+    and rows made at once, 12.95 with per-fold gradients and whole-group key lists); growing state: 11.54 (13.26
+    with a group's snapshots and rows made at once; full attention: 11.06)."""
     from mixerzoo.evaluation.cost import LiveTensorBytes
 
     torch.manual_seed(0)
@@ -215,33 +223,3 @@ def test_bad_checkpoint_chunks_is_named():
     with pytest.raises(ValueError, match="checkpoint_chunks"):
         KVMAttention(32, n_heads=2, checkpoint_chunks=-1)
 
-
-@pytest.mark.parametrize("use", ["both", "after_only", "last_only"])
-def test_fold_scan_equals_its_plain_statement(use):
-    """``_FoldScan`` (every fold's state and a separate final state, with its reverse-running-sum backward)
-    equals a loop of out-of-place ``scatter_add`` under plain autograd, in values and gradients, also when only
-    one of its two outputs reaches the loss (the other's gradient is then None, not a zero tensor)."""
-    from mixerzoo_kvm.packed import _FoldScan
-
-    g = torch.Generator().manual_seed(0)
-    B, H, F, C, R, D = 2, 3, 4, 5, 7, 6
-    s0 = torch.randn(B, H, R, D, generator=g, dtype=torch.float64, requires_grad=True)
-    src = torch.randn(B, H, F, C, D, generator=g, dtype=torch.float64, requires_grad=True)
-    index = torch.randint(0, R, (B, H, F, C), generator=g)
-    w_after, w_last = torch.randn(B, H, F, R, D, generator=g, dtype=torch.float64), torch.randn(
-        B, H, R, D, generator=g, dtype=torch.float64)
-
-    def loss(after, last):
-        return ((after * w_after).sum() if use != "last_only" else 0) + ((last * w_last).sum() if use != "after_only"
-                                                                          else 0)
-
-    states, s = [], s0
-    for f in range(F):
-        s = s.scatter_add(2, index[:, :, f, :, None].expand(-1, -1, -1, D), src[:, :, f])
-        states.append(s)
-    expected = torch.stack(states, dim=2), s
-    after, last = _FoldScan.apply(s0, src, index)
-    torch.testing.assert_close(after, expected[0])
-    torch.testing.assert_close(last, expected[1])
-    grads = torch.autograd.grad(loss(after, last), (s0, src))
-    torch.testing.assert_close(grads, torch.autograd.grad(loss(*expected), (s0, src)))

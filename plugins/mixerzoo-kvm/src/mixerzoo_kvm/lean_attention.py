@@ -97,11 +97,10 @@ def _keys_values(mem_k: torch.Tensor, mem_v: torch.Tensor, blocks_k, blocks_v, c
     return keys, values
 
 
-def _chunk_rows(rows: Callable | None, mem_k: torch.Tensor, mem_v: torch.Tensor, c: int,
+def _chunk_rows(rows: Callable | None, mem_k: torch.Tensor | None, mem_v: torch.Tensor | None, c: int,
                 shared: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunk ``c``'s memory rows ``(N, 1, R, D)``: the given rows, or ``rows`` made from its sources."""
-    k, v = mem_k[:, c:c + 1], mem_v[:, c:c + 1]
-    return (k, v) if rows is None else rows(k, v, c, *shared)
+    """Chunk ``c``'s memory rows ``(N, 1, R, D)``: the given rows, or made by ``rows(c, *shared)``."""
+    return (mem_k[:, c:c + 1], mem_v[:, c:c + 1]) if rows is None else rows(c, *shared)
 
 
 def _joined(grid) -> torch.Tensor:
@@ -116,8 +115,7 @@ def memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask
     chunk's memory rows)."""
     grid_k, grid_v = _joined(grid_k), _joined(grid_v)
     if rows is not None:
-        made = [rows(mem_k[:, c:c + 1], mem_v[:, c:c + 1], c, *shared) for c in range(mem_k.shape[1])]
-        mem_k, mem_v = (torch.cat(t, dim=1) for t in zip(*made))
+        mem_k, mem_v = (torch.cat(t, dim=1) for t in zip(*(rows(c, *shared) for c in range(q.shape[1]))))
     keys = joint_keys(mem_k, [_windows(grid_k, window, chunk_len) * tau[:, None, None, None]], pre_rope, dim=2)
     values = torch.cat([mem_v, _windows(grid_v, window, chunk_len)], dim=2)
     dt = q.dtype
@@ -130,7 +128,8 @@ class _MemoryWindowAttention(torch.autograd.Function):
     """See :func:`memory_window_attention`. Saves ``q``, the output, the log-sum-exp and the sources (which exist
     anyway); the backward rebuilds each chunk's memory rows and key list in turn, so its transient buffers are one
     chunk's (``R + L`` keys), not the group's, adds each chunk's window gradients straight into its blocks'
-    gradients, and takes each chunk's memory-row gradient back to the rows' sources (``rows``) at once."""
+    gradients, and with ``rows`` takes each chunk's memory-row gradient back to the ``shared`` tensors at once
+    (a small graph per chunk)."""
 
     @staticmethod
     def forward(ctx, q, tau, mem_k, mem_v, mask, L: int, C: int, pre_rope: bool, scale: float, reuse: dict | None,
@@ -151,7 +150,8 @@ class _MemoryWindowAttention(torch.autograd.Function):
                 reuse.update(out=out.detach(), lse=lse)
         ctx.save_for_backward(q, tau, mem_k, mem_v, mask, out, lse, *shared, *blocks)
         ctx.meta = L, C, pre_rope, scale, rows, n_shared, n_blocks
-        return out[..., :mem_v.shape[-1]] if pre_rope else out
+        D = blocks[0].shape[-1]
+        return out[..., :D] if pre_rope else out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -159,13 +159,14 @@ class _MemoryWindowAttention(torch.autograd.Function):
         q, tau, mem_k, mem_v, mask, out, lse, *rest = ctx.saved_tensors
         shared, blocks = rest[:n_shared], rest[n_shared:]
         blocks_k, blocks_v = blocks[:n_blocks], blocks[n_blocks:]
-        N, n, R, D = mem_k.shape
-        E = q.shape[-1]
+        N, n, _, E = q.shape
+        D = blocks_k[0].shape[-1]
+        R = mask.shape[-1] - L
         if pre_rope:
             grad_out = F.pad(grad_out, (0, D))
         grad_out = grad_out.contiguous()
         gq = torch.empty_like(q)
-        g_mem_k, g_mem_v = torch.empty_like(mem_k), torch.empty_like(mem_v)
+        g_mem_k, g_mem_v = (None, None) if rows is not None else (torch.empty_like(mem_k), torch.empty_like(mem_v))
         g_tau = torch.zeros(N, dtype=torch.float32, device=q.device)
         # each block's own gradient (a view of one grid-sized gradient would keep it alive until autograd has the
         # gradients of every block, and with overlapping windows that is every group's)
@@ -179,11 +180,10 @@ class _MemoryWindowAttention(torch.autograd.Function):
         for c in range(n):
             if rows is None:
                 mk, mv = mem_k[:, c:c + 1], mem_v[:, c:c + 1]
-            else:  # the chunk's rows again, as a small graph of their own to take their gradient back to the sources
+            else:  # the chunk's rows again, as a small graph of their own to take their gradient back to `shared`
                 with torch.enable_grad():
-                    src = [t[:, c:c + 1].detach().requires_grad_() for t in (mem_k, mem_v)]
                     leaves = [t.detach().requires_grad_(w) for t, w in zip(shared, wants)]
-                    mk, mv = rows(*src, c, *leaves)
+                    mk, mv = rows(c, *leaves)
             keys, values = _keys_values(mk.detach(), mv.detach(), blocks_k, blocks_v, c, L, C, tau, pre_rope,
                                         q.dtype)
             m = _chunk_mask(mask, c, q.dtype)
@@ -196,15 +196,14 @@ class _MemoryWindowAttention(torch.autograd.Function):
                 g_mem_k[:, c] = gk[:, 0, :R, :D]
                 g_mem_v[:, c] = gv[:, 0, :R, :D]
             else:
-                inputs = src + [t for t, w in zip(leaves, wants) if w]
-                grads = torch.autograd.grad((mk, mv), inputs, (gk[:, :, :R, :D], gv[:, :, :R, :D]),
-                                            allow_unused=True)
-                for g_src, g in zip((g_mem_k, g_mem_v), grads[:2]):
-                    g_src[:, c:c + 1] = 0 if g is None else g
-                it = iter(grads[2:])
-                for i, w in enumerate(wants):
-                    if w and (g := next(it)) is not None:
-                        g_shared[i] = g if g_shared[i] is None else g_shared[i] + g
+                made = [(t, g[:, :, :R, :D]) for t, g in ((mk, gk), (mv, gv)) if t.requires_grad]
+                inputs = [t for t, w in zip(leaves, wants) if w]
+                if made and inputs:
+                    grads = iter(torch.autograd.grad([t for t, _ in made], inputs, [g for _, g in made],
+                                                     allow_unused=True))
+                    for i, w in enumerate(wants):
+                        if w and (g := next(grads)) is not None:
+                            g_shared[i] = g if g_shared[i] is None else g_shared[i] + g
             g_win = gk[:, 0, R:, E - D:].float()  # d/d(tau * window keys)
             for i, r0, w0, n_rows in _window_pieces(block_rows, c * C, L):
                 g_tau += (g_win[:, w0:w0 + n_rows] * blocks_k[i][:, r0:r0 + n_rows]).sum(dim=(1, 2),
@@ -235,7 +234,7 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
             every block's gradient is in (blocks shared by the overlapping windows of several calls).
         tau: ``(N,)`` inverse temperature of the window keys (``tau_bswa`` per row).
         mem_k, mem_v: ``(N, n, R, D)`` memory rows, already normalised and scaled (``tau_state * LN_s(s_k)`` and
-            the value readout), or their sources (``rows``).
+            the value readout); None with ``rows``.
         mask: ``(1, n | 1, Lq, R + window)``, boolean (True = may attend; :func:`shared_mask`) or the additive
             float form (:func:`additive_mask`).
         window: ``L`` window keys per chunk; chunk_len: ``C``, the stride between windows.
@@ -245,12 +244,12 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
             log-sum-exp on the first run, and the recomputation in backward takes them from it instead of running
             the attention again (what backward needs from the forward is exactly those two; full attention keeps
             its output too). The same inputs must come back, as a checkpoint's recomputation guarantees.
-        rows: when given, ``mem_k, mem_v`` are the *sources* of the memory rows (e.g. the state snapshots,
-            ``(N, n, R, D)``) and ``rows(k_c, v_c, c, *shared) -> (mem_k_c, mem_v_c)`` makes chunk ``c``'s rows
-            ``(N, 1, R, D)`` from its sources' slices ``(N, 1, R, D)``: made one chunk at a time in forward and
-            again in backward, so no group-sized tensor of normalised rows, nor its gradient, ever exists (issue
-            #17); ``rows`` must be a pure function of its arguments.
-        shared: tensors ``rows`` reads for every chunk (parameters, radii), which get gradients.
+        rows: when given, ``mem_k, mem_v`` are None and ``rows(c, *shared) -> (mem_k_c, mem_v_c)`` makes chunk
+            ``c``'s memory rows ``(N, 1, R, D)`` (for KVM: its state snapshot from the state entering the group and
+            the folds before the chunk, normalised and read out): made one chunk at a time in forward and again in
+            backward, so no group-sized tensor of snapshots or rows, nor its gradient, ever exists (issue #17);
+            ``rows`` must be a pure function of its arguments.
+        shared: the tensors ``rows`` reads (states, fold sources, parameters, radii), which get gradients.
 
     Returns:
         ``(N, n, Lq, D)`` in ``q``'s dtype.

@@ -2,13 +2,13 @@
 
 1. **Routing** (no gradient, a cheap loop over folds): the append / merge decisions of every overflow
    block, tracking the stored key sums in a preallocated buffer (:func:`mixerzoo_kvm.ops.route_overflow`).
-2. **Groups of query chunks** (at most ``checkpoint_chunks`` chunks, state sizes within 1.25x): from the state
-   entering the group, the group's folds as one differentiable scan (``_FoldScan``: a ``scatter_add`` per fold,
-   a reverse running sum in backward), the snapshot each chunk reads; then one attention call for the group
-   (:func:`mixerzoo_kvm.lean_attention.memory_window_attention`: keys ``[snapshot rows ; block window]``, the
-   rows (``tau_state * LN_s`` and the value readout) made one chunk at a time inside the call, the windows read
+2. **Groups of query chunks** (at most ``checkpoint_chunks`` chunks, state sizes within 1.25x): one attention
+   call per group (:func:`mixerzoo_kvm.lean_attention.memory_window_attention`: keys ``[snapshot rows ; block
+   window]``). Each chunk's snapshot (the state entering the group plus the group's folds before the chunk, one
+   ``scatter_add``) and its rows (``tau_state * LN_s`` and the value readout) are made one chunk at a time inside
+   the call, in forward and again in backward, so a group's snapshots never exist at once; the windows are read
    from chunk-aligned blocks of one padded copy of the keys, the same blocks the folds take, one broadcast mask
-   when the chunks share a pattern, grouped-query heads folded into the query length).
+   when the chunks share a pattern, grouped-query heads folded into the query length.
 3. **Training memory** (issue #17): with ``checkpoint_chunks > 0`` each group runs under
    ``torch.utils.checkpoint`` and is recomputed in backward from the state entering it, so autograd keeps no
    snapshot, memory row or key list, only each group's inputs. With 0, nothing is recomputed (one attention
@@ -68,90 +68,74 @@ def _route_all(spec: KVMSpec, params: KVMParams, s_k0: torch.Tensor, kbar: torch
     return routes
 
 
-class _FoldScan(torch.autograd.Function):
-    """Stored sums after every fold for winner-take-all routing, in linear time and memory.
+class _GroupFolds(NamedTuple):
+    """What a group's snapshots are made of: ``s_k, s_v (B, H, m, D)`` the state entering the group; ``x_k, x_v``
+    what each of its ``F`` folds adds (gated where the rule gates), a ``(B, H, C, D)`` tensor per fold (so that a
+    chunk's snapshot has gradients for the folds it reads only, not a zero-padded gradient of all of them); ``target (B, H, F C)`` the
+    row each fold token goes to (winner-take-all routing) or ``probs``, a ``(B, H, C, m_f)`` weight per fold
+    (soft routing, an ablation); ``rho (B, H, R)`` the radii and ``count (B, H, F + 1, R)`` the token counts after
+    each fold (entry 0 entering; no gradient) or None, with ``R`` the rows after the last fold."""
 
-    ``after[:, :, f]`` is the state after fold ``f``: ``s0`` plus ``src[:, :, f', j]`` added into row
-    ``index[:, :, f', j]`` (scatter-add) for every ``f' <= f``; ``last`` is a separate copy of the state after the
-    final fold, the next group's input. Keeping ``last`` out of ``after`` means neither is read through a view of
-    the other, whose backward would be a zero tensor of every snapshot (issue #17). Backward: the gradient of
-    ``src[f]`` is the reverse running sum of the gradients of ``last`` and of ``after`` over folds ``>= f``,
-    gathered at the same rows; ``s0`` gets the whole sum.
-    Shapes: ``s0 (B, H, R, D)``, ``src (B, H, F, C, D)``, ``index (B, H, F, C)`` with ``F >= 1`` ->
-    ``after (B, H, F, R, D)``, ``last (B, H, R, D)``.
-    """
-
-    @staticmethod
-    def forward(ctx, s0: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, H, n_folds, C, D = src.shape
-        idx = index[..., None].expand(-1, -1, -1, -1, D)
-        after = s0.new_empty(B, H, n_folds, s0.shape[2], D)
-        last = s0.clone()
-        for f in range(n_folds):
-            last.scatter_add_(2, idx[:, :, f], src[:, :, f])
-            after[:, :, f] = last
-        ctx.save_for_backward(idx)
-        ctx.set_materialize_grads(False)
-        return after, last
-
-    @staticmethod
-    def backward(ctx, grad_after: torch.Tensor | None, grad_last: torch.Tensor | None):
-        (idx,) = ctx.saved_tensors
-        n_folds = idx.shape[2]
-        acc = None if grad_last is None else grad_last.clone()
-        grad_src = None
-        for f in range(n_folds - 1, -1, -1):
-            if grad_after is not None:
-                acc = grad_after[:, :, f].clone() if acc is None else acc.add_(grad_after[:, :, f])
-            if acc is None:  # nothing downstream of this fold or any later one
-                continue
-            if grad_src is None:
-                grad_src = acc.new_zeros(idx.shape)
-            grad_src[:, :, f] = acc.gather(2, idx[:, :, f])
-        return acc, grad_src, None
-
-
-class _Snapshots(NamedTuple):
-    """A group's states, with gradient: ``k0, v0`` the state entering the group and ``last_k, last_v`` the state
-    after its final fold, ``(B, H, R, D)``; ``k, v`` the state after each fold ``(B, H, F, R, D)``; radii ``rho
-    (B, H, R)``; token counts ``count (B, H, F + 1, R)`` (entry 0 entering, no gradient) or None. ``R`` is the
-    rows after the final fold; rows a state does not have yet are zero padding."""
-
-    k0: torch.Tensor
-    v0: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    last_k: torch.Tensor
-    last_v: torch.Tensor
+    s_k: torch.Tensor
+    s_v: torch.Tensor
+    x_k: tuple[torch.Tensor, ...]
+    x_v: tuple[torch.Tensor, ...]
+    target: torch.Tensor | None
+    probs: list[torch.Tensor] | None
     rho: torch.Tensor
     count: torch.Tensor | None
 
-    def read(self, entries: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The snapshots that query chunks read, ``(B, H, n, R, D)`` each, and their counts: entry 0 is the
-        entering state, entry ``f + 1`` the state after fold ``f``. When the chunks read the states after the
-        folds one for one (every group past the first few chunks), that is ``k``, ``v`` as they are: no gathered
-        copy, whose backward would be a zero tensor of every snapshot (issue #17)."""
-        count = None if self.count is None else self.count[:, :, entries]
-        if entries == list(range(1, self.k.shape[2] + 1)):
-            return self.k, self.v, count
-        idx = torch.tensor(entries, device=self.k.device)
-        k, v = (torch.cat([s0[:, :, None], s], dim=2)[:, :, idx] for s0, s in ((self.k0, self.k), (self.v0, self.v)))
-        return k, v, count
+
+class _ScatterRows(torch.autograd.Function):
+    """``s.scatter_add_(2, index, src)`` in place, for ``s (B, H, R, D)``, ``index (B, H, n)``, ``src (B, H, n,
+    D)``, with the index held by the node itself, not saved through autograd's saved-tensor hooks. Inside a
+    checkpointed group a saved tensor is a handle on the whole group's recomputation: the last group's final state,
+    whose backward never runs when the loss does not use it, would keep the group's inputs (views of every key and
+    value) alive until the end of backward (issue #17)."""
+
+    @staticmethod
+    def forward(ctx, s: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        ctx.index = index[..., None].expand(-1, -1, -1, s.shape[-1])
+        ctx.mark_dirty(s)
+        return s.scatter_add_(2, ctx.index, src)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, grad.gather(2, ctx.index)
 
 
-def _snapshots(spec: KVMSpec, params: KVMParams, state: KVMState, kbar: torch.Tensor, v_o: torch.Tensor,
-               g: torch.Tensor | None, routes: list[Routing], sizes: list[int]) -> _Snapshots:
-    """The states a group's chunks read, from ``state`` and the group's ``F`` folds (overflow keys ``kbar`` and
-    values ``v_o``, ``(B, H, F, C, D)``, gates ``g (B, H, F, C)`` or None, their routing, ``sizes[f]`` rows
-    before fold ``f``); see :class:`_Snapshots`."""
-    B, H, n_folds, C, D = kbar.shape
+def _apply_folds(s0: torch.Tensor, x: tuple[torch.Tensor, ...], n_folds: int, R: int, target: torch.Tensor | None,
+                 probs: list[torch.Tensor] | None) -> torch.Tensor:
+    """The state after the first ``n_folds`` folds of a group, ``(B, H, R, D)``: ``s0 (B, H, m, D)`` padded to
+    ``R`` rows plus each fold's additions ``x[f] (B, H, C, D)``: token ``j`` of fold ``f`` into row ``target[:, :,
+    f C + j]`` (scatter-added in place into the padded copy: no state-sized tensor per fold, and each fold's
+    gradient is its own ``(B, H, C, D)``), or ``probs[f]^T x_f`` (soft routing, an ablation, plain autograd)."""
+    s = F.pad(s0, (0, 0, 0, R - s0.shape[2]))
+    for f, x_f in enumerate(x[:n_folds]):
+        if probs is None:
+            C = x_f.shape[2]
+            s = _ScatterRows.apply(s, target[:, :, f * C:(f + 1) * C], x_f)
+        else:
+            p = probs[f]
+            s = s + F.pad(p.transpose(-1, -2).to(x_f.dtype) @ x_f, (0, 0, 0, R - p.shape[-1]))
+    return s
+
+
+def _group_folds(spec: KVMSpec, state: KVMState, kbar: torch.Tensor, v_o: torch.Tensor, g: torch.Tensor | None,
+                 routes: list[Routing], sizes: list[int]) -> _GroupFolds:
+    """A group's :class:`_GroupFolds` from the state entering it and its ``F`` folds: overflow keys ``kbar`` and
+    values ``v_o (B, H, F, C, D)``, gates ``g (B, H, F, C)`` or None, their routing, ``sizes[f]`` rows before
+    fold ``f`` (``sizes[F]`` after the last)."""
+    n_folds = kbar.shape[2]
     R = sizes[-1]
-    s_k0 = F.pad(state.s_k, (0, 0, 0, R - state.n_rows))
-    s_v0 = F.pad(state.s_v.to(state.s_k.dtype), (0, 0, 0, R - state.n_rows))
+    s_v = state.s_v.to(state.s_k.dtype)
+    probs = None
+    if spec.routing != "hard":
+        probs = [r.probs if r.probs is not None else F.one_hot(r.target, sizes[f + 1]).float()
+                 for f, r in enumerate(routes)]
     if n_folds == 0:
-        none = s_k0.new_empty(B, H, 0, R, D)
-        return _Snapshots(s_k0, s_v0, none, none, s_k0, s_v0, state.rho,
-                          None if state.count is None else state.count[:, :, None])
+        return _GroupFolds(state.s_k, s_v, (), (), None, probs, state.rho,
+                           None if state.count is None else state.count[:, :, None])
     appended = torch.stack([r.appended for r in routes], dim=2)  # (B, H, F, C)
     initial = torch.tensor([s == 0 for s in sizes[:-1]], device=kbar.device)[:, None]  # folds that initialise
     xs = [kbar, v_o.to(kbar.dtype)]
@@ -159,19 +143,7 @@ def _snapshots(spec: KVMSpec, params: KVMParams, state: KVMState, kbar: torch.Te
         ungated = initial | (appended & (not spec.gate_appends))
         w = torch.where(ungated, torch.ones_like(g), g)[..., None].to(kbar.dtype)
         xs = [x * w for x in xs]
-    if spec.routing == "hard":
-        target = torch.stack([r.target for r in routes], dim=2)  # (B, H, F, C)
-        (s_k, last_k), (s_v, last_v) = (_FoldScan.apply(s0, x, target) for s0, x in zip((s_k0, s_v0), xs))
-    else:  # soft routing (an ablation): dense weights, a plain running sum
-        snaps = []
-        for s0, x in zip((s_k0, s_v0), xs):
-            run = [s0]
-            for f, (r, x_f) in enumerate(zip(routes, x.unbind(2))):
-                probs = r.probs if r.probs is not None else F.one_hot(r.target, sizes[f + 1]).float()
-                add = probs.transpose(-1, -2).to(x.dtype) @ x_f
-                run.append(run[-1] + F.pad(add, (0, 0, 0, R - sizes[f + 1])))
-            snaps.append((torch.stack(run[1:], dim=2), run[-1]))
-        (s_k, last_k), (s_v, last_v) = snaps
+    target = torch.cat([r.target for r in routes], dim=2) if probs is None else None  # (B, H, F C)
     norms = v_o.float().norm(dim=-1)  # (B, H, F, C)
     # unbind, not norms[:, :, f]: each index's backward would be a zero tensor of all the folds' norms
     rho = torch.cat([state.rho] + [torch.gather(n, 2, r.append_idx) for n, r in zip(norms.unbind(2), routes)], dim=2)
@@ -180,11 +152,11 @@ def _snapshots(spec: KVMSpec, params: KVMParams, state: KVMState, kbar: torch.Te
         with torch.no_grad():
             per_fold = []
             for f, r in enumerate(routes):
-                probs = r.probs if r.probs is not None else F.one_hot(r.target, sizes[f + 1]).float()
-                per_fold.append(F.pad(probs.sum(dim=2), (0, R - sizes[f + 1])))
+                p = r.probs if r.probs is not None else F.one_hot(r.target, sizes[f + 1]).float()
+                per_fold.append(F.pad(p.sum(dim=2), (0, R - sizes[f + 1])))
             c0 = F.pad(state.count, (0, R - state.count.shape[2]))[:, :, None]
             count = torch.cat([c0, c0 + torch.stack(per_fold, dim=2).cumsum(dim=2)], dim=2)
-    return _Snapshots(s_k0, s_v0, s_k, s_v, last_k, last_v, rho, count)
+    return _GroupFolds(state.s_k, s_v, xs[0].unbind(2), xs[1].unbind(2), target, probs, rho, count)
 
 
 def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) -> list[tuple[int, int]]:
@@ -356,29 +328,36 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         kbar = memory_keys(k_f.reshape(B, H, nf * C, D), spec.rotary_dim, params.ln_s,
                            o_pos[f0 * C:(f0 + nf) * C], spec.unrotate).view(B, H, nf, C, D)
         entering = dataclasses.replace(state, s_k=s_k, s_v=s_v, rho=rho, count=count)
-        snaps = _snapshots(spec, params, entering, kbar, v_f, g_f, routes[f0:f0 + nf], sizes[f0:f0 + nf + 1])
-        read_k, read_v, cnt = snaps.read([entry[i] - f0 for i in range(a, b)])  # R rows: the group's largest
-        cnt = None if cnt is None else cnt.reshape(B * H, n, R)
+        folds = _group_folds(spec, entering, kbar, v_f, g_f, routes[f0:f0 + nf], sizes[f0:f0 + nf + 1])
+        reads = [entry[i] - f0 for i in range(a, b)]  # folds of this group before each chunk's snapshot
+        cnt = None if folds.count is None else folds.count[:, :, reads].reshape(B * H, n, R)
+        # what memory_rows takes from outside its arguments: no tensor with gradient (the read's autograd node
+        # holds the function, beyond the reach of the checkpoint's hooks)
+        target, probs = folds.target, folds.probs
 
-        def memory_rows(k_c, v_c, c, tau, rho, *ln):
-            """Chunk ``c``'s memory rows from its snapshot ``(B H, 1, R, D)``: ``tau_state * LN_s(s_k)`` and the
-            value readout, made inside the read one chunk at a time (``rows`` of :func:`memory_window_attention`)."""
+        def memory_rows(c, s_k, s_v, tau, rho, *rest):
+            """Chunk ``c``'s memory rows ``(B H, 1, R, D)``: its snapshot (the entering state and the group's folds
+            before the chunk), then ``tau_state * LN_s(s_k)`` and the value readout; made inside the read one chunk
+            at a time (``rows`` of :func:`memory_window_attention`): the group's snapshots never exist at once."""
+            ln, x_k, x_v = rest[:len(ln_params)], rest[len(ln_params):len(ln_params) + nf], rest[len(ln_params) + nf:]
+            snap_k, snap_v = (_apply_folds(s0, x, reads[c], R, target, probs).view(B * H, 1, R, D)
+                              for s0, x in ((s_k, x_k), (s_v, x_v)))
             ln_s = params.ln_s if not ln else lambda t: torch.func.functional_call(params.ln_s, dict(zip(ln_names, ln)),
                                                                                    (t,))
-            return ln_s(k_c) * tau, read_values(v_c, rho, None if cnt is None else cnt[:, c:c + 1], spec.value_norm,
-                                                spec.eps)
+            return ln_s(snap_k) * tau, read_values(snap_v, rho, None if cnt is None else cnt[:, c:c + 1],
+                                                   spec.value_norm, spec.eps)
         rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
         mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask(a, b)], dim=2)  # (n, Cq, S)
         mask = shared_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1))  # booleans, a byte each
-        o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, read_k.reshape(B * H, n, R, D),
-                                    read_v.reshape(B * H, n, R, D), mask, L, C, two, D ** -0.5, reuse,
-                                    rows=memory_rows, shared=(tau_s, snaps.rho.reshape(B * H, 1, R), *ln_params))
+        o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, None, None, mask, L, C, two, D ** -0.5,
+                                    reuse, rows=memory_rows, shared=(folds.s_k, folds.s_v, tau_s,
+                                                                     folds.rho.reshape(B * H, 1, R), *ln_params,
+                                                                     *folds.x_k, *folds.x_v))
         if out_proj is not None:
             o = out_proj(group_tokens(a, b, o).transpose(1, 2).flatten(2))
-        # separate tensors, not views of the snapshots: a view would keep every snapshot of the group alive as the
-        # next group's input
-        return (o, snaps.last_k, snaps.last_v, snaps.rho,
-                None if snaps.count is None else snaps.count[:, :, -1].clone())
+        last_k, last_v = (_apply_folds(s0, x, nf, R, folds.target, folds.probs)
+                          for s0, x in ((folds.s_k, folds.x_k), (folds.s_v, folds.x_v)))
+        return o, last_k, last_v, folds.rho, None if folds.count is None else folds.count[:, :, -1].clone()
 
     carry = (state.s_k, state.s_v.to(state.s_k.dtype), state.rho, state.count)
     lean = spec.checkpoint_chunks > 0 and training((q, KP, VP))
