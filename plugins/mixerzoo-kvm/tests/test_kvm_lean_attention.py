@@ -19,8 +19,7 @@ def _inputs(pre_rope: bool, n: int, R: int, shared_mask: bool, C: int = 8, nb: i
     leaf = lambda *s: torch.randn(*s, generator=g).to(dtype).requires_grad_(True)  # noqa: E731
     q, grid_k, grid_v, tau = leaf(N, n, Lq, E), leaf(N, (n - 1) * C + L, D), leaf(N, (n - 1) * C + L, D), leaf(N)
     mem_k, mem_v = leaf(N, n, R, D), leaf(N, n, R, D)
-    m = torch.rand(n, Lq, R + L, generator=g) > 0.3
-    m[..., R] = True  # no query row without a key
+    m = torch.rand(n, Lq, L, generator=g) > 0.3  # the window keys each query may see (memory rows: all)
     if shared_mask:
         m[:] = m[:1]  # one pattern for all chunks: exercises the broadcast mask
     mask = lean_attention.shared_mask(m) if boolean_mask else additive_mask(m, dtype)
@@ -34,15 +33,22 @@ def _grads(out, args):
 @pytest.mark.parametrize("pre_rope", [False, True], ids=["paper", "pre_rope"])
 @pytest.mark.parametrize("layout", ["chunks", "chunks_shared_mask", "single_chunk"])
 @pytest.mark.parametrize("boolean_mask", [False, True], ids=["additive", "boolean"])
-def test_lean_equals_reference_values_and_gradients(pre_rope, layout, boolean_mask):
+@pytest.mark.parametrize("n_rows", ["all", "growing"])
+def test_lean_equals_reference_values_and_gradients(pre_rope, layout, boolean_mask, n_rows):
+    """Each chunk reads its first ``n_rows[c]`` memory rows (the rest is padding, which gets no gradient) and the
+    window keys its mask allows."""
     n = 1 if layout == "single_chunk" else 5
     args = _inputs(pre_rope, n, R=6, shared_mask=layout == "chunks_shared_mask", boolean_mask=boolean_mask)
-    fast = memory_window_attention(*args)
-    ref = memory_window_attention_reference(*args)
+    rows = None if n_rows == "all" else [2, 6, 3, 5, 4][:n]
+    fast = memory_window_attention(*args, n_rows=rows)
+    ref = memory_window_attention_reference(*args, n_rows=rows)
     assert fast.shape == ref.shape == (3, n, 8, 4)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
-    for a, b in zip(_grads(fast, args), _grads(ref, args)):
+    grads = _grads(fast, args)
+    for a, b in zip(grads, _grads(ref, args)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    if rows:
+        assert all(float(grads[4][:, c, r:].abs().sum()) == 0 for c, r in enumerate(rows))
 
 
 
@@ -73,7 +79,7 @@ def test_memory_rows_made_inside_the_read_equal_the_reference(pre_rope, layout):
                                                         x[:, :c + 1].reshape(N, (c + 1) * C, D))[:, None]
         return F.layer_norm(snap, (D,), w, b) * tau, read_values(2 * snap, radius, None, "radius", 1e-6)
 
-    fast = memory_window_attention(*args, rows=rows, shared=shared)
+    fast = memory_window_attention(*args, rows=rows, shared=shared, n_rows=[6] * n)
     ref = memory_window_attention_reference(*args, rows=rows, shared=shared)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     wrt = (args[0], *args[1:4], *shared)

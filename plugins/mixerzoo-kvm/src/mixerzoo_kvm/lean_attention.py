@@ -48,10 +48,31 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _additive(shared_mask(mask), dtype)
 
 
-def _chunk_mask(mask: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
-    """Chunk ``c``'s additive mask ``(1, 1, Lq, S)`` from a boolean or additive ``(1, n | 1, Lq, S)`` mask."""
-    m = mask[:, c:c + 1] if mask.shape[1] > 1 else mask
-    return _additive(m, dtype) if m.dtype == torch.bool else m
+class _ChunkMasks:
+    """Chunk ``c``'s additive mask ``(1, 1, Lq, R_c + L)`` for keys ``[R_c memory rows ; L window keys]``: the
+    memory rows are all visible (zeros), the window keys follow the boolean or additive ``mask (1, n | 1, Lq,
+    L)``. A pattern shared by every chunk is made additive once, in a buffer of ``max(R_c) + L`` columns whose
+    trailing ``R_c + L`` columns each chunk takes as a view (the CPU flash kernels take a mask with a row stride of
+    its own): no per-chunk mask is written (issue #17)."""
+
+    def __init__(self, mask: torch.Tensor, n_rows: list[int], dtype: torch.dtype) -> None:
+        self.mask, self.dtype, self.R = mask, dtype, max(n_rows)
+        self.shared = None
+        if mask.shape[1] == 1:
+            self.shared = self._make(mask, self.R)
+
+    def _make(self, m: torch.Tensor, R: int) -> torch.Tensor:
+        out = torch.zeros(*m.shape[:-1], R + m.shape[-1], dtype=self.dtype, device=m.device)
+        if m.dtype == torch.bool:
+            out[..., R:].masked_fill_(~m, float("-inf"))
+        else:
+            out[..., R:] = m
+        return out
+
+    def __call__(self, c: int, R_c: int) -> torch.Tensor:
+        if self.shared is not None:
+            return self.shared[..., self.R - R_c:]
+        return self._make(self.mask[:, c:c + 1], R_c)
 
 
 def _windows(grid: torch.Tensor, L: int, C: int) -> torch.Tensor:
@@ -97,10 +118,16 @@ def _keys_values(mem_k: torch.Tensor, mem_v: torch.Tensor, blocks_k, blocks_v, c
     return keys, values
 
 
-def _chunk_rows(rows: Callable | None, mem_k: torch.Tensor | None, mem_v: torch.Tensor | None, c: int,
+def _chunk_rows(rows: Callable | None, mem_k: torch.Tensor | None, mem_v: torch.Tensor | None, c: int, R_c: int,
                 shared: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunk ``c``'s memory rows ``(N, 1, R, D)``: the given rows, or made by ``rows(c, *shared)``."""
-    return (mem_k[:, c:c + 1], mem_v[:, c:c + 1]) if rows is None else rows(c, *shared)
+    """Chunk ``c``'s ``R_c`` memory rows ``(N, 1, R_c, D)``: the given rows, or made by ``rows(c, *shared)``."""
+    if rows is None:
+        return mem_k[:, c:c + 1, :R_c], mem_v[:, c:c + 1, :R_c]
+    k, v = rows(c, *shared)
+    if k.shape[2] != R_c or v.shape[2] != R_c:
+        raise ValueError(f"memory_window_attention: rows({c}) made {k.shape[2]} key rows and {v.shape[2]} value "
+                         f"rows, but n_rows[{c}] is {R_c}")
+    return k, v
 
 
 def _joined(grid) -> torch.Tensor:
@@ -110,17 +137,25 @@ def _joined(grid) -> torch.Tensor:
 
 def memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask, window: int, chunk_len: int,
                                       pre_rope: bool, scale: float, rows: Callable | None = None,
-                                      shared: tuple = ()) -> torch.Tensor:
+                                      shared: tuple = (), n_rows: list[int] | None = None) -> torch.Tensor:
     """The readable form of :func:`memory_window_attention` (plain autograd: stores the concatenated keys and every
     chunk's memory rows)."""
     grid_k, grid_v = _joined(grid_k), _joined(grid_v)
-    if rows is not None:
-        mem_k, mem_v = (torch.cat(t, dim=1) for t in zip(*(rows(c, *shared) for c in range(q.shape[1]))))
+    n = q.shape[1]
+    if rows is not None:  # every chunk's rows, zero-padded to the largest
+        made = [rows(c, *shared) for c in range(n)]
+        R = max(k.shape[2] for k, _ in made)
+        n_rows = n_rows or [k.shape[2] for k, _ in made]
+        mem_k, mem_v = (torch.cat([F.pad(t, (0, 0, 0, R - t.shape[2])) for t in ts], dim=1) for ts in zip(*made))
+    R = mem_k.shape[2]
+    n_rows = n_rows or [R] * n
+    visible = torch.arange(R, device=q.device)[None, :] < torch.tensor(n_rows, device=q.device)[:, None]  # (n, R)
+    if mask.dtype != torch.bool:
+        mask = mask == 0
+    mask = torch.cat([visible[None, :, None, :].expand(1, n, q.shape[2], R), mask.expand(1, n, -1, -1)], dim=-1)
     keys = joint_keys(mem_k, [_windows(grid_k, window, chunk_len) * tau[:, None, None, None]], pre_rope, dim=2)
     values = torch.cat([mem_v, _windows(grid_v, window, chunk_len)], dim=2)
     dt = q.dtype
-    if mask.dtype != torch.bool:
-        mask = mask.to(dt)
     return F.scaled_dot_product_attention(q, keys.to(dt), values.to(dt), attn_mask=mask, scale=scale)
 
 
@@ -133,7 +168,7 @@ class _MemoryWindowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, tau, mem_k, mem_v, mask, L: int, C: int, pre_rope: bool, scale: float, reuse: dict | None,
-                rows: Callable | None, n_shared: int, n_blocks: int, *rest):
+                rows: Callable | None, n_rows: list[int], n_shared: int, n_blocks: int, *rest):
         shared, blocks = rest[:n_shared], rest[n_shared:]
         if reuse:  # the recomputation of a checkpointed group: the read's output is already known
             out, lse = reuse.pop("out"), reuse.pop("lse")
@@ -141,27 +176,27 @@ class _MemoryWindowAttention(torch.autograd.Function):
             N, n, Lq, E = q.shape
             out = q.new_empty(N, n, Lq, E)
             lse = torch.empty(N, n, Lq, dtype=torch.float32, device=q.device)
+            masks = _ChunkMasks(mask, n_rows, q.dtype)
             for c in range(n):  # one chunk's rows and key list at a time: the transient buffers do not grow with n
-                keys, values = _keys_values(*_chunk_rows(rows, mem_k, mem_v, c, shared), blocks[:n_blocks],
-                                            blocks[n_blocks:], c, L, C, tau, pre_rope, q.dtype)
+                keys, values = _keys_values(*_chunk_rows(rows, mem_k, mem_v, c, n_rows[c], shared),
+                                            blocks[:n_blocks], blocks[n_blocks:], c, L, C, tau, pre_rope, q.dtype)
                 out[:, c:c + 1], lse[:, c:c + 1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q[:, c:c + 1], keys, values, attn_mask=_chunk_mask(mask, c, q.dtype), scale=scale)
+                    q[:, c:c + 1], keys, values, attn_mask=masks(c, n_rows[c]), scale=scale)
             if reuse is not None:
                 reuse.update(out=out.detach(), lse=lse)
         ctx.save_for_backward(q, tau, mem_k, mem_v, mask, out, lse, *shared, *blocks)
-        ctx.meta = L, C, pre_rope, scale, rows, n_shared, n_blocks
+        ctx.meta = L, C, pre_rope, scale, rows, n_rows, n_shared, n_blocks
         D = blocks[0].shape[-1]
         return out[..., :D] if pre_rope else out
 
     @staticmethod
     def backward(ctx, grad_out):
-        L, C, pre_rope, scale, rows, n_shared, n_blocks = ctx.meta
+        L, C, pre_rope, scale, rows, n_rows, n_shared, n_blocks = ctx.meta
         q, tau, mem_k, mem_v, mask, out, lse, *rest = ctx.saved_tensors
         shared, blocks = rest[:n_shared], rest[n_shared:]
         blocks_k, blocks_v = blocks[:n_blocks], blocks[n_blocks:]
         N, n, _, E = q.shape
         D = blocks_k[0].shape[-1]
-        R = mask.shape[-1] - L
         if pre_rope:
             grad_out = F.pad(grad_out, (0, D))
         grad_out = grad_out.contiguous()
@@ -172,29 +207,32 @@ class _MemoryWindowAttention(torch.autograd.Function):
         # gradients of every block, and with overlapping windows that is every group's)
         g_k = [torch.zeros(b.shape, dtype=torch.float32, device=q.device) for b in blocks_k]
         g_v = [torch.zeros(b.shape, dtype=torch.float32, device=q.device) for b in blocks_v]
-        first_shared = 13  # forward's arguments before ``rest``
+        first_shared = 14  # forward's arguments before ``rest``
         wants = [ctx.needs_input_grad[first_shared + i] for i in range(n_shared)]
         g_shared = [None] * n_shared
         block_rows = [b.shape[1] for b in blocks_k]
         tau_ = tau.to(torch.float32)[:, None, None]
+        masks = _ChunkMasks(mask, n_rows, q.dtype)
         for c in range(n):
+            R = n_rows[c]
             if rows is None:
-                mk, mv = mem_k[:, c:c + 1], mem_v[:, c:c + 1]
+                mk, mv = _chunk_rows(None, mem_k, mem_v, c, R, ())
             else:  # the chunk's rows again, as a small graph of their own to take their gradient back to `shared`
                 with torch.enable_grad():
                     leaves = [t.detach().requires_grad_(w) for t, w in zip(shared, wants)]
-                    mk, mv = rows(c, *leaves)
+                    mk, mv = _chunk_rows(rows, None, None, c, R, leaves)
             keys, values = _keys_values(mk.detach(), mv.detach(), blocks_k, blocks_v, c, L, C, tau, pre_rope,
                                         q.dtype)
-            m = _chunk_mask(mask, c, q.dtype)
+            m = masks(c, R)
             gq_c, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out[:, c:c + 1], q[:, c:c + 1], keys, values, out[:, c:c + 1], lse[:, c:c + 1], 0.0, False,
                 attn_mask=m, scale=scale)
             del keys, values
             gq[:, c:c + 1] = gq_c
             if rows is None:
-                g_mem_k[:, c] = gk[:, 0, :R, :D]
-                g_mem_v[:, c] = gv[:, 0, :R, :D]
+                g_mem_k[:, c, :R] = gk[:, 0, :R, :D]
+                g_mem_v[:, c, :R] = gv[:, 0, :R, :D]
+                g_mem_k[:, c, R:] = g_mem_v[:, c, R:] = 0
             else:
                 made = [(t, g[:, :, :R, :D]) for t, g in ((mk, gk), (mv, gv)) if t.requires_grad]
                 inputs = [t for t, w in zip(leaves, wants) if w]
@@ -205,20 +243,20 @@ class _MemoryWindowAttention(torch.autograd.Function):
                         if w and (g := next(grads)) is not None:
                             g_shared[i] = g if g_shared[i] is None else g_shared[i] + g
             g_win = gk[:, 0, R:, E - D:].float()  # d/d(tau * window keys)
-            for i, r0, w0, n_rows in _window_pieces(block_rows, c * C, L):
-                g_tau += (g_win[:, w0:w0 + n_rows] * blocks_k[i][:, r0:r0 + n_rows]).sum(dim=(1, 2),
-                                                                                        dtype=torch.float32)
-                g_k[i][:, r0:r0 + n_rows] += g_win[:, w0:w0 + n_rows] * tau_
-                g_v[i][:, r0:r0 + n_rows] += gv[:, 0, R + w0:R + w0 + n_rows, :D]
+            for i, r0, w0, w in _window_pieces(block_rows, c * C, L):
+                g_tau += (g_win[:, w0:w0 + w] * blocks_k[i][:, r0:r0 + w]).sum(dim=(1, 2), dtype=torch.float32)
+                g_k[i][:, r0:r0 + w] += g_win[:, w0:w0 + w] * tau_
+                g_v[i][:, r0:r0 + w] += gv[:, 0, R + w0:R + w0 + w, :D]
         g_blocks = [g.to(b.dtype) for g, b in zip(g_k + g_v, blocks)]
         return (gq, g_tau.to(tau.dtype), g_mem_k, g_mem_v, None, None, None, None, None, None, None, None, None,
-                *g_shared, *g_blocks)
+                None, *g_shared, *g_blocks)
 
 
 def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch.Tensor, tau: torch.Tensor,
                             mem_k: torch.Tensor, mem_v: torch.Tensor, mask: torch.Tensor, window: int,
                             chunk_len: int, pre_rope: bool, scale: float, reuse: dict | None = None,
-                            rows: Callable | None = None, shared: tuple = ()) -> torch.Tensor:
+                            rows: Callable | None = None, shared: tuple = (),
+                            n_rows: list[int] | None = None) -> torch.Tensor:
     """KVM's read for ``n`` query chunks: ``softmax(scale * q [mem_k ; tau * win_k]^T + mask) [mem_v ; win_v]``.
 
     Query chunk ``c`` attends to its state snapshot's rows ``mem_k[:, c]`` and to its block window, keys
@@ -235,8 +273,9 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
         tau: ``(N,)`` inverse temperature of the window keys (``tau_bswa`` per row).
         mem_k, mem_v: ``(N, n, R, D)`` memory rows, already normalised and scaled (``tau_state * LN_s(s_k)`` and
             the value readout); None with ``rows``.
-        mask: ``(1, n | 1, Lq, R + window)``, boolean (True = may attend; :func:`shared_mask`) or the additive
-            float form (:func:`additive_mask`).
+        mask: ``(1, n | 1, Lq, window)``, which window keys each query may see: boolean (True = may attend;
+            :func:`shared_mask`) or the additive float form (:func:`additive_mask`). Memory rows are not masked:
+            chunk ``c`` sees all its ``n_rows[c]`` rows.
         window: ``L`` window keys per chunk; chunk_len: ``C``, the stride between windows.
         pre_rope: keys in the two-channel layout of ``memory_keys: pre_rope``.
         scale: logit scale (``1 / sqrt(D)``).
@@ -250,17 +289,23 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
             backward, so no group-sized tensor of snapshots or rows, nor its gradient, ever exists (issue #17);
             ``rows`` must be a pure function of its arguments.
         shared: the tensors ``rows`` reads (states, fold sources, parameters, radii), which get gradients.
+        n_rows: the memory rows of each chunk (its state's size; rows past it are padding, never read); default:
+            all ``R`` rows of ``mem_k``. ``rows(c)`` must make exactly ``n_rows[c]`` rows.
 
     Returns:
         ``(N, n, Lq, D)`` in ``q``'s dtype.
     """
     if q.device.type != "cpu" or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         return memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask, window, chunk_len,
-                                                 pre_rope, scale, rows, shared)
+                                                 pre_rope, scale, rows, shared, n_rows)
     blocks_k = (grid_k,) if isinstance(grid_k, torch.Tensor) else tuple(grid_k)
     blocks_v = (grid_v,) if isinstance(grid_v, torch.Tensor) else tuple(grid_v)
     if len(blocks_k) != len(blocks_v):
         raise ValueError(f"memory_window_attention: {len(blocks_k)} key blocks but {len(blocks_v)} value blocks")
     mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
+    if n_rows is None:
+        if mem_k is None:
+            raise ValueError("memory_window_attention: rows needs n_rows, the rows each chunk's rows() makes")
+        n_rows = [mem_k.shape[2]] * q.shape[1]
     return _MemoryWindowAttention.apply(q, tau, mem_k, mem_v, mask, window, chunk_len, pre_rope, scale, reuse, rows,
-                                        len(shared), len(blocks_k), *shared, *blocks_k, *blocks_v)
+                                        list(n_rows), len(shared), len(blocks_k), *shared, *blocks_k, *blocks_v)

@@ -336,23 +336,24 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         target, probs = folds.target, folds.probs
 
         def memory_rows(c, s_k, s_v, tau, rho, *rest):
-            """Chunk ``c``'s memory rows ``(B H, 1, R, D)``: its snapshot (the entering state and the group's folds
-            before the chunk), then ``tau_state * LN_s(s_k)`` and the value readout; made inside the read one chunk
-            at a time (``rows`` of :func:`memory_window_attention`): the group's snapshots never exist at once."""
+            """Chunk ``c``'s memory rows ``(B H, 1, R_c, D)``, ``R_c`` its state's rows: its snapshot (the
+            entering state and the group's folds before the chunk), then ``tau_state * LN_s(s_k)`` and the value
+            readout; made inside the read one chunk at a time (``rows`` of :func:`memory_window_attention`): the
+            group's snapshots never exist at once."""
             ln, x_k, x_v = rest[:len(ln_params)], rest[len(ln_params):len(ln_params) + nf], rest[len(ln_params) + nf:]
-            snap_k, snap_v = (_apply_folds(s0, x, reads[c], R, target, probs).view(B * H, 1, R, D)
+            R_c = rows[a + c]
+            snap_k, snap_v = (_apply_folds(s0, x, reads[c], R_c, target, probs).view(B * H, 1, R_c, D)
                               for s0, x in ((s_k, x_k), (s_v, x_v)))
             ln_s = params.ln_s if not ln else lambda t: torch.func.functional_call(params.ln_s, dict(zip(ln_names, ln)),
                                                                                    (t,))
-            return ln_s(snap_k) * tau, read_values(snap_v, rho, None if cnt is None else cnt[:, c:c + 1],
-                                                   spec.value_norm, spec.eps)
-        rows_valid = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
-        mask = torch.cat([rows_valid[:, None, :].expand(-1, Cq, -1), win_mask(a, b)], dim=2)  # (n, Cq, S)
-        mask = shared_mask(mask[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, -1))  # booleans, a byte each
+            return ln_s(snap_k) * tau, read_values(snap_v, rho[..., :R_c], None if cnt is None else
+                                                   cnt[:, c:c + 1, :R_c], spec.value_norm, spec.eps)
+        # the window keys each query may see (the memory rows are all visible: each chunk reads its own R_c rows)
+        mask = shared_mask(win_mask(a, b)[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, L))  # a byte each
         o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, None, None, mask, L, C, two, D ** -0.5,
                                     reuse, rows=memory_rows, shared=(folds.s_k, folds.s_v, tau_s,
                                                                      folds.rho.reshape(B * H, 1, R), *ln_params,
-                                                                     *folds.x_k, *folds.x_v))
+                                                                     *folds.x_k, *folds.x_v), n_rows=rows[a:b])
         if out_proj is not None:
             o = out_proj(group_tokens(a, b, o).transpose(1, 2).flatten(2))
         last_k, last_v = (_apply_folds(s0, x, nf, R, folds.target, folds.probs)
