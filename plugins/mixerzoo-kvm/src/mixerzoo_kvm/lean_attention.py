@@ -239,9 +239,9 @@ class _MemoryWindowAttention(torch.autograd.Function):
                 if made and inputs:
                     grads = iter(torch.autograd.grad([t for t, _ in made], inputs, [g for _, g in made],
                                                      allow_unused=True))
-                    for i, w in enumerate(wants):
+                    for i, w in enumerate(wants):  # one buffer each (a chunk's gradient may be a view of a larger one)
                         if w and (g := next(grads)) is not None:
-                            g_shared[i] = g if g_shared[i] is None else g_shared[i] + g
+                            g_shared[i] = g.clone() if g_shared[i] is None else g_shared[i].add_(g)
             g_win = gk[:, 0, R:, E - D:].float()  # d/d(tau * window keys)
             for i, r0, w0, w in _window_pieces(block_rows, c * C, L):
                 g_tau += (g_win[:, w0:w0 + w] * blocks_k[i][:, r0:r0 + w]).sum(dim=(1, 2), dtype=torch.float32)

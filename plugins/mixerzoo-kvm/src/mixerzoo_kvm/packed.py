@@ -22,6 +22,7 @@ decoding uses :func:`kvm_step`, which needs no mask at all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -88,36 +89,40 @@ class _GroupFolds(NamedTuple):
 
 class _ScatterRows(torch.autograd.Function):
     """``s.scatter_add_(2, index, src)`` in place, for ``s (B, H, R, D)``, ``index (B, H, n)``, ``src (B, H, n,
-    D)``, with the index held by the node itself, not saved through autograd's saved-tensor hooks. Inside a
-    checkpointed group a saved tensor is a handle on the whole group's recomputation: the last group's final state,
-    whose backward never runs when the loss does not use it, would keep the group's inputs (views of every key and
-    value) alive until the end of backward (issue #17)."""
+    D)``: as ``index_add_`` over the rows of ``s`` flattened to ``(B H R, D)`` (4x faster than ``scatter_add_`` with
+    a ``D``-expanded index on this project's CPU, and its backward an ``index_select``, 9x faster than ``gather``;
+    rows are added in the same order). The index is held by the node itself, not saved through autograd's
+    saved-tensor hooks: inside a checkpointed group a saved tensor is a handle on the whole group's recomputation,
+    and the last group's final state, whose backward never runs when the loss does not use it, would keep the
+    group's inputs (views of every key and value) alive until the end of backward (issue #17)."""
 
     @staticmethod
     def forward(ctx, s: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        ctx.index = index[..., None].expand(-1, -1, -1, s.shape[-1])
+        B, H, R, D = s.shape
+        ctx.rows = (index + torch.arange(B * H, device=index.device).view(B, H, 1) * R).reshape(-1)
         ctx.mark_dirty(s)
-        return s.scatter_add_(2, ctx.index, src)
+        s.view(B * H * R, D).index_add_(0, ctx.rows, src.reshape(-1, D))
+        return s
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None, grad.gather(2, ctx.index)
+        B, H, R, D = grad.shape
+        src_grad = grad.reshape(B * H * R, D).index_select(0, ctx.rows).view(B, H, -1, D)
+        return grad, None, src_grad
 
 
 def _apply_folds(s0: torch.Tensor, x: tuple[torch.Tensor, ...], n_folds: int, R: int, target: torch.Tensor | None,
                  probs: list[torch.Tensor] | None) -> torch.Tensor:
     """The state after the first ``n_folds`` folds of a group, ``(B, H, R, D)``: ``s0 (B, H, m, D)`` padded to
     ``R`` rows plus each fold's additions ``x[f] (B, H, C, D)``: token ``j`` of fold ``f`` into row ``target[:, :,
-    f C + j]`` (scatter-added in place into the padded copy: no state-sized tensor per fold, and each fold's
-    gradient is its own ``(B, H, C, D)``), or ``probs[f]^T x_f`` (soft routing, an ablation, plain autograd)."""
+    f C + j]`` (all folds added in place into the padded copy in one call, in the order of one fold at a time), or
+    ``probs[f]^T x_f`` (soft routing, an ablation, plain autograd)."""
     s = F.pad(s0, (0, 0, 0, R - s0.shape[2]))
-    for f, x_f in enumerate(x[:n_folds]):
-        if probs is None:
-            C = x_f.shape[2]
-            s = _ScatterRows.apply(s, target[:, :, f * C:(f + 1) * C], x_f)
-        else:
-            p = probs[f]
-            s = s + F.pad(p.transpose(-1, -2).to(x_f.dtype) @ x_f, (0, 0, 0, R - p.shape[-1]))
+    if n_folds and probs is None:
+        src = x[0] if n_folds == 1 else torch.cat(x[:n_folds], dim=2)
+        return _ScatterRows.apply(s, target[:, :, :src.shape[2]], src)
+    for p, x_f in zip(probs[:n_folds] if n_folds else [], x):
+        s = s + F.pad(p.transpose(-1, -2).to(x_f.dtype) @ x_f, (0, 0, 0, R - p.shape[-1]))
     return s
 
 
@@ -344,8 +349,12 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             R_c = rows[a + c]
             snap_k, snap_v = (_apply_folds(s0, x, reads[c], R_c, target, probs).view(B * H, 1, R_c, D)
                               for s0, x in ((s_k, x_k), (s_v, x_v)))
-            ln_s = params.ln_s if not ln else lambda t: torch.func.functional_call(params.ln_s, dict(zip(ln_names, ln)),
-                                                                                   (t,))
+            if isinstance(params.ln_s, torch.nn.LayerNorm) and len(ln) == 2:  # the layer's own LN_s, called directly
+                ln_s = functools.partial(F.layer_norm, normalized_shape=params.ln_s.normalized_shape, weight=ln[0],
+                                         bias=ln[1], eps=params.ln_s.eps)
+            else:
+                ln_s = params.ln_s if not ln else lambda t: torch.func.functional_call(
+                    params.ln_s, dict(zip(ln_names, ln)), (t,))
             return ln_s(snap_k) * tau, read_values(snap_v, rho[..., :R_c], None if cnt is None else
                                                    cnt[:, c:c + 1, :R_c], spec.value_norm, spec.eps)
         # the window keys each query may see (the memory rows are all visible: each chunk reads its own R_c rows)
