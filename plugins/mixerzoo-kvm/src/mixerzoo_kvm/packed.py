@@ -5,7 +5,7 @@
 2. **Groups of query chunks** (at most ``checkpoint_chunks`` chunks, state sizes within 1.25x): one attention
    call per group (:func:`mixerzoo_kvm.lean_attention.memory_window_attention`: keys ``[snapshot rows ; block
    window]``). Each chunk's snapshot (the state entering the group plus the group's folds before the chunk, one
-   ``scatter_add``) and its rows (``tau_state * LN_s`` and the value readout) are made one chunk at a time inside
+   row-indexed add) and its rows (``tau_state * LN_s`` and the value readout) are made one chunk at a time inside
    the call, in forward and again in backward, so a group's snapshots never exist at once; the windows are read
    from chunk-aligned blocks of one padded copy of the keys, the same blocks the folds take, one broadcast mask
    when the chunks share a pattern, grouped-query heads folded into the query length.
