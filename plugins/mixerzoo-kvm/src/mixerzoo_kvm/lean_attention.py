@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from .ops import joint_keys
 
-__all__ = ["memory_window_attention", "memory_window_attention_reference", "shared_mask", "additive_mask"]
+__all__ = ["memory_window_attention", "memory_window_attention_reference", "stacked_rows", "shared_mask",
+           "additive_mask"]
 
 
 def shared_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -135,6 +136,18 @@ def _joined(grid) -> torch.Tensor:
     return grid if isinstance(grid, torch.Tensor) else grid[0] if len(grid) == 1 else torch.cat(list(grid), dim=1)
 
 
+def stacked_rows(rows: Callable, shared: tuple, n: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Every chunk's memory rows at once, as :func:`memory_window_attention` takes them without ``rows``: ``mem_k,
+    mem_v (N, n, R, D)`` from ``rows(c, *shared)`` for ``c < n``, zero-padded to the largest ``R``, and the rows
+    each chunk made (its ``n_rows``). Plain autograd."""
+    made = [rows(c, *shared) for c in range(n)]
+    n_rows = [k.shape[2] for k, _ in made]
+    R = max(n_rows)
+    mem_k, mem_v = (t[0] if n == 1 else torch.cat([F.pad(x, (0, 0, 0, R - x.shape[2])) for x in t], dim=1)
+                    for t in zip(*made))
+    return mem_k, mem_v, n_rows
+
+
 def memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask, window: int, chunk_len: int,
                                       pre_rope: bool, scale: float, rows: Callable | None = None,
                                       shared: tuple = (), n_rows: list[int] | None = None) -> torch.Tensor:
@@ -142,11 +155,9 @@ def memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask
     chunk's memory rows)."""
     grid_k, grid_v = _joined(grid_k), _joined(grid_v)
     n = q.shape[1]
-    if rows is not None:  # every chunk's rows, zero-padded to the largest
-        made = [rows(c, *shared) for c in range(n)]
-        R = max(k.shape[2] for k, _ in made)
-        n_rows = n_rows or [k.shape[2] for k, _ in made]
-        mem_k, mem_v = (torch.cat([F.pad(t, (0, 0, 0, R - t.shape[2])) for t in ts], dim=1) for ts in zip(*made))
+    if rows is not None:
+        mem_k, mem_v, made_rows = stacked_rows(rows, shared, n)
+        n_rows = n_rows or made_rows
     R = mem_k.shape[2]
     n_rows = n_rows or [R] * n
     visible = torch.arange(R, device=q.device)[None, :] < torch.tensor(n_rows, device=q.device)[:, None]  # (n, R)
