@@ -31,7 +31,7 @@ import torch.utils.checkpoint
 
 from mixerzoo.mixers.segments import training
 
-from .lean_attention import memory_window_attention, shared_mask, stacked_rows
+from .lean_attention import memory_window_attention, shared_mask
 from .ops import (KVMParams, KVMSpec, Routing, fold, joint_keys, joint_queries, keep_from, memory_keys, read_values,
                   route_overflow, state_budget)
 from .state import KVMState
@@ -112,19 +112,30 @@ class _ScatterRows(torch.autograd.Function):
         return grad, None, src_grad
 
 
-def _apply_folds(s0: torch.Tensor, x: tuple[torch.Tensor, ...], n_folds: int, R: int, target: torch.Tensor | None,
-                 probs: list[torch.Tensor] | None) -> torch.Tensor:
-    """The state after the first ``n_folds`` folds of a group, ``(B, H, R, D)``: ``s0 (B, H, m, D)`` padded to
-    ``R`` rows plus each fold's additions ``x[f] (B, H, C, D)``: token ``j`` of fold ``f`` into row ``target[:, :,
-    f C + j]`` (all folds added in place into the padded copy in one call, in the order of one fold at a time), or
-    ``probs[f]^T x_f`` (soft routing, an ablation, plain autograd)."""
+def _apply_folds(s0: torch.Tensor, x: tuple[torch.Tensor, ...], reads: list[int], R: int,
+                 target: torch.Tensor | None, probs: list[torch.Tensor] | None) -> torch.Tensor:
+    """Snapshots of a group's state, ``(B, H, K, R, D)``: snapshot ``j`` is ``s0 (B, H, m, D)`` padded to ``R``
+    rows plus the group's first ``reads[j]`` folds' additions ``x[f] (B, H, C, D)``: token ``i`` of fold ``f`` into
+    row ``target[:, :, f C + i]`` (every addition of every snapshot in one in-place call, in the order of one fold
+    at a time), or ``probs[f]^T x_f`` (soft routing, an ablation, plain autograd)."""
     s = F.pad(s0, (0, 0, 0, R - s0.shape[2]))
-    if n_folds and probs is None:
-        src = x[0] if n_folds == 1 else torch.cat(x[:n_folds], dim=2)
-        return _ScatterRows.apply(s, target[:, :, :src.shape[2]], src)
-    for p, x_f in zip(probs[:n_folds] if n_folds else [], x):
-        s = s + F.pad(p.transpose(-1, -2).to(x_f.dtype) @ x_f, (0, 0, 0, R - p.shape[-1]))
-    return s
+    B, H, _, D = s.shape
+    K = len(reads)
+    if probs is not None:
+        snaps = []
+        for e in reads:
+            snap = s
+            for p, x_f in zip(probs[:e], x):
+                snap = snap + F.pad(p.transpose(-1, -2).to(x_f.dtype) @ x_f, (0, 0, 0, R - p.shape[-1]))
+            snaps.append(snap)
+        return torch.stack(snaps, dim=2)
+    s = torch.cat([s] * K, dim=2)  # (B, H, K R, D), a tensor of its own (it is added into in place)
+    if any(reads):
+        C = x[0].shape[2]
+        src = torch.cat([x_f for e in reads for x_f in x[:e]], dim=2)
+        index = torch.cat([target[:, :, :e * C] + j * R for j, e in enumerate(reads) if e], dim=2)
+        s = _ScatterRows.apply(s, index, src)
+    return s.view(B, H, K, R, D)
 
 
 def _group_folds(spec: KVMSpec, state: KVMState, kbar: torch.Tensor, v_o: torch.Tensor, g: torch.Tensor | None,
@@ -341,37 +352,41 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         # holds the function, beyond the reach of the checkpoint's hooks)
         target, probs = folds.target, folds.probs
 
-        def memory_rows(c, s_k, s_v, tau, rho, *rest):
-            """Chunk ``c``'s memory rows ``(B H, 1, R_c, D)``, ``R_c`` its state's rows: its snapshot (the
-            entering state and the group's folds before the chunk), then ``tau_state * LN_s(s_k)`` and the value
-            readout; made inside the read one chunk at a time (``rows`` of :func:`memory_window_attention`): the
-            group's snapshots never exist at once."""
+        def memory_rows(chunks: list[int], s_k, s_v, tau, rho, *rest):
+            """The memory rows ``(B H, K, R_K, D)`` of the group's chunks ``chunks`` (``R_K`` the largest of their
+            states' rows): their snapshots (the entering state and the group's folds before each chunk), then
+            ``tau_state * LN_s(s_k)`` and the value readout."""
             ln, x_k, x_v = rest[:len(ln_params)], rest[len(ln_params):len(ln_params) + nf], rest[len(ln_params) + nf:]
-            R_c = rows[a + c]
-            snap_k, snap_v = (_apply_folds(s0, x, reads[c], R_c, target, probs).view(B * H, 1, R_c, D)
-                              for s0, x in ((s_k, x_k), (s_v, x_v)))
+            R_K, K = max(rows[a + c] for c in chunks), len(chunks)
+            snap_k, snap_v = (_apply_folds(s0, x, [reads[c] for c in chunks], R_K, target, probs).view(
+                B * H, K, R_K, D) for s0, x in ((s_k, x_k), (s_v, x_v)))
             if isinstance(params.ln_s, torch.nn.LayerNorm) and len(ln) == 2:  # the layer's own LN_s, called directly
                 ln_s = functools.partial(F.layer_norm, normalized_shape=params.ln_s.normalized_shape, weight=ln[0],
                                          bias=ln[1], eps=params.ln_s.eps)
             else:
                 ln_s = params.ln_s if not ln else lambda t: torch.func.functional_call(
                     params.ln_s, dict(zip(ln_names, ln)), (t,))
-            return ln_s(snap_k) * tau, read_values(snap_v, rho[..., :R_c], None if cnt is None else
-                                                   cnt[:, c:c + 1, :R_c], spec.value_norm, spec.eps)
+            return ln_s(snap_k) * tau, read_values(snap_v, rho[..., :R_K], None if cnt is None else
+                                                   cnt[:, chunks, :R_K], spec.value_norm, spec.eps)
+
+        def chunk_rows(c, *shared):
+            """Chunk ``c``'s rows ``(B H, 1, R_c, D)``, made inside the read one chunk at a time (``rows`` of
+            :func:`memory_window_attention`): the group's snapshots never exist at once."""
+            return memory_rows([c], *shared)
         # the window keys each query may see (the memory rows are all visible: each chunk reads its own R_c rows)
         mask = shared_mask(win_mask(a, b)[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, L))  # a byte each
         shared = (folds.s_k, folds.s_v, tau_s, folds.rho.reshape(B * H, 1, R), *ln_params, *folds.x_k, *folds.x_v)
-        if R <= L:  # a state no larger than the window: the group's rows at once cost little memory, and save the
-            # read a graph per chunk in backward (kvm-256: 6% of a step at 32k)
-            mem_k, mem_v, _ = stacked_rows(memory_rows, shared, n)
+        if R <= L:  # a state no larger than the window: the group's rows at once (batched) cost little memory and
+            # save the read a graph per chunk in backward (kvm-256: 6% of a step at 32k)
+            mem_k, mem_v = memory_rows(list(range(n)), *shared)
             o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, mem_k, mem_v, mask, L, C, two,
                                         D ** -0.5, reuse, n_rows=rows[a:b])
         else:
             o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, None, None, mask, L, C, two,
-                                        D ** -0.5, reuse, rows=memory_rows, shared=shared, n_rows=rows[a:b])
+                                        D ** -0.5, reuse, rows=chunk_rows, shared=shared, n_rows=rows[a:b])
         if out_proj is not None:
             o = out_proj(group_tokens(a, b, o).transpose(1, 2).flatten(2))
-        last_k, last_v = (_apply_folds(s0, x, nf, R, folds.target, folds.probs)
+        last_k, last_v = (_apply_folds(s0, x, [nf], R, folds.target, folds.probs)[:, :, 0]
                           for s0, x in ((folds.s_k, folds.x_k), (folds.s_v, folds.x_v)))
         return o, last_k, last_v, folds.rho, None if folds.count is None else folds.count[:, :, -1].clone()
 
