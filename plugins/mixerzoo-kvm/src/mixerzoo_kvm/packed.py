@@ -379,7 +379,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         mask = shared_mask(win_mask(a, b)[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, L))  # a byte each
         shared = (folds.s_k, folds.s_v, tau_s, folds.rho.reshape(B * H, 1, R), *ln_params, *folds.x_k, *folds.x_v)
         if R <= L:  # a state no larger than the window: the group's rows at once (batched) cost little memory and
-            # save the read a graph per chunk in backward (kvm-256: 6% of a step at 32k)
+            # save the read a graph per chunk in backward (Python per chunk)
             mem_k, mem_v = memory_rows(list(range(n)), *shared)
             o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, mem_k, mem_v, mask, L, C, two,
                                         D ** -0.5, reuse, n_rows=rows[a:b])
