@@ -229,3 +229,36 @@ def test_bad_checkpoint_chunks_is_named():
     with pytest.raises(ValueError, match="checkpoint_chunks"):
         KVMAttention(32, n_heads=2, checkpoint_chunks=-1)
 
+
+
+@pytest.mark.parametrize("reads", [(1, 2, 3, 4), (0, 0, 1, 3), (2,), (0,)])
+def test_fold_snapshots_equal_their_plain_statement(reads):
+    """``_FoldSnapshots`` (a running buffer of a group's state, each fold added once, a reverse running sum in
+    backward) equals out-of-place ``scatter_add`` of the first ``reads[j]`` folds onto the padded entering state
+    under plain autograd, in values and gradients, folds no snapshot reads included (no gradient)."""
+    from mixerzoo_kvm.packed import _FoldSnapshots
+
+    g = torch.Generator().manual_seed(0)
+    B, H, m, R, C, D, n_folds = 2, 3, 4, 7, 5, 6, 4
+    s0 = torch.randn(B, H, m, D, generator=g, dtype=torch.float64, requires_grad=True)
+    x = [torch.randn(B, H, C, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(n_folds)]
+    target = torch.randint(0, R, (B, H, n_folds * C), generator=g)
+    w = torch.randn(B, H, len(reads), R, D, generator=g, dtype=torch.float64)
+
+    def plain():
+        snaps = []
+        for e in reads:
+            s = F.pad(s0, (0, 0, 0, R - m))
+            for f in range(e):
+                s = s.scatter_add(2, target[:, :, f * C:(f + 1) * C, None].expand(-1, -1, -1, D), x[f])
+            snaps.append(s)
+        return torch.stack(snaps, dim=2)
+
+    fast, want = _FoldSnapshots.apply(s0, target, reads, R, *x), plain()
+    torch.testing.assert_close(fast, want)
+    got = torch.autograd.grad((fast * w).sum(), [s0, *x], allow_unused=True)
+    ref = torch.autograd.grad((want * w).sum(), [s0, *x], allow_unused=True)
+    for a, b in zip(got, ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)

@@ -90,54 +90,68 @@ class _GroupFolds(NamedTuple):
     count: torch.Tensor | None
 
 
-class _ScatterRows(torch.autograd.Function):
-    """``s.scatter_add_(2, index, src)`` in place, for ``s (B, H, R, D)``, ``index (B, H, n)``, ``src (B, H, n,
-    D)``: as ``index_add_`` over the rows of ``s`` flattened to ``(B H R, D)`` (4x faster than ``scatter_add_`` with
-    a ``D``-expanded index on this project's CPU, and its backward an ``index_select``, 9x faster than ``gather``;
-    rows are added in the same order). The index is held by the node itself, not saved through autograd's
-    saved-tensor hooks: inside a checkpointed group a saved tensor is a handle on the whole group's recomputation,
-    and the last group's final state, whose backward never runs when the loss does not use it, would keep the
-    group's inputs (views of every key and value) alive until the end of backward (issue #17)."""
+class _FoldSnapshots(torch.autograd.Function):
+    """Snapshots of a group's state after its folds, in one running buffer: ``out[:, :, j]`` is ``s0 (B, H, m, D)``
+    padded to ``R`` rows plus, for each of the group's first ``reads[j]`` folds (``reads`` nondecreasing), token
+    ``i`` of fold ``f``, ``x[f][:, :, i] (B, H, C, D)``, added into row ``target[:, :, f C + i]``. Each fold is
+    added once, in place, with ``index_add_`` over the rows flattened (4x faster than ``scatter_add_`` with a
+    ``D``-expanded index on this project's CPU); backward is the reverse running sum of the snapshots' gradients,
+    each fold's gradient an ``index_select`` of it (9x faster than ``gather``): no per-snapshot copy of the folds,
+    no fresh buffer per fold (fresh allocations page-fault on this VM). The row indices are held by the node, not
+    saved through autograd's saved-tensor hooks: inside a checkpointed group a saved tensor is a handle on the whole
+    group's recomputation, and the last group's final state, whose backward never runs when the loss does not use
+    it, would keep the group's inputs (views of every key and value) alive to the end of backward (issue #17).
+    Shapes: ``target (B, H, F C)``, ``x`` F tensors -> ``(B, H, len(reads), R, D)``."""
 
     @staticmethod
-    def forward(ctx, s: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        B, H, R, D = s.shape
-        ctx.rows = (index + torch.arange(B * H, device=index.device).view(B, H, 1) * R).reshape(-1)
-        ctx.mark_dirty(s)
-        s.view(B * H * R, D).index_add_(0, ctx.rows, src.reshape(-1, D))
-        return s
+    def forward(ctx, s0: torch.Tensor, target: torch.Tensor, reads: tuple[int, ...], R: int, *x: torch.Tensor):
+        B, H, m, D = s0.shape
+        E = max(reads)
+        C = x[0].shape[2] if E else 0
+        offsets = torch.arange(B * H, device=s0.device).view(B, H, 1) * R
+        ctx.rows = [(target[:, :, f * C:(f + 1) * C] + offsets).reshape(-1) for f in range(E)]
+        ctx.meta = reads, m, len(x)
+        run = s0.new_zeros(B, H, R, D)
+        run[:, :, :m] = s0
+        out = s0.new_empty(B, H, len(reads), R, D)
+        done = 0
+        for j, e in enumerate(reads):
+            for f in range(done, e):
+                run.view(-1, D).index_add_(0, ctx.rows[f], x[f].reshape(-1, D))
+            done = max(done, e)
+            out[:, :, j] = run
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        B, H, R, D = grad.shape
-        src_grad = grad.reshape(B * H * R, D).index_select(0, ctx.rows).view(B, H, -1, D)
-        return grad, None, src_grad
+        reads, m, n_x = ctx.meta
+        B, H, K, R, D = grad.shape
+        acc = grad[:, :, K - 1].clone()
+        g_x = [None] * n_x
+        for j in range(K - 1, -1, -1):
+            if j < K - 1:
+                acc += grad[:, :, j]
+            for f in range(reads[j - 1] if j else 0, reads[j]):  # folds first read by chunk j: all chunks >= j
+                g_x[f] = acc.view(-1, D).index_select(0, ctx.rows[f]).view(B, H, -1, D)
+        return (acc[:, :, :m], None, None, None, *g_x)
 
 
 def _apply_folds(s0: torch.Tensor, x: tuple[torch.Tensor, ...], reads: list[int], R: int,
                  target: torch.Tensor | None, probs: list[torch.Tensor] | None) -> torch.Tensor:
     """Snapshots of a group's state, ``(B, H, K, R, D)``: snapshot ``j`` is ``s0 (B, H, m, D)`` padded to ``R``
-    rows plus the group's first ``reads[j]`` folds' additions ``x[f] (B, H, C, D)``: token ``i`` of fold ``f`` into
-    row ``target[:, :, f C + i]`` (every addition of every snapshot in one in-place call, in the order of one fold
-    at a time), or ``probs[f]^T x_f`` (soft routing, an ablation, plain autograd)."""
+    rows plus the group's first ``reads[j]`` folds' additions ``x[f] (B, H, C, D)`` (``reads`` nondecreasing):
+    winner-take-all routing with :class:`_FoldSnapshots`, soft routing (an ablation) as ``probs[f]^T x_f`` in
+    plain autograd."""
+    if probs is None:
+        return _FoldSnapshots.apply(s0, target, tuple(reads), R, *x)
     s = F.pad(s0, (0, 0, 0, R - s0.shape[2]))
-    B, H, _, D = s.shape
-    K = len(reads)
-    if probs is not None:
-        snaps = []
-        for e in reads:
-            snap = s
-            for p, x_f in zip(probs[:e], x):
-                snap = snap + F.pad(p.transpose(-1, -2).to(x_f.dtype) @ x_f, (0, 0, 0, R - p.shape[-1]))
-            snaps.append(snap)
-        return torch.stack(snaps, dim=2)
-    s = torch.cat([s] * K, dim=2)  # (B, H, K R, D), a tensor of its own (it is added into in place)
-    if any(reads):
-        C = x[0].shape[2]
-        src = torch.cat([x_f for e in reads for x_f in x[:e]], dim=2)
-        index = torch.cat([target[:, :, :e * C] + j * R for j, e in enumerate(reads) if e], dim=2)
-        s = _ScatterRows.apply(s, index, src)
-    return s.view(B, H, K, R, D)
+    snaps = []
+    for e in reads:
+        snap = s
+        for p, x_f in zip(probs[:e], x):
+            snap = snap + F.pad(p.transpose(-1, -2).to(x_f.dtype) @ x_f, (0, 0, 0, R - p.shape[-1]))
+        snaps.append(snap)
+    return torch.stack(snaps, dim=2)
 
 
 def _group_folds(spec: KVMSpec, state: KVMState, kbar: torch.Tensor, v_o: torch.Tensor, g: torch.Tensor | None,
