@@ -24,7 +24,6 @@ decoding uses :func:`kvm_step`, which needs no mask at all.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -329,6 +328,16 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     # LN_s's parameters go into the read as tensors of their own, so its backward can give them their gradient
     ln_named = dict(params.ln_s.named_parameters()) if isinstance(params.ln_s, torch.nn.Module) else {}
     ln_names, ln_params = tuple(ln_named), tuple(ln_named.values())
+    if isinstance(params.ln_s, torch.nn.LayerNorm) and len(ln_params) == 2:  # the layer's own LN_s, called directly
+
+        def ln_s_with(t: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            """``LN_s(t)`` with the given weight and bias (``ln_params``' stand-ins in the read's backward)."""
+            return F.layer_norm(t, params.ln_s.normalized_shape, weight, bias, params.ln_s.eps)
+    else:
+
+        def ln_s_with(t: torch.Tensor, *ln: torch.Tensor) -> torch.Tensor:
+            """``LN_s(t)`` with the given parameters in place of ``ln_params`` (none: ``LN_s`` as it is)."""
+            return torch.func.functional_call(params.ln_s, dict(zip(ln_names, ln)), (t,)) if ln else params.ln_s(t)
     # group (a, b) starts from snapshot ``first[g]`` and applies the folds up to its last chunk's snapshot
     first = [entry[a - 1] if a else 0 for a, _ in groups]
     n_f = [entry[b - 1] - f0 for (_, b), f0 in zip(groups, first)]
@@ -376,13 +385,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             R_K, K = max(rows[a + c] for c in chunks), len(chunks)
             snap_k, snap_v = (_apply_folds(s0, x, [reads[c] for c in chunks], R_K, target, probs).view(
                 B * H, K, R_K, D) for s0, x in ((s_k, x_k), (s_v, x_v)))
-            if isinstance(params.ln_s, torch.nn.LayerNorm) and len(ln) == 2:  # the layer's own LN_s, called directly
-                ln_s = functools.partial(F.layer_norm, normalized_shape=params.ln_s.normalized_shape, weight=ln[0],
-                                         bias=ln[1], eps=params.ln_s.eps)
-            else:
-                ln_s = params.ln_s if not ln else lambda t: torch.func.functional_call(
-                    params.ln_s, dict(zip(ln_names, ln)), (t,))
-            return ln_s(snap_k) * tau, read_values(snap_v, rho[..., :R_K], None if cnt is None else
+            return ln_s_with(snap_k, *ln) * tau, read_values(snap_v, rho[..., :R_K], None if cnt is None else
                                                    cnt[:, chunks, :R_K], spec.value_norm, spec.eps)
 
         def chunk_rows(c, *shared):
