@@ -59,6 +59,8 @@ MIXERS = {  # name in the tables: (registry name, options)
     "kvm-256": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256})),
     "kvm-sqrt": ("kvm", dict(KVM, schedule={"name": "power_law", "coef": 16, "exponent": 0.5, "min_size": 256})),
     "kvm-256/keep": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, checkpoint_chunks=0)),
+    "kvm-sqrt/keep": ("kvm", dict(KVM, schedule={"name": "power_law", "coef": 16, "exponent": 0.5, "min_size": 256},
+                                  checkpoint_chunks=0)),
     "ovq": ("ovq", dict(chunk_len=128, max_size=2048)),
     "ovq/keep": ("ovq", dict(chunk_len=128, max_size=2048, checkpoint_chunks=0)),
     "trellis": ("trellis", {}),

@@ -193,6 +193,7 @@ class _MemoryWindowAttention(torch.autograd.Function):
                                             blocks[:n_blocks], blocks[n_blocks:], c, L, C, tau, pre_rope, q.dtype)
                 out[:, c:c + 1], lse[:, c:c + 1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q[:, c:c + 1], keys, values, attn_mask=masks(c, n_rows[c]), scale=scale)
+                del keys, values  # before the next chunk's are made: one chunk's key list alive at a time
             if reuse is not None:
                 reuse.update(out=out.detach(), lse=lse)
         ctx.save_for_backward(q, tau, mem_k, mem_v, mask, out, lse, *shared, *blocks)
@@ -258,6 +259,12 @@ class _MemoryWindowAttention(torch.autograd.Function):
                 g_tau += (g_win[:, w0:w0 + w] * blocks_k[i][:, r0:r0 + w]).sum(dim=(1, 2), dtype=torch.float32)
                 g_k[i][:, r0:r0 + w] += g_win[:, w0:w0 + w] * tau_
                 g_v[i][:, r0:r0 + w] += gv[:, 0, R + w0:R + w0 + w, :D]
+            # before the next chunk's rows and kernel gradients are made (a name keeps its tensor until rebound):
+            # one chunk's transient buffers alive at a time, not two (issue #17)
+            del gq_c, gk, gv, g_win, mk, mv
+            if rows is not None:
+                del made, leaves
+                grads = g = None
         g_blocks = [g.to(b.dtype) for g, b in zip(g_k + g_v, blocks)]
         return (gq, g_tau.to(tau.dtype), g_mem_k, g_mem_v, None, None, None, None, None, None, None, None, None,
                 None, *g_shared, *g_blocks)
