@@ -77,6 +77,32 @@ def test_rope_partial_leaves_other_channels_and_relative_property():
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_fast_rotation_is_the_llama_rotation_bit_for_bit(fraction, dtype):
+    """``rotate_fast`` (one output tensor, no autograd) against ``rotate`` and against Llama's own form written
+    here (``x * cos + rotate_half(x) * sin`` with the half tables repeated), bit for bit, both ways round, on a
+    strided input."""
+    rope = RoPE(head_dim=16, rotary_fraction=fraction)
+    r = rope.rotary_dim
+    x = torch.randn(2, 40, 3, 16, generator=torch.Generator().manual_seed(0)).to(dtype).transpose(1, 2)
+    pos = torch.arange(5000, 5040)
+    cos, sin = rope.cos_sin(pos, dtype)
+    assert cos.shape == (40, r // 2)
+
+    def llama(x, sin):
+        xr = x[..., :r]
+        rotated = torch.cat([-xr[..., r // 2:], xr[..., :r // 2]], dim=-1)
+        out = xr * torch.cat([cos, cos], dim=-1) + rotated * torch.cat([sin, sin], dim=-1)
+        return torch.cat([out, x[..., r:]], dim=-1)
+
+    for inverse, s in ((False, sin), (True, -sin)):
+        fast = rope.rotate_fast(x, cos, sin, inverse=inverse)
+        assert torch.equal(fast, rope.rotate(x, cos, s))
+        assert torch.equal(fast, llama(x, s))
+    assert torch.equal(rope.apply(x, pos), llama(x, sin))
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_backward_recomputes_the_angles(fraction, dtype):
     """With gradients RoPE runs as a Function whose backward rotates the gradient back (recomputing cos/sin):
     the same output bit for bit and the gradient of the plain autograd form (``rotate``), while what autograd

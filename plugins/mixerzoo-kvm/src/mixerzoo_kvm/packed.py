@@ -206,6 +206,13 @@ def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) ->
     return groups
 
 
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is the whole of its storage (a view of nothing larger: the group's final state), else
+    a copy of it: a state tensor that keeps nothing else alive, without copying one that already is compact."""
+    whole = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone()
+
+
 def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                g: torch.Tensor | None, state: KVMState, finish_q: Callable | None = None,
                out_proj: Callable | None = None) -> tuple[torch.Tensor, KVMState]:
@@ -431,9 +438,9 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         o = group_tokens(0, n_q, o)
 
     keep = keep_from(p1, C, nb) - kpos0
-    # copies, so that the state does not keep the whole prefill's keys (or a group's snapshots) alive
+    # compact copies, so that the state does not keep the whole prefill's keys (or a group's snapshots) alive
     s_k, s_v, rho, count = carry
-    new_state = KVMState(s_k=s_k.clone(), s_v=s_v.to(state.s_v.dtype, copy=True), rho=rho,
+    new_state = KVMState(s_k=_compact(s_k), s_v=_compact(s_v.to(state.s_v.dtype)), rho=rho,
                          count=None if count is None else count.clone(), win_k=K[:, :, keep:].clone(),
                          win_v=V[:, :, keep:].clone(), win_g=None if Gt is None else Gt[:, :, keep:].clone(),
                          next_pos=p1)
