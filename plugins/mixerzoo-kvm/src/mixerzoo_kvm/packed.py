@@ -90,16 +90,19 @@ class _GroupFolds(NamedTuple):
 
 
 class _FoldSnapshots(torch.autograd.Function):
-    """Snapshots of a group's state after its folds, in one running buffer: ``out[:, :, j]`` is ``s0 (B, H, m, D)``
+    """Snapshots of a group's state after its folds: ``out[:, :, j]`` is ``s0 (B, H, m, D)``
     padded to ``R`` rows plus, for each of the group's first ``reads[j]`` folds (``reads`` nondecreasing), token
     ``i`` of fold ``f``, ``x[f][:, :, i] (B, H, C, D)``, added into row ``target[:, :, f C + i]``. Each fold is
     added once, in place, with ``index_add_`` over the rows flattened (4x faster than ``scatter_add_`` with a
-    ``D``-expanded index on this project's CPU); backward is the reverse running sum of the snapshots' gradients,
-    each fold's gradient an ``index_select`` of it (9x faster than ``gather``): no per-snapshot copy of the folds,
-    no fresh buffer per fold (fresh allocations page-fault on this VM). The row indices are held by the node, not
-    saved through autograd's saved-tensor hooks: inside a checkpointed group a saved tensor is a handle on the whole
-    group's recomputation, and the last group's final state, whose backward never runs when the loss does not use
-    it, would keep the group's inputs (views of every key and value) alive to the end of backward (issue #17).
+    ``D``-expanded index on this project's CPU), into the first snapshot that holds it, which the next snapshot
+    starts as a copy of; backward is the reverse running sum of the snapshots' gradients, each fold's gradient an
+    ``index_select`` of it (9x faster than ``gather``): no per-snapshot copy of the folds, no fresh buffer per fold
+    (fresh allocations page-fault on this VM), and for one snapshot (a chunk's rows made inside the read) no
+    buffer beside the output in forward and none beside the incoming gradient in backward. The row indices are
+    held by the node, not saved through autograd's saved-tensor hooks: inside a checkpointed group a saved tensor
+    is a handle on the whole group's recomputation, and the last group's final state, whose backward never runs
+    when the loss does not use it, would keep the group's inputs (views of every key and value) alive to the end
+    of backward (issue #17).
     Shapes: ``target (B, H, F C)``, ``x`` F tensors -> ``(B, H, len(reads), R, D)``."""
 
     @staticmethod
@@ -107,31 +110,37 @@ class _FoldSnapshots(torch.autograd.Function):
         B, H, m, D = s0.shape
         E = max(reads)
         C = x[0].shape[2] if E else 0
-        offsets = torch.arange(B * H, device=s0.device).view(B, H, 1) * R
-        ctx.rows = [(target[:, :, f * C:(f + 1) * C] + offsets).reshape(-1) for f in range(E)]
+        K = len(reads)
+        bh = torch.arange(B * H, device=s0.device).view(B, H, 1)
+        folds = [target[:, :, f * C:(f + 1) * C] for f in range(E)]
+        ctx.rows = [(t + bh * R).reshape(-1) for t in folds]  # rows of a (B, H, R, D) state, flattened
         ctx.meta = reads, m, len(x)
-        run = s0.new_zeros(B, H, R, D)
-        run[:, :, :m] = s0
-        out = s0.new_empty(B, H, len(reads), R, D)
+        out = s0.new_empty(B, H, K, R, D)
+        flat = out.view(-1, D)  # row (b H + h) K R + j R + r is row r of snapshot j
         done = 0
-        for j, e in enumerate(reads):
+        for j, e in enumerate(reads):  # snapshot j: snapshot j - 1 (or s0, zero-padded) and the folds between
+            if j == 0:
+                out[:, :, 0, :m] = s0
+                out[:, :, 0, m:] = 0
+            else:
+                out[:, :, j] = out[:, :, j - 1]
             for f in range(done, e):
-                run.view(-1, D).index_add_(0, ctx.rows[f], x[f].reshape(-1, D))
+                rows = ctx.rows[f] if K == 1 else (folds[f] + bh * (K * R) + j * R).reshape(-1)
+                flat.index_add_(0, rows, x[f].reshape(-1, D))
             done = max(done, e)
-            out[:, :, j] = run
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         reads, m, n_x = ctx.meta
         B, H, K, R, D = grad.shape
-        acc = grad[:, :, K - 1].clone()
+        acc = grad[:, :, K - 1] if K == 1 else grad[:, :, K - 1].clone()  # only added to when K > 1
         g_x = [None] * n_x
         for j in range(K - 1, -1, -1):
             if j < K - 1:
                 acc += grad[:, :, j]
             for f in range(reads[j - 1] if j else 0, reads[j]):  # folds first read by chunk j: all chunks >= j
-                g_x[f] = acc.view(-1, D).index_select(0, ctx.rows[f]).view(B, H, -1, D)
+                g_x[f] = acc.reshape(-1, D).index_select(0, ctx.rows[f]).view(B, H, -1, D)
         return (acc[:, :, :m], None, None, None, *g_x)
 
 
@@ -412,7 +421,8 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
                                         D ** -0.5, reuse, rows=chunk_rows, shared=shared, n_rows=rows[a:b])
         if out_proj is not None:
             o = out_proj(group_tokens(a, b, o).transpose(1, 2).flatten(2))
-        last_k, last_v = (_apply_folds(s0, x, [nf], R, folds.target, folds.probs)[:, :, 0]
+        # squeeze, not [:, :, 0]: a select's backward would copy the incoming gradient into a fresh zero tensor
+        last_k, last_v = (_apply_folds(s0, x, [nf], R, folds.target, folds.probs).squeeze(2)
                           for s0, x in ((folds.s_k, folds.x_k), (folds.s_v, folds.x_v)))
         return o, last_k, last_v, folds.rho, None if folds.count is None else folds.count[:, :, -1].clone()
 
