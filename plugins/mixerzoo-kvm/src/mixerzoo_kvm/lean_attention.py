@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from .ops import joint_keys
 
-__all__ = ["memory_window_attention", "memory_window_attention_reference", "stacked_rows", "shared_mask",
-           "additive_mask"]
+__all__ = ["memory_window_attention", "memory_window_attention_reference", "ChunkRows", "stacked_rows",
+           "shared_mask", "additive_mask"]
 
 
 def shared_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -119,16 +119,68 @@ def _keys_values(mem_k: torch.Tensor, mem_v: torch.Tensor, blocks_k, blocks_v, c
     return keys, values
 
 
-def _chunk_rows(rows: Callable | None, mem_k: torch.Tensor | None, mem_v: torch.Tensor | None, c: int, R_c: int,
-                shared: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunk ``c``'s ``R_c`` memory rows ``(N, 1, R_c, D)``: the given rows, or made by ``rows(c, *shared)``."""
-    if rows is None:
-        return mem_k[:, c:c + 1, :R_c], mem_v[:, c:c + 1, :R_c]
-    k, v = rows(c, *shared)
+def _checked(k: torch.Tensor, v: torch.Tensor, c: int, R_c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk ``c``'s rows as made, after checking that they are its ``R_c = n_rows[c]`` rows."""
     if k.shape[2] != R_c or v.shape[2] != R_c:
         raise ValueError(f"memory_window_attention: rows({c}) made {k.shape[2]} key rows and {v.shape[2]} value "
                          f"rows, but n_rows[{c}] is {R_c}")
     return k, v
+
+
+class ChunkRows:
+    """Memory rows made one chunk at a time inside :func:`memory_window_attention` (its ``rows``).
+
+    ``rows(c, *shared) -> (mem_k_c, mem_v_c)``, each ``(N, 1, R_c, D)``, is the rows' plain statement (the
+    reference path stacks it over the chunks). :meth:`start` gives one pass over the chunks, in order: the read's
+    forward asks a pass for each chunk's rows, its backward also hands each chunk's row gradients to the pass and
+    finally takes the gradients of ``shared`` from it. This class's passes call ``rows`` per chunk, and in backward
+    take each chunk's gradient back through a small autograd graph of its own; a subclass may make the rows and
+    their gradients another way (``mixerzoo_kvm.incremental_rows``: only the rows a fold changed)."""
+
+    def __init__(self, rows: Callable) -> None:
+        self.fn = rows
+
+    def __call__(self, c: int, *shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fn(c, *shared)
+
+    def start(self, shared: tuple, wants: list[bool] | None) -> "_GraphPass":
+        """A pass over the chunks; ``wants``: which of ``shared`` need a gradient (None: forward, no gradient)."""
+        return _GraphPass(self.fn, shared, wants)
+
+
+class _GraphPass:
+    """:meth:`ChunkRows.start`'s pass: ``rows(c, *shared)`` per chunk; in backward on detached copies of ``shared``
+    (leaves), so each chunk's row gradient goes back to them at once, summed into one buffer per tensor."""
+
+    def __init__(self, fn: Callable, shared: tuple, wants: list[bool] | None) -> None:
+        self.fn, self.wants = fn, wants
+        self.grad = [None] * len(shared)
+        self.leaves = shared if wants is None else [t.detach().requires_grad_(w) for t, w in zip(shared, wants)]
+        self.made = None
+
+    def rows(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk ``c``'s rows ``(N, 1, R_c, D)`` (with their graph in backward)."""
+        if self.wants is None:
+            return self.fn(c, *self.leaves)
+        with torch.enable_grad():
+            self.made = self.fn(c, *self.leaves)
+        return self.made
+
+    def add_grad(self, c: int, g_k: torch.Tensor, g_v: torch.Tensor) -> None:
+        """The loss's gradient with respect to chunk ``c``'s rows (those :meth:`rows` made last)."""
+        made = [(t, g) for t, g in zip(self.made, (g_k, g_v)) if t.requires_grad]
+        inputs = [t for t, w in zip(self.leaves, self.wants) if w]
+        self.made = None
+        if not (made and inputs):
+            return
+        grads = iter(torch.autograd.grad([t for t, _ in made], inputs, [g for _, g in made], allow_unused=True))
+        for i, w in enumerate(self.wants):  # one buffer each (a chunk's gradient may be a view of a larger one)
+            if w and (g := next(grads)) is not None:
+                self.grad[i] = g.clone() if self.grad[i] is None else self.grad[i].add_(g)
+
+    def grads(self) -> list[torch.Tensor | None]:
+        """The gradients of ``shared`` (None where not wanted or not reached), after the last chunk."""
+        return self.grad
 
 
 def _joined(grid) -> torch.Tensor:
@@ -179,7 +231,7 @@ class _MemoryWindowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, tau, mem_k, mem_v, mask, L: int, C: int, pre_rope: bool, scale: float, reuse: dict | None,
-                rows: Callable | None, n_rows: list[int], n_shared: int, n_blocks: int, *rest):
+                rows: ChunkRows | None, n_rows: list[int], n_shared: int, n_blocks: int, *rest):
         shared, blocks = rest[:n_shared], rest[n_shared:]
         if reuse:  # the recomputation of a checkpointed group: the read's output is already known
             out, lse = reuse.pop("out"), reuse.pop("lse")
@@ -188,9 +240,13 @@ class _MemoryWindowAttention(torch.autograd.Function):
             out = q.new_empty(N, n, Lq, E)
             lse = torch.empty(N, n, Lq, dtype=torch.float32, device=q.device)
             masks = _ChunkMasks(mask, n_rows, q.dtype)
+            rows_pass = None if rows is None else rows.start(shared, None)
             for c in range(n):  # one chunk's rows and key list at a time: the transient buffers do not grow with n
-                keys, values = _keys_values(*_chunk_rows(rows, mem_k, mem_v, c, n_rows[c], shared),
-                                            blocks[:n_blocks], blocks[n_blocks:], c, L, C, tau, pre_rope, q.dtype)
+                R = n_rows[c]
+                mk, mv = (mem_k[:, c:c + 1, :R], mem_v[:, c:c + 1, :R]) if rows is None else rows_pass.rows(c)
+                keys, values = _keys_values(*_checked(mk, mv, c, R), blocks[:n_blocks], blocks[n_blocks:], c, L, C,
+                                            tau, pre_rope, q.dtype)
+                del mk, mv
                 out[:, c:c + 1], lse[:, c:c + 1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q[:, c:c + 1], keys, values, attn_mask=masks(c, n_rows[c]), scale=scale)
                 del keys, values  # before the next chunk's are made: one chunk's key list alive at a time
@@ -220,25 +276,21 @@ class _MemoryWindowAttention(torch.autograd.Function):
         g_k = [torch.zeros(b.shape, dtype=torch.float32, device=q.device) for b in blocks_k]
         g_v = [torch.zeros(b.shape, dtype=torch.float32, device=q.device) for b in blocks_v]
         first_shared = 14  # forward's arguments before ``rest``
-        wants = [ctx.needs_input_grad[first_shared + i] for i in range(n_shared)]
-        g_shared = [None] * n_shared
+        rows_pass = None if rows is None else rows.start(shared, [ctx.needs_input_grad[first_shared + i]
+                                                                  for i in range(n_shared)])
         block_rows = [b.shape[1] for b in blocks_k]
         tau_ = tau.to(torch.float32)[:, None, None]
         masks = _ChunkMasks(mask, n_rows, q.dtype)
         for c in range(n):
             R = n_rows[c]
-            if rows is None:
-                mk, mv = _chunk_rows(None, mem_k, mem_v, c, R, ())
-            else:  # the chunk's rows again, as a small graph of their own to take their gradient back to `shared`
-                with torch.enable_grad():
-                    leaves = [t.detach().requires_grad_(w) for t, w in zip(shared, wants)]
-                    mk, mv = _chunk_rows(rows, None, None, c, R, leaves)
-            keys, values = _keys_values(mk.detach(), mv.detach(), blocks_k, blocks_v, c, L, C, tau, pre_rope,
-                                        q.dtype)
-            m = masks(c, R)
+            # the chunk's rows again (with rows: from the pass, which takes their gradient back to `shared`)
+            mk, mv = (mem_k[:, c:c + 1, :R], mem_v[:, c:c + 1, :R]) if rows is None else rows_pass.rows(c)
+            keys, values = _keys_values(*_checked(mk.detach(), mv.detach(), c, R), blocks_k, blocks_v, c, L, C, tau,
+                                        pre_rope, q.dtype)
+            del mk, mv
             gq_c, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out[:, c:c + 1], q[:, c:c + 1], keys, values, out[:, c:c + 1], lse[:, c:c + 1], 0.0, False,
-                attn_mask=m, scale=scale)
+                attn_mask=masks(c, R), scale=scale)
             del keys, values
             gq[:, c:c + 1] = gq_c
             if rows is None:
@@ -246,14 +298,7 @@ class _MemoryWindowAttention(torch.autograd.Function):
                 g_mem_v[:, c, :R] = gv[:, 0, :R, :D]
                 g_mem_k[:, c, R:] = g_mem_v[:, c, R:] = 0
             else:
-                made = [(t, g[:, :, :R, :D]) for t, g in ((mk, gk), (mv, gv)) if t.requires_grad]
-                inputs = [t for t, w in zip(leaves, wants) if w]
-                if made and inputs:
-                    grads = iter(torch.autograd.grad([t for t, _ in made], inputs, [g for _, g in made],
-                                                     allow_unused=True))
-                    for i, w in enumerate(wants):  # one buffer each (a chunk's gradient may be a view of a larger one)
-                        if w and (g := next(grads)) is not None:
-                            g_shared[i] = g.clone() if g_shared[i] is None else g_shared[i].add_(g)
+                rows_pass.add_grad(c, gk[:, :, :R, :D], gv[:, :, :R, :D])
             g_win = gk[:, 0, R:, E - D:].float()  # d/d(tau * window keys)
             for i, r0, w0, w in _window_pieces(block_rows, c * C, L):
                 g_tau += (g_win[:, w0:w0 + w] * blocks_k[i][:, r0:r0 + w]).sum(dim=(1, 2), dtype=torch.float32)
@@ -261,10 +306,8 @@ class _MemoryWindowAttention(torch.autograd.Function):
                 g_v[i][:, r0:r0 + w] += gv[:, 0, R + w0:R + w0 + w, :D]
             # before the next chunk's rows and kernel gradients are made (a name keeps its tensor until rebound):
             # one chunk's transient buffers alive at a time, not two (issue #17)
-            del gq_c, gk, gv, g_win, mk, mv
-            if rows is not None:
-                del made, leaves
-                grads = g = None
+            del gq_c, gk, gv, g_win
+        g_shared = [None] * n_shared if rows is None else rows_pass.grads()
         g_blocks = [g.to(b.dtype) for g, b in zip(g_k + g_v, blocks)]
         return (gq, g_tau.to(tau.dtype), g_mem_k, g_mem_v, None, None, None, None, None, None, None, None, None,
                 None, *g_shared, *g_blocks)
@@ -305,7 +348,8 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
             ``c``'s memory rows ``(N, 1, R, D)`` (for KVM: its state snapshot from the state entering the group and
             the folds before the chunk, normalised and read out): made one chunk at a time in forward and again in
             backward, so no group-sized tensor of snapshots or rows, nor its gradient, ever exists (issue #17);
-            ``rows`` must be a pure function of its arguments.
+            ``rows`` must be a pure function of its arguments. A :class:`ChunkRows` may make them another way (its
+            passes), the plain function being its ``__call__``.
         shared: the tensors ``rows`` reads (states, fold sources, parameters, radii), which get gradients.
         n_rows: the memory rows of each chunk (its state's size; rows past it are padding, never read); default:
             all ``R`` rows of ``mem_k``. ``rows(c)`` must make exactly ``n_rows[c]`` rows.
@@ -321,6 +365,8 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
     if len(blocks_k) != len(blocks_v):
         raise ValueError(f"memory_window_attention: {len(blocks_k)} key blocks but {len(blocks_v)} value blocks")
     mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
+    if rows is not None and not isinstance(rows, ChunkRows):
+        rows = ChunkRows(rows)
     if n_rows is None:
         if mem_k is None:
             raise ValueError("memory_window_attention: rows needs n_rows, the rows each chunk's rows() makes")
