@@ -32,6 +32,7 @@ import torch.utils.checkpoint
 
 from mixerzoo.mixers.segments import training
 
+from .incremental_rows import IncrementalRows
 from .lean_attention import memory_window_attention, shared_mask
 from .ops import (KVMParams, KVMSpec, Routing, fold, joint_keys, joint_queries, keep_from, memory_keys, read_values,
                   route_overflow, state_budget)
@@ -344,7 +345,9 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     # LN_s's parameters go into the read as tensors of their own, so its backward can give them their gradient
     ln_named = dict(params.ln_s.named_parameters()) if isinstance(params.ln_s, torch.nn.Module) else {}
     ln_names, ln_params = tuple(ln_named), tuple(ln_named.values())
-    if isinstance(params.ln_s, torch.nn.LayerNorm) and len(ln_params) == 2:  # the layer's own LN_s, called directly
+    own_ln = isinstance(params.ln_s, torch.nn.LayerNorm) and len(ln_params) == 2
+    incremental = own_ln and spec.value_norm == "radius" and tuple(params.ln_s.normalized_shape) == (D,)
+    if own_ln:  # the layer's own LN_s, called directly
 
         def ln_s_with(t: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
             """``LN_s(t)`` with the given weight and bias (``ln_params``' stand-ins in the read's backward)."""
@@ -417,8 +420,12 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, mem_k, mem_v, mask, L, C, two,
                                         D ** -0.5, reuse, n_rows=rows[a:b])
         else:
+            # only the rows each fold changes are made again (incremental_rows), where the configuration allows
+            by_fold = incremental and probs is None
+            made = IncrementalRows(chunk_rows, target, reads, rows[a:b], params.ln_s.eps, spec.eps) if by_fold \
+                else chunk_rows
             o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, None, None, mask, L, C, two,
-                                        D ** -0.5, reuse, rows=chunk_rows, shared=shared, n_rows=rows[a:b])
+                                        D ** -0.5, reuse, rows=made, shared=shared, n_rows=rows[a:b])
         if out_proj is not None:
             o = out_proj(group_tokens(a, b, o).transpose(1, 2).flatten(2))
         # squeeze, not [:, :, 0]: a select's backward would copy the incoming gradient into a fresh zero tensor

@@ -1,0 +1,164 @@
+"""A group's memory rows made incrementally: after a fold, only the rows it changed are normalised again.
+
+Inside :func:`mixerzoo_kvm.lean_attention.memory_window_attention`, chunk ``c`` of a group reads the memory rows
+of its snapshot: ``tau_state * LN_s(s_k)`` and the value readout ``rho * s_v / max(||s_v||, eps)`` (paper section
+4, "Readout"), where the snapshot is the state entering the group plus the group's folds before the chunk. Both
+are row-wise, and a fold changes at most ``chunk_len`` rows (the rows its tokens merge into or append), so the
+rows of chunk ``c + 1`` are those of chunk ``c`` with a few rows made again. :class:`IncrementalRows` keeps the
+running snapshot and its rows in one buffer each and, per fold, normalises only the rows the fold changed, where
+the plain statement (:class:`~mixerzoo_kvm.lean_attention.ChunkRows`, one autograd graph per chunk) makes every
+row of every chunk's snapshot, in forward and again in backward (about 20 passes over ``R`` rows per chunk; a
+power-law state at 32k tokens has ~2,900 rows against a 256-token chunk; issue #17).
+
+Backward, chunk by chunk in the same order: the row gradients of the chunks that read a row while it did not
+change are summed (``G``), and taken through ``LN_s`` and the readout once per such stretch, at the values of the
+stretch (both backward maps are linear in the incoming gradient), when a fold is about to change the row or at the
+end. What a stretch gives the pre-normalisation row is summed into ``T``: at the end ``T`` is the gradient of the
+entering state's rows, and a fold token's gradient is ``T`` at its row minus what ``T`` held there when the fold
+was applied (the stretches after it). Equal to the plain statement up to float rounding (tested against it).
+
+Only for the common configuration: winner-take-all routing, ``LN_s`` a ``torch.nn.LayerNorm`` with weight and
+bias, the ``radius`` value readout; other configurations use the plain statement.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .lean_attention import ChunkRows
+from .ops import read_values
+
+__all__ = ["IncrementalRows"]
+
+
+class IncrementalRows(ChunkRows):
+    """A group's memory rows, made incrementally (module docstring), for ``shared = (s_k, s_v, tau, rho, weight,
+    bias, *x_k, *x_v)``: the entering state ``s_k, s_v (B, H, m, D)``, ``tau (B H, 1, 1, 1)`` the state keys'
+    inverse temperature, ``rho (B H, 1, R)`` the rows' value radii, ``LN_s``'s weight and bias ``(D,)``, and what
+    each of the group's ``F`` folds adds, ``x_k[f], x_v[f] (B, H, C, D)``, token ``i`` into row
+    ``target[:, :, f C + i]``.
+
+    Args:
+        rows: the plain statement, ``rows(c, *shared) -> (mem_k, mem_v)`` each ``(B H, 1, n_rows[c], D)`` (the
+            reference path's, and this class's ``__call__``).
+        target: ``(B, H, F C)`` the row of every fold token (None without folds).
+        reads: the folds before each chunk's snapshot (nondecreasing; the last chunk reads all ``F``).
+        n_rows: each chunk's rows.
+        ln_eps: ``LN_s``'s epsilon; eps: the readout's floor of the norm (``eps_norm``).
+    """
+
+    def __init__(self, rows: Callable, target: torch.Tensor | None, reads: list[int], n_rows: list[int], ln_eps: float,
+                 eps: float) -> None:
+        super().__init__(rows)
+        self.target, self.reads, self.n_rows, self.ln_eps, self.eps = target, reads, n_rows, ln_eps, eps
+
+    def start(self, shared: tuple, wants: list[bool] | None) -> "_IncrementalPass":
+        return _IncrementalPass(self, shared, wants)
+
+
+class _IncrementalPass:
+    """One pass of :class:`IncrementalRows` over a group's chunks; rows are flattened, row ``r`` of head ``n`` at
+    ``n R + r``."""
+
+    def __init__(self, spec: IncrementalRows, shared: tuple, wants: list[bool] | None) -> None:
+        s_k, s_v, tau, rho, self.weight, self.bias, *x = self.shared = shared
+        B, H, m, D = s_k.shape
+        N, R, self.n_folds = B * H, max(spec.n_rows), len(x) // 2
+        self.spec, self.wants, self.shape, self.R, self.D = spec, wants, (B, H, m, D), R, D
+        self.x = x
+        self.tau, self.rho = tau.reshape(N), rho.reshape(N * R)
+        self.S = []  # the running snapshot's keys and values (N R, D)
+        for s in (s_k, s_v):
+            run = s.new_zeros(N, R, D)
+            run[:, :m] = s.reshape(N, m, D)
+            self.S.append(run.view(N * R, D))
+        self.M = [None, None]  # their rows (normalised keys, read-out values), in the dtype memory_rows gives
+        heads = torch.arange(N, device=s_k.device)[:, None] * R
+        C = x[0].shape[2] if x else 0
+        self.fold_rows = [(spec.target[:, :, f * C:(f + 1) * C].reshape(N, C) + heads).reshape(-1)
+                          for f in range(self.n_folds)]  # (no target without folds)
+        self._make_rows((heads + torch.arange(m, device=s_k.device)).reshape(-1))
+        self.applied = 0
+        if wants is not None:
+            # float32: row gradients summed since the row last changed, and the gradients of the rows before
+            # normalisation
+            self.G = [torch.zeros_like(s, dtype=torch.float32) for s in self.S]
+            self.T = [torch.zeros_like(s, dtype=torch.float32) for s in self.S]
+            self.before = [None] * self.n_folds  # T at each fold token's row when the fold was applied
+            self.g_tau = torch.zeros(N, dtype=torch.float32, device=s_k.device)
+            self.g_rho = torch.zeros(N * R, dtype=torch.float32, device=s_k.device)
+            self.g_ln = [torch.zeros_like(self.weight, dtype=torch.float32),
+                         torch.zeros_like(self.bias, dtype=torch.float32)]
+
+    def _make_rows(self, u: torch.Tensor) -> None:
+        """Rows ``u`` (flat, distinct) of the keys and values from the running snapshot, as ``memory_rows`` makes
+        them (``LN_s(s_k) * tau``; ``s_v * (rho / max(||s_v||, eps))``)."""
+        made = (F.layer_norm(self.S[0][u], (self.D,), self.weight, self.bias, self.spec.ln_eps)
+                * self.tau[u // self.R, None], read_values(self.S[1][u], self.rho[u], None, "radius", self.spec.eps))
+        for i, rows in enumerate(made):
+            if self.M[i] is None:
+                self.M[i] = rows.new_empty(self.S[i].shape)
+            self.M[i][u] = rows
+
+    def _flush(self, u: torch.Tensor) -> None:
+        """Take the summed row gradients of rows ``u`` (flat, distinct) through ``LN_s`` and the readout at the
+        rows' present values, into ``T`` and the parameters' gradients, and start their sums again."""
+        D, eps = self.D, self.spec.eps
+        sk, gk = self.S[0][u].float(), self.G[0][u]  # in float32, as read_values and autocast's layer_norm
+        heads = u // self.R
+        out, mean, rstd = torch.native_layer_norm(sk, (D,), self.weight, self.bias, self.spec.ln_eps)
+        self.g_tau.index_add_(0, heads, (gk * out).sum(dim=-1, dtype=torch.float32))
+        g_in, g_w, g_b = torch.ops.aten.native_layer_norm_backward(
+            gk * self.tau[heads, None], sk, (D,), mean, rstd, self.weight, self.bias, [True, True, True])
+        self.T[0].index_add_(0, u, g_in)
+        self.g_ln[0] += g_w
+        self.g_ln[1] += g_b
+        sv, gv = self.S[1][u].float(), self.G[1][u]
+        norm = sv.norm(dim=-1)
+        floor = norm.clamp_min(eps)
+        r = self.rho[u]
+        dot = (gv * sv).sum(dim=-1)
+        self.g_rho.index_add_(0, u, dot / floor)
+        # d/ds of s rho / ||s|| = rho / ||s|| - rho s s^T / ||s||^3 (the second term only above the floor)
+        along = torch.where(norm > eps, r * dot / (norm * norm * norm), torch.zeros_like(dot))
+        self.T[1].index_add_(0, u, gv * (r / floor)[:, None] - sv * along[:, None])
+        for g in self.G:
+            g[u] = 0
+
+    def _fold(self, f: int) -> None:
+        rows = self.fold_rows[f]
+        u = torch.unique(rows)
+        if self.wants is not None:
+            self._flush(u)
+            self.before[f] = [t[rows] for t in self.T]
+        for s, x in zip(self.S, (self.x[f], self.x[self.n_folds + f])):
+            s.index_add_(0, rows, x.reshape(-1, self.D))
+        self._make_rows(u)
+
+    def rows(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk ``c``'s rows ``(B H, 1, R_c, D)``: views of the running buffers, valid until the next call."""
+        for f in range(self.applied, self.spec.reads[c]):
+            self._fold(f)
+        self.applied = max(self.applied, self.spec.reads[c])
+        R_c = self.spec.n_rows[c]
+        return tuple(t.view(-1, self.R, self.D)[:, None, :R_c] for t in self.M)
+
+    def add_grad(self, c: int, g_k: torch.Tensor, g_v: torch.Tensor) -> None:
+        """Chunk ``c``'s row gradients ``(B H, 1, R_c, D)``, summed into ``G``."""
+        R_c = g_k.shape[2]
+        for acc, g in zip(self.G, (g_k, g_v)):
+            acc.view(-1, self.R, self.D)[:, :R_c] += g[:, 0]
+
+    def grads(self) -> list[torch.Tensor | None]:
+        """The gradients of ``shared``, after the last chunk (the stretches still open are taken through first)."""
+        B, H, m, D = self.shape
+        self._flush(torch.arange(self.S[0].shape[0], device=self.S[0].device))
+        T = [t.view(B * H, self.R, D) for t in self.T]
+        g_x = [[(t[rows] - before[i]).view(B, H, -1, D) for rows, before in zip(self.fold_rows, self.before)]
+               for i, t in enumerate(self.T)]
+        grads = [T[0][:, :m].reshape(B, H, m, D), T[1][:, :m].reshape(B, H, m, D), self.g_tau.view(-1, 1, 1, 1),
+                 self.g_rho.view(B * H, 1, self.R), *self.g_ln, *g_x[0], *g_x[1]]
+        return [g.to(t.dtype) if w else None for g, t, w in zip(grads, self.shared, self.wants)]

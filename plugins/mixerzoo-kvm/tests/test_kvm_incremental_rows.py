@@ -1,0 +1,100 @@
+"""KVM's memory rows made incrementally (only the rows a fold changes, their gradients summed while a row does not
+change) equal their plain statement, one autograd graph per chunk, in values and in every gradient; and the packed
+path takes them where the configuration allows."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixerzoo_kvm import KVMAttention, incremental_rows
+from mixerzoo_kvm.incremental_rows import IncrementalRows
+from mixerzoo_kvm.lean_attention import additive_mask, memory_window_attention, memory_window_attention_reference
+from mixerzoo_kvm.ops import read_values
+
+
+def _group(g: torch.Generator):
+    """A group of 5 chunks over 4 folds of 3 tokens into a state of 2 heads x batch 2, growing 3 -> 9 rows; tokens
+    merge into rows they share (duplicates), append rows, and one entering value row is zero (the readout's
+    floor)."""
+    B, H, m, C, D = 2, 2, 3, 3, 4
+    sizes = [m, 5, 6, 6, 9]  # rows before each fold, and after the last
+    reads = [0, 1, 1, 3, 4]  # folds before each chunk's snapshot: none, repeated, two at once
+    n_rows = [sizes[e] for e in reads]
+    targets = []
+    for f in range(4):
+        t = torch.randint(0, sizes[f], (B, H, C), generator=g)
+        t[..., :sizes[f + 1] - sizes[f]] = torch.arange(sizes[f], sizes[f + 1])  # the appended rows
+        t[..., -1] = t[..., -2] if sizes[f + 1] == sizes[f] else t[..., -1]  # two tokens into one row
+        targets.append(t)
+    target = torch.cat(targets, dim=2)
+    leaf = lambda *s: torch.randn(*s, generator=g).requires_grad_(True)  # noqa: E731
+    s_v = torch.randn(B, H, m, D, generator=g)
+    s_v[0, 1, 2] = 0
+    shared = (leaf(B, H, m, D), s_v.requires_grad_(True), (torch.rand(B * H, 1, 1, 1, generator=g) + 0.5),
+              (torch.rand(B * H, 1, sizes[-1], generator=g) + 0.5), leaf(D), leaf(D),
+              *[leaf(B, H, C, D) for _ in range(4)], *[leaf(B, H, C, D) for _ in range(4)])
+    shared[2].requires_grad_(True)
+    shared[3].requires_grad_(True)
+
+    def rows(c, s_k, s_v, tau, rho, w, b, *x):
+        """Chunk c's rows, plainly: its snapshot by out-of-place scatter_add, then LN_s * tau and the readout."""
+        R = n_rows[c]
+        snaps = []
+        for s0, xs in ((s_k, x[:4]), (s_v, x[4:])):
+            s = F.pad(s0, (0, 0, 0, R - m))
+            for f in range(reads[c]):
+                s = s.scatter_add(2, target[:, :, f * C:(f + 1) * C, None].expand(-1, -1, -1, D), xs[f])
+            snaps.append(s.reshape(B * H, 1, R, D))
+        return (F.layer_norm(snaps[0], (D,), w, b, 1e-5) * tau,
+                read_values(snaps[1], rho[..., :R], None, "radius", 1e-6))
+
+    return rows, target, reads, n_rows, shared
+
+
+@pytest.mark.parametrize("pre_rope", [False, True], ids=["paper", "pre_rope"])
+def test_incremental_rows_equal_the_plain_statement(pre_rope):
+    g = torch.Generator().manual_seed(0)
+    rows, target, reads, n_rows, shared = _group(g)
+    N, n, C, Lq, D = 4, 5, 3, 3, 4
+    E = 2 * D if pre_rope else D
+    L = 2 * C
+    leaf = lambda *s: torch.randn(*s, generator=g).requires_grad_(True)  # noqa: E731
+    q, grid_k, grid_v, tau = leaf(N, n, Lq, E), leaf(N, (n - 1) * C + L, D), leaf(N, (n - 1) * C + L, D), leaf(N)
+    mask = additive_mask(torch.rand(n, Lq, L, generator=g) > 0.3, torch.float32)
+    args = (q, grid_k, grid_v, tau, None, None, mask, L, C, pre_rope, D ** -0.5)
+    by_fold = IncrementalRows(rows, target, reads, n_rows, 1e-5, 1e-6)
+    outs = [memory_window_attention(*args, rows=by_fold, shared=shared, n_rows=n_rows),
+            memory_window_attention(*args, rows=rows, shared=shared, n_rows=n_rows),
+            memory_window_attention_reference(*args, rows=rows, shared=shared, n_rows=n_rows)]
+    wrt = (q, grid_k, grid_v, tau, *shared)
+    w = torch.randn(outs[0].shape, generator=g)
+    grads = [torch.autograd.grad((o * w).sum(), wrt) for o in outs]
+    for o, gr in zip(outs[1:], grads[1:]):
+        torch.testing.assert_close(outs[0], o, atol=1e-5, rtol=1e-5)
+        for name, a, b in zip(["q", "grid_k", "grid_v", "tau", "s_k", "s_v", "tau_state", "rho", "weight", "bias"]
+                              + [f"x_k{f}" for f in range(4)] + [f"x_v{f}" for f in range(4)], grads[0], gr):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_packed_path_makes_growing_states_incrementally(monkeypatch):
+    """A power-law state larger than the window takes the incremental rows, and the layer's gradients still equal
+    the readable chunk loop's (the plain statement is what the other equivalence tests compare too)."""
+    started = []
+    start = incremental_rows.IncrementalRows.start
+    monkeypatch.setattr(incremental_rows.IncrementalRows, "start",
+                        lambda self, shared, wants: started.append(wants is not None) or start(self, shared, wants))
+    torch.manual_seed(0)
+    layer = KVMAttention(16, n_heads=2, chunk_len=4,
+                         schedule={"name": "power_law", "coef": 3.0, "exponent": 0.5, "min_size": 4}).train()
+    x = torch.randn(2, 61, 16, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(2, 61, 16, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for ref in (True, False):
+        layer.use_reference = ref
+        layer.zero_grad(set_to_none=True)
+        y, _ = layer(x)
+        (y * w).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+    assert True in started and False in started  # forward and backward passes
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=5e-5, rtol=1e-4, msg=n)
