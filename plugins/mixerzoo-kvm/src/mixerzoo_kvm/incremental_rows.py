@@ -75,12 +75,11 @@ class _IncrementalPass:
             run = s.new_zeros(N, R, D)
             run[:, :m] = s.reshape(N, m, D)
             self.S.append(run.view(N * R, D))
-        self.M = [None, None]  # their rows (normalised keys, read-out values), in the dtype memory_rows gives
+        self.M = None  # the read's buffers for the rows (normalised keys, read-out values), from the first write
         heads = torch.arange(N, device=s_k.device)[:, None] * R
         C = x[0].shape[2] if x else 0
         self.fold_rows = [(spec.target[:, :, f * C:(f + 1) * C].reshape(N, C) + heads).reshape(-1)
                           for f in range(self.n_folds)]  # (no target without folds)
-        self._make_rows((heads + torch.arange(m, device=s_k.device)).reshape(-1))
         self.applied = 0
         if wants is not None:
             # float32: row gradients summed since the row last changed, and the gradients of the rows before
@@ -93,40 +92,59 @@ class _IncrementalPass:
             self.g_ln = [torch.zeros_like(self.weight, dtype=torch.float32),
                          torch.zeros_like(self.bias, dtype=torch.float32)]
 
-    def _make_rows(self, u: torch.Tensor) -> None:
-        """Rows ``u`` (flat, distinct) of the keys and values from the running snapshot, as ``memory_rows`` makes
-        them (``LN_s(s_k) * tau``; ``s_v * (rho / max(||s_v||, eps))``)."""
-        made = (F.layer_norm(self.S[0][u], (self.D,), self.weight, self.bias, self.spec.ln_eps)
-                * self.tau[u // self.R, None], read_values(self.S[1][u], self.rho[u], None, "radius", self.spec.eps))
-        for i, rows in enumerate(made):
-            if self.M[i] is None:
-                self.M[i] = rows.new_empty(self.S[i].shape)
-            self.M[i][u] = rows
+    def _make_rows(self, u: torch.Tensor | None) -> None:
+        """Rows ``u`` (flat, distinct; None: the entering state's ``m`` rows) of the keys and values from the
+        running snapshot, as ``memory_rows`` makes them (``LN_s(s_k) * tau``; ``s_v * (rho / max(||s_v||,
+        eps))``), into the read's buffers."""
+        N, R, D = self.tau.shape[0], self.R, self.D
+        if u is None:
+            m = self.shape[2]
+            at = (slice(None), slice(0, m))
+            sk, sv = (s.view(N, R, D)[:, :m] for s in self.S)
+            tau, rho = self.tau[:, None, None], self.rho.view(N, R)[:, :m]
+        else:
+            at = (u // R, u % R)
+            sk, sv, tau, rho = self.S[0][u], self.S[1][u], self.tau[u // R, None], self.rho[u]
+        self.M[0][at] = (F.layer_norm(sk, (D,), self.weight, self.bias, self.spec.ln_eps) * tau).to(self.M[0].dtype)
+        self.M[1][at] = read_values(sv, rho, None, "radius", self.spec.eps).to(self.M[1].dtype)
 
-    def _flush(self, u: torch.Tensor) -> None:
-        """Take the summed row gradients of rows ``u`` (flat, distinct) through ``LN_s`` and the readout at the
-        rows' present values, into ``T`` and the parameters' gradients, and start their sums again."""
+    def _flush(self, at: torch.Tensor | slice) -> None:
+        """Take the summed row gradients of rows ``at`` (flat: distinct indices, or a range) through ``LN_s`` and the
+        readout at the rows' present values, into ``T`` and the parameters' gradients, and start their sums
+        again."""
         D, eps = self.D, self.spec.eps
-        sk, gk = self.S[0][u].float(), self.G[0][u]  # in float32, as read_values and autocast's layer_norm
-        heads = u // self.R
+        if isinstance(at, slice):
+            flat = torch.arange(at.start, at.stop, device=self.g_rho.device)
+
+            def add(t: torch.Tensor, v: torch.Tensor) -> None:
+                t[at] += v
+        else:
+            flat = at
+
+            def add(t: torch.Tensor, v: torch.Tensor) -> None:
+                t.index_add_(0, at, v)
+        heads = flat // self.R
+        sk, gk = self.S[0][at].float(), self.G[0][at]  # in float32, as read_values and autocast's layer_norm
         out, mean, rstd = torch.native_layer_norm(sk, (D,), self.weight, self.bias, self.spec.ln_eps)
         self.g_tau.index_add_(0, heads, (gk * out).sum(dim=-1, dtype=torch.float32))
+        del out
         g_in, g_w, g_b = torch.ops.aten.native_layer_norm_backward(
             gk * self.tau[heads, None], sk, (D,), mean, rstd, self.weight, self.bias, [True, True, True])
-        self.T[0].index_add_(0, u, g_in)
+        add(self.T[0], g_in)
         self.g_ln[0] += g_w
         self.g_ln[1] += g_b
-        sv, gv = self.S[1][u].float(), self.G[1][u]
+        del sk, gk, g_in
+        sv, gv = self.S[1][at].float(), self.G[1][at]
         norm = sv.norm(dim=-1)
         floor = norm.clamp_min(eps)
-        r = self.rho[u]
+        r = self.rho[at]
         dot = (gv * sv).sum(dim=-1)
-        self.g_rho.index_add_(0, u, dot / floor)
+        add(self.g_rho, dot / floor)
         # d/ds of s rho / ||s|| = rho / ||s|| - rho s s^T / ||s||^3 (the second term only above the floor)
         along = torch.where(norm > eps, r * dot / (norm * norm * norm), torch.zeros_like(dot))
-        self.T[1].index_add_(0, u, gv * (r / floor)[:, None] - sv * along[:, None])
+        add(self.T[1], gv * (r / floor)[:, None] - sv * along[:, None])
         for g in self.G:
-            g[u] = 0
+            g[at] = 0
 
     def _fold(self, f: int) -> None:
         rows = self.fold_rows[f]
@@ -138,13 +156,15 @@ class _IncrementalPass:
             s.index_add_(0, rows, x.reshape(-1, self.D))
         self._make_rows(u)
 
-    def rows(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chunk ``c``'s rows ``(B H, 1, R_c, D)``: views of the running buffers, valid until the next call."""
+    def write(self, c: int, out_k: torch.Tensor, out_v: torch.Tensor, R_c: int) -> None:
+        """Chunk ``c``'s rows into ``out_k, out_v (B H, R, D)`` (the same buffers for every chunk of the pass): the
+        entering state's rows for the first chunk, then only the rows each fold before chunk ``c`` changes."""
+        if self.M is None:
+            self.M = (out_k, out_v)
+            self._make_rows(None)
         for f in range(self.applied, self.spec.reads[c]):
             self._fold(f)
         self.applied = max(self.applied, self.spec.reads[c])
-        R_c = self.spec.n_rows[c]
-        return tuple(t.view(-1, self.R, self.D)[:, None, :R_c] for t in self.M)
 
     def add_grad(self, c: int, g_k: torch.Tensor, g_v: torch.Tensor) -> None:
         """Chunk ``c``'s row gradients ``(B H, 1, R_c, D)``, summed into ``G``."""
@@ -155,10 +175,14 @@ class _IncrementalPass:
     def grads(self) -> list[torch.Tensor | None]:
         """The gradients of ``shared``, after the last chunk (the stretches still open are taken through first)."""
         B, H, m, D = self.shape
-        self._flush(torch.arange(self.S[0].shape[0], device=self.S[0].device))
+        for lo in range(0, self.S[0].shape[0], 1024):  # in row blocks: small transient buffers
+            self._flush(slice(lo, min(lo + 1024, self.S[0].shape[0])))
+        self.S = self.G = None
         T = [t.view(B * H, self.R, D) for t in self.T]
         g_x = [[(t[rows] - before[i]).view(B, H, -1, D) for rows, before in zip(self.fold_rows, self.before)]
                for i, t in enumerate(self.T)]
-        grads = [T[0][:, :m].reshape(B, H, m, D), T[1][:, :m].reshape(B, H, m, D), self.g_tau.view(-1, 1, 1, 1),
+        # copies of the entering rows: a view would keep all R rows of T alive as long as autograd holds them
+        grads = [T[0][:, :m].reshape(B, H, m, D).clone(), T[1][:, :m].reshape(B, H, m, D).clone(),
+                 self.g_tau.view(-1, 1, 1, 1),
                  self.g_rho.view(B * H, 1, self.R), *self.g_ln, *g_x[0], *g_x[1]]
         return [g.to(t.dtype) if w else None for g, t, w in zip(grads, self.shared, self.wants)]

@@ -7,10 +7,11 @@ values (3x at the paper's settings). That made KVM's training step use more memo
 
 :func:`memory_window_attention` computes the same function for one group of chunks with a custom backward that
 *rebuilds* the key and value lists from their sources (the memory rows, and the chunk-aligned row blocks of the
-keys and values) instead of storing them, one chunk at a time in forward and backward, and adds each chunk's window
-gradients straight into its blocks' gradients. A step keeps what full attention keeps (queries, output, the
-log-sum-exp per query) plus the memory rows; rebuilding is two copies, no extra attention work, and the transient
-buffers are one chunk's ``R + window`` keys whatever the group's size. It runs on PyTorch's CPU flash-attention
+keys and values) instead of storing them, one chunk at a time in forward and backward (in two buffers made once per
+call, :class:`_KeyLists`), and adds each chunk's window gradients straight into its blocks' gradients. A step keeps
+what full attention keeps (queries, output, the log-sum-exp per query) plus the memory rows' sources; rebuilding is
+copies, no extra attention work, and the transient buffers are one chunk's ``window + R`` keys whatever the group's
+size. The memory rows may be given, or made chunk by chunk inside the call (:class:`ChunkRows`). It runs on PyTorch's CPU flash-attention
 kernels (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward, which return and take the
 log-sum-exp); elsewhere (CUDA) it is :func:`memory_window_attention_reference`, the same computation written
 with autograd, which the tests compare it with.
@@ -18,6 +19,7 @@ with autograd, which the tests compare it with.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -50,29 +52,28 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _ChunkMasks:
-    """Chunk ``c``'s additive mask ``(1, 1, Lq, R_c + L)`` for keys ``[R_c memory rows ; L window keys]``: the
-    memory rows are all visible (zeros), the window keys follow the boolean or additive ``mask (1, n | 1, Lq,
-    L)``. A pattern shared by every chunk is made additive once, in a buffer of ``max(R_c) + L`` columns whose
-    trailing ``R_c + L`` columns each chunk takes as a view (the CPU flash kernels take a mask with a row stride of
-    its own): no per-chunk mask is written (issue #17)."""
+    """Chunk ``c``'s additive mask ``(1, 1, Lq, L + R_c)`` for keys ``[L window keys ; R_c memory rows]`` (the
+    layout of :class:`_KeyLists`): the window keys follow the boolean or additive ``mask (1, n | 1, Lq, L)``, the
+    memory rows are all visible (zeros). A pattern shared by every chunk is made additive once, in a buffer of
+    ``L + max(R_c)`` columns whose leading ``L + R_c`` columns each chunk takes as a view (the CPU flash kernels
+    take a mask with a row stride of its own): no per-chunk mask is written (issue #17)."""
 
     def __init__(self, mask: torch.Tensor, n_rows: list[int], dtype: torch.dtype) -> None:
-        self.mask, self.dtype, self.R = mask, dtype, max(n_rows)
-        self.shared = None
-        if mask.shape[1] == 1:
-            self.shared = self._make(mask, self.R)
+        self.mask, self.dtype = mask, dtype
+        self.shared = self._make(mask, max(n_rows)) if mask.shape[1] == 1 else None
 
     def _make(self, m: torch.Tensor, R: int) -> torch.Tensor:
-        out = torch.zeros(*m.shape[:-1], R + m.shape[-1], dtype=self.dtype, device=m.device)
+        L = m.shape[-1]
+        out = torch.zeros(*m.shape[:-1], L + R, dtype=self.dtype, device=m.device)
         if m.dtype == torch.bool:
-            out[..., R:].masked_fill_(~m, float("-inf"))
+            out[..., :L].masked_fill_(~m, float("-inf"))
         else:
-            out[..., R:] = m
+            out[..., :L] = m
         return out
 
     def __call__(self, c: int, R_c: int) -> torch.Tensor:
         if self.shared is not None:
-            return self.shared[..., self.R - R_c:]
+            return self.shared[..., :self.mask.shape[-1] + R_c]
         return self._make(self.mask[:, c:c + 1], R_c)
 
 
@@ -94,29 +95,38 @@ def _window_pieces(block_rows: list[int], start: int, L: int) -> list[tuple[int,
     return pieces
 
 
-def _keys_values(mem_k: torch.Tensor, mem_v: torch.Tensor, blocks_k, blocks_v, c: int, L: int, C: int,
-                 tau: torch.Tensor, pre_rope: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``keys, values (N, 1, R + L, E)`` of chunk ``c``: ``[mem_k ; tau * win_k]`` and ``[mem_v ; win_v]`` from
-    the chunk's memory rows ``mem_k, mem_v (N, 1, R, D)``, written into two preallocated buffers straight from the
-    key/value row blocks (the layout of :func:`mixerzoo_kvm.ops.joint_keys`, with ``tau`` fused in; no grid-sized
-    copy of the blocks is made).
+class _KeyLists:
+    """The keys and values each chunk attends to, ``(N, 1, L + R_c, E)``: ``[tau * window keys ; memory rows]``
+    and ``[window values ; memory rows]``, in two buffers made once per call (``L + max(R_c)`` rows) and written
+    chunk by chunk: the window from the key/value row blocks (``tau`` fused in; no grid-sized copy of the blocks),
+    the rows by their source into :attr:`rows_k`, :attr:`rows_v` (``(N, max R_c, D)`` views), which keep what was
+    written from one chunk to the next (an incremental source writes only the rows that changed). The window
+    comes first so that a growing state only lengthens the list; the kernels take the leading ``L + R_c`` rows as
+    a view. No fresh buffers per chunk: fresh allocations page-fault on this project's CPU (issue #17).
 
-    With ``pre_rope``, ``E = 2D`` channels: keys ``[mem_k | 0]`` and ``[0 | tau * win_k]``, values ``[v | 0]``
-    (the CPU kernels want one head size; the extra output channels are dropped). ``tau (N,)`` scales each leading
-    row's window keys."""
-    N, _, R, D = mem_k.shape
-    E = 2 * D if pre_rope else D
-    new = torch.zeros if pre_rope else torch.empty
-    keys = new(N, 1, R + L, E, dtype=dtype, device=mem_k.device)
-    values = new(N, 1, R + L, E, dtype=dtype, device=mem_k.device)
-    keys[:, :, :R, :D] = mem_k
-    values[:, :, :R, :D] = mem_v
-    tau = tau.to(dtype)[:, None, None]
-    rows = [b.shape[1] for b in blocks_k]
-    for i, r0, w0, n in _window_pieces(rows, c * C, L):
-        torch.mul(blocks_k[i][:, r0:r0 + n], tau, out=keys[:, 0, R + w0:R + w0 + n, E - D:])
-        values[:, 0, R + w0:R + w0 + n, :D] = blocks_v[i][:, r0:r0 + n]
-    return keys, values
+    With ``pre_rope``, ``E = 2D`` channels (:func:`mixerzoo_kvm.ops.joint_keys`): window keys ``[0 | tau k]``,
+    memory rows ``[mem_k | 0]``, values ``[v | 0]`` (the CPU kernels want one head size; the extra output channels
+    are dropped); the zero halves are written once."""
+
+    def __init__(self, blocks_k, blocks_v, n_rows: list[int], L: int, C: int, tau: torch.Tensor, pre_rope: bool,
+                 dtype: torch.dtype) -> None:
+        N, _, D = blocks_k[0].shape
+        E = 2 * D if pre_rope else D
+        new = torch.zeros if pre_rope else torch.empty
+        device = blocks_k[0].device
+        self.keys = new(N, 1, L + max(n_rows), E, dtype=dtype, device=device)
+        self.values = new(N, 1, L + max(n_rows), E, dtype=dtype, device=device)
+        self.rows_k, self.rows_v = self.keys[:, 0, L:, :D], self.values[:, 0, L:, :D]
+        self.blocks_k, self.blocks_v, self.L, self.C, self.D = blocks_k, blocks_v, L, C, D
+        self.block_rows = [b.shape[1] for b in blocks_k]
+        self.tau = tau.to(dtype)[:, None, None]
+
+    def __call__(self, c: int, R_c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk ``c``'s lists (its window written now; its ``R_c`` rows already written by their source)."""
+        for i, r0, w0, n in _window_pieces(self.block_rows, c * self.C, self.L):
+            torch.mul(self.blocks_k[i][:, r0:r0 + n], self.tau, out=self.keys[:, 0, w0:w0 + n, -self.D:])
+            self.values[:, 0, w0:w0 + n, :self.D] = self.blocks_v[i][:, r0:r0 + n]
+        return self.keys[:, :, :self.L + R_c], self.values[:, :, :self.L + R_c]
 
 
 def _checked(k: torch.Tensor, v: torch.Tensor, c: int, R_c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,10 +142,11 @@ class ChunkRows:
 
     ``rows(c, *shared) -> (mem_k_c, mem_v_c)``, each ``(N, 1, R_c, D)``, is the rows' plain statement (the
     reference path stacks it over the chunks). :meth:`start` gives one pass over the chunks, in order: the read's
-    forward asks a pass for each chunk's rows, its backward also hands each chunk's row gradients to the pass and
-    finally takes the gradients of ``shared`` from it. This class's passes call ``rows`` per chunk, and in backward
-    take each chunk's gradient back through a small autograd graph of its own; a subclass may make the rows and
-    their gradients another way (``mixerzoo_kvm.incremental_rows``: only the rows a fold changed)."""
+    forward has a pass write each chunk's rows into its key and value lists, its backward also hands each chunk's
+    row gradients to the pass and finally takes the gradients of ``shared`` from it. This class's passes call
+    ``rows`` per chunk and copy the rows in, and in backward take each chunk's gradient back through a small
+    autograd graph of its own; a subclass may make the rows and their gradients another way
+    (:class:`mixerzoo_kvm.incremental_rows.IncrementalRows`: only the rows a fold changed)."""
 
     def __init__(self, rows: Callable) -> None:
         self.fn = rows
@@ -144,7 +155,11 @@ class ChunkRows:
         return self.fn(c, *shared)
 
     def start(self, shared: tuple, wants: list[bool] | None) -> "_GraphPass":
-        """A pass over the chunks; ``wants``: which of ``shared`` need a gradient (None: forward, no gradient)."""
+        """A pass over the chunks; ``wants``: which of ``shared`` need a gradient (None: forward, no gradient).
+        A pass has ``write(c, out_k, out_v)``: chunk ``c``'s rows into the leading ``R_c`` rows of ``out_k, out_v
+        (N, max R_c, D)``, the same two buffers for every chunk of the pass, which keep what was written;
+        ``add_grad(c, g_k, g_v)``: the loss's gradient with respect to them, ``(N, 1, R_c, D)``; and ``grads()``:
+        the gradients of ``shared`` (None where not wanted) after the last chunk."""
         return _GraphPass(self.fn, shared, wants)
 
 
@@ -158,16 +173,14 @@ class _GraphPass:
         self.leaves = shared if wants is None else [t.detach().requires_grad_(w) for t, w in zip(shared, wants)]
         self.made = None
 
-    def rows(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chunk ``c``'s rows ``(N, 1, R_c, D)`` (with their graph in backward)."""
-        if self.wants is None:
-            return self.fn(c, *self.leaves)
-        with torch.enable_grad():
-            self.made = self.fn(c, *self.leaves)
-        return self.made
+    def write(self, c: int, out_k: torch.Tensor, out_v: torch.Tensor, R_c: int) -> None:
+        with torch.enable_grad() if self.wants is not None else contextlib.nullcontext():
+            made = _checked(*self.fn(c, *self.leaves), c, R_c)
+        out_k[:, :R_c] = made[0][:, 0]
+        out_v[:, :R_c] = made[1][:, 0]
+        self.made = made if self.wants is not None else None
 
     def add_grad(self, c: int, g_k: torch.Tensor, g_v: torch.Tensor) -> None:
-        """The loss's gradient with respect to chunk ``c``'s rows (those :meth:`rows` made last)."""
         made = [(t, g) for t, g in zip(self.made, (g_k, g_v)) if t.requires_grad]
         inputs = [t for t, w in zip(self.leaves, self.wants) if w]
         self.made = None
@@ -179,7 +192,6 @@ class _GraphPass:
                 self.grad[i] = g.clone() if self.grad[i] is None else self.grad[i].add_(g)
 
     def grads(self) -> list[torch.Tensor | None]:
-        """The gradients of ``shared`` (None where not wanted or not reached), after the last chunk."""
         return self.grad
 
 
@@ -225,9 +237,9 @@ def memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask
 class _MemoryWindowAttention(torch.autograd.Function):
     """See :func:`memory_window_attention`. Saves ``q``, the output, the log-sum-exp and the sources (which exist
     anyway); the backward rebuilds each chunk's memory rows and key list in turn, so its transient buffers are one
-    chunk's (``R + L`` keys), not the group's, adds each chunk's window gradients straight into its blocks'
-    gradients, and with ``rows`` takes each chunk's memory-row gradient back to the ``shared`` tensors at once
-    (a small graph per chunk)."""
+    chunk's (``L + R`` keys), not the group's, adds each chunk's window gradients straight into its blocks'
+    gradients, and with ``rows`` hands each chunk's memory-row gradient to the rows' pass, which takes them back to
+    the ``shared`` tensors (:class:`ChunkRows`)."""
 
     @staticmethod
     def forward(ctx, q, tau, mem_k, mem_v, mask, L: int, C: int, pre_rope: bool, scale: float, reuse: dict | None,
@@ -240,16 +252,18 @@ class _MemoryWindowAttention(torch.autograd.Function):
             out = q.new_empty(N, n, Lq, E)
             lse = torch.empty(N, n, Lq, dtype=torch.float32, device=q.device)
             masks = _ChunkMasks(mask, n_rows, q.dtype)
+            lists = _KeyLists(blocks[:n_blocks], blocks[n_blocks:], n_rows, L, C, tau, pre_rope, q.dtype)
             rows_pass = None if rows is None else rows.start(shared, None)
-            for c in range(n):  # one chunk's rows and key list at a time: the transient buffers do not grow with n
+            for c in range(n):  # one chunk's key list at a time, in buffers made once
                 R = n_rows[c]
-                mk, mv = (mem_k[:, c:c + 1, :R], mem_v[:, c:c + 1, :R]) if rows is None else rows_pass.rows(c)
-                keys, values = _keys_values(*_checked(mk, mv, c, R), blocks[:n_blocks], blocks[n_blocks:], c, L, C,
-                                            tau, pre_rope, q.dtype)
-                del mk, mv
+                if rows is None:
+                    lists.rows_k[:, :R], lists.rows_v[:, :R] = mem_k[:, c, :R], mem_v[:, c, :R]
+                else:
+                    rows_pass.write(c, lists.rows_k, lists.rows_v, R)
+                keys, values = lists(c, R)
                 out[:, c:c + 1], lse[:, c:c + 1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q[:, c:c + 1], keys, values, attn_mask=masks(c, n_rows[c]), scale=scale)
-                del keys, values  # before the next chunk's are made: one chunk's key list alive at a time
+                    q[:, c:c + 1], keys, values, attn_mask=masks(c, R), scale=scale)
+            del lists, rows_pass
             if reuse is not None:
                 reuse.update(out=out.detach(), lse=lse)
         ctx.save_for_backward(q, tau, mem_k, mem_v, mask, out, lse, *shared, *blocks)
@@ -281,31 +295,33 @@ class _MemoryWindowAttention(torch.autograd.Function):
         block_rows = [b.shape[1] for b in blocks_k]
         tau_ = tau.to(torch.float32)[:, None, None]
         masks = _ChunkMasks(mask, n_rows, q.dtype)
+        lists = _KeyLists(blocks_k, blocks_v, n_rows, L, C, tau, pre_rope, q.dtype)
         for c in range(n):
             R = n_rows[c]
-            # the chunk's rows again (with rows: from the pass, which takes their gradient back to `shared`)
-            mk, mv = (mem_k[:, c:c + 1, :R], mem_v[:, c:c + 1, :R]) if rows is None else rows_pass.rows(c)
-            keys, values = _keys_values(*_checked(mk.detach(), mv.detach(), c, R), blocks_k, blocks_v, c, L, C, tau,
-                                        pre_rope, q.dtype)
-            del mk, mv
+            # the chunk's rows again (with rows: by the pass, which takes their gradient back to `shared`)
+            if rows is None:
+                lists.rows_k[:, :R], lists.rows_v[:, :R] = mem_k[:, c, :R], mem_v[:, c, :R]
+            else:
+                rows_pass.write(c, lists.rows_k, lists.rows_v, R)
+            keys, values = lists(c, R)
             gq_c, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out[:, c:c + 1], q[:, c:c + 1], keys, values, out[:, c:c + 1], lse[:, c:c + 1], 0.0, False,
                 attn_mask=masks(c, R), scale=scale)
             del keys, values
             gq[:, c:c + 1] = gq_c
             if rows is None:
-                g_mem_k[:, c, :R] = gk[:, 0, :R, :D]
-                g_mem_v[:, c, :R] = gv[:, 0, :R, :D]
+                g_mem_k[:, c, :R] = gk[:, 0, L:, :D]
+                g_mem_v[:, c, :R] = gv[:, 0, L:, :D]
                 g_mem_k[:, c, R:] = g_mem_v[:, c, R:] = 0
             else:
-                rows_pass.add_grad(c, gk[:, :, :R, :D], gv[:, :, :R, :D])
-            g_win = gk[:, 0, R:, E - D:].float()  # d/d(tau * window keys)
+                rows_pass.add_grad(c, gk[:, :, L:, :D], gv[:, :, L:, :D])
+            g_win = gk[:, 0, :L, E - D:].float()  # d/d(tau * window keys)
             for i, r0, w0, w in _window_pieces(block_rows, c * C, L):
                 g_tau += (g_win[:, w0:w0 + w] * blocks_k[i][:, r0:r0 + w]).sum(dim=(1, 2), dtype=torch.float32)
                 g_k[i][:, r0:r0 + w] += g_win[:, w0:w0 + w] * tau_
-                g_v[i][:, r0:r0 + w] += gv[:, 0, R + w0:R + w0 + w, :D]
-            # before the next chunk's rows and kernel gradients are made (a name keeps its tensor until rebound):
-            # one chunk's transient buffers alive at a time, not two (issue #17)
+                g_v[i][:, r0:r0 + w] += gv[:, 0, w0:w0 + w, :D]
+            # before the next chunk's kernel gradients are made (a name keeps its tensor until rebound): one chunk's
+            # transient buffers alive at a time, not two (issue #17)
             del gq_c, gk, gv, g_win
         g_shared = [None] * n_shared if rows is None else rows_pass.grads()
         g_blocks = [g.to(b.dtype) for g, b in zip(g_k + g_v, blocks)]
