@@ -23,9 +23,15 @@ def check_device(parser: argparse.ArgumentParser, device: str) -> None:
 
 
 def autocast(device: str, dtype: str):
-    """bf16 autocast on ``device`` for ``dtype: bf16``; nothing for fp32."""
+    """bf16 autocast on ``device`` for ``dtype: bf16``; nothing for fp32.
+
+    Raises:
+        ValueError: any other ``dtype`` (a script's own task dict with ``"float32"`` ran under bf16 autocast once).
+    """
     import torch
 
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
     return contextlib.nullcontext() if dtype == "fp32" else torch.autocast(device, dtype=torch.bfloat16)
 
 

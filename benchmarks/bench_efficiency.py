@@ -21,6 +21,10 @@ mixers their defaults.
   ms of ``--decode-steps`` single-token steps.
 - ``--profile MIXER T``: a ``torch.profiler`` table of one training step (top ops by self CPU time, and the
   tracked tensor memory), to commit beside the results.
+- ``--op-lines MIXER T``: the time of every operator of one training step summed per line of mixerzoo code that
+  called it (the innermost ``mixerzoo`` frame; a blank line is autograd's own backward nodes), to find which line
+  of a fast path costs what. Timed through a ``TorchDispatchMode``, whose own overhead (tens of microseconds per
+  operator) inflates lines with many small operators: for finding hot spots, not for comparing versions.
 - ``--memory-profile MIXER T``: what is alive at the peak of one training step: the tensor storages created by
   the step, counted by :class:`mixerzoo.evaluation.cost.LiveTensorBytes`, grouped by the operator that made them
   and their shape (the view a memory optimisation needs; independent of the machine's load).
@@ -204,6 +208,49 @@ def profile(name: str, T: int, task: dict, rows: int = 25) -> None:
                                     row_limit=rows))
 
 
+def op_lines(name: str, T: int, task: dict, rows: int = 40) -> None:
+    """Print the operators' time of one training step (after a warm-up step) summed per calling line of mixerzoo
+    code (see the module docstring)."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def caller() -> str:
+        frame = sys._getframe(2)
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if "mixerzoo" in path and "_python_dispatch" not in path:
+                return f"{os.path.basename(path)}:{frame.f_lineno} {frame.f_code.co_name}"
+            frame = frame.f_back
+        return ""
+
+    spent = collections.defaultdict(lambda: [0.0, 0])
+
+    class Timed(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            entry = spent[caller()]
+            entry[0] += time.perf_counter() - t0
+            entry[1] += 1
+            return out
+
+    torch.set_num_threads(task["threads"])
+    layer = build(name, task)
+    x = torch.randn(1, T, task.get("d_model", D_MODEL), device=on(task)[0], requires_grad=True)
+    step(layer, x[:, :1024], task)
+    t0 = time.perf_counter()
+    with Timed():
+        step(layer, x, task)
+    total = time.perf_counter() - t0
+    print(f"# operators' time per calling line: {name}, one training step at T = {T}, {describe(task)}: "
+          f"{total:.2f} s under the mode, {sum(v[0] for v in spent.values()):.2f} s in operators")
+    print("\n| ms | operators | line |\n|---|---|---|")
+    for where, (seconds, count) in sorted(spent.items(), key=lambda kv: -kv[1][0])[:rows]:
+        print(f"| {seconds * 1e3:.1f} | {count} | {where or '(autograd backward nodes)'} |")
+
+
 def memory_profile(name: str, T: int, task: dict, rows: int = 20) -> None:
     """Print the live tensor storages created by one training step (after a warm-up step) at its peak and at the
     end of its forward pass ("kept"), grouped by (operator, shape): the storages a memory optimisation has to
@@ -285,6 +332,8 @@ def main() -> None:
     ap.add_argument("--decode-contexts", type=int, nargs="*", default=[1024, 16384], help="none: skip decode")
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--profile", nargs=2, metavar=("MIXER", "T"), help="print a profiler table and exit")
+    ap.add_argument("--op-lines", nargs=2, metavar=("MIXER", "T"),
+                    help="print the operators' time of one training step per calling line, and exit")
     ap.add_argument("--memory-profile", nargs=2, metavar=("MIXER", "T"),
                     help="print the tensors alive at the peak of one training step, by operator and shape, and exit")
     ap.add_argument("--json", help="also write every figure here")
@@ -307,6 +356,9 @@ def main() -> None:
         return
     if args.memory_profile:
         memory_profile(args.memory_profile[0], int(args.memory_profile[1]), base)
+        return
+    if args.op_lines:
+        op_lines(args.op_lines[0], int(args.op_lines[1]), base)
         return
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""

@@ -80,3 +80,26 @@ def test_memory_profile_lists_what_is_alive_at_the_peak(capsys, benchmark_script
         assert abs(sum(float(r[0][2:]) for r in rows) - totals[-1]) < 0.05 * len(rows) + 0.1
         assert any(r[2] == "aten.mm" and r[3].startswith("(300, 256)") for r in rows)
     assert 0 < totals[1] < totals[0]
+
+
+def test_op_lines_charge_operators_to_the_lines_that_called_them(capsys, benchmark_script):
+    """bench_efficiency --op-lines: one row per calling line of mixerzoo code, sorted by time; KVM's read and its
+    routing are found where they are, and a training step's backward has rows of autograd's own nodes."""
+    bench = benchmark_script("bench_efficiency")
+    bench.op_lines("kvm-256", 1100, {"threads": 1, "dtype": "fp32"}, rows=1000)
+    out = capsys.readouterr().out
+    assert out.startswith("# operators' time per calling line: kvm-256, one training step at T = 1100")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    times = [float(r[0][2:]) for r in rows]
+    assert times == sorted(times, reverse=True) and all(int(r[1]) > 0 for r in rows)
+    lines = [r[2] for r in rows]
+    assert any(line.startswith("lean_attention.py:") and line.endswith("forward |") for line in lines)
+    assert any(line.startswith("ops.py:") and "route_overflow" in line for line in lines)
+    assert "(autograd backward nodes) |" in lines
+
+
+def test_benchmark_precision_must_be_named(benchmark_script):
+    """A task's dtype other than fp32 / bf16 is refused, not taken for bf16."""
+    device = benchmark_script("_device")
+    with pytest.raises(ValueError, match="'fp32' or 'bf16'"):
+        device.autocast("cpu", "float32")
