@@ -8,7 +8,7 @@ import torch
 
 from mixerzoo.mixers import Attention, BlockSlidingWindowAttention
 from mixerzoo.testing import decode_stepwise, run_conformance
-from mixerzoo_kvm import KVMAttention
+from mixerzoo_kvm import KVMAttention, incremental_rows
 
 D_MODEL = 16
 GROW = {"name": "power_law", "coef": 2.0, "exponent": 0.5, "min_size": 4}
@@ -87,7 +87,13 @@ def _split_run(layer, x, cuts):
 
 @pytest.mark.parametrize("name", ["default", "power_law", "soft_routing", "gqa_token_shift", "value_mean",
                                   "pre_rope_gqa_grow"])
-def test_gradients_agree(name):
+def test_gradients_agree(name, monkeypatch):
+    """The packed path's gradients equal the chunk loop's; a growing state past the window with the paper's
+    readout and routing makes its memory rows incrementally (``incremental_rows``) in forward and backward."""
+    started = []
+    start = incremental_rows.IncrementalRows.start
+    monkeypatch.setattr(incremental_rows.IncrementalRows, "start",
+                        lambda self, shared, wants: started.append(wants is not None) or start(self, shared, wants))
     layer = make(**CONFIGS[name]).train()
     x = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(4))
     w = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(5))
@@ -98,6 +104,8 @@ def test_gradients_agree(name):
         y, _ = layer(x)
         (y * w).sum().backward()
         grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+    incremental = name in ("power_law", "gqa_token_shift", "pre_rope_gqa_grow")
+    assert set(started) == ({False, True} if incremental else set())
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=5e-5, rtol=1e-4, msg=n)
 

@@ -1,12 +1,11 @@
 """KVM's memory rows made incrementally (only the rows a fold changes, their gradients summed while a row does not
-change) equal their plain statement, one autograd graph per chunk, in values and in every gradient; and the packed
-path takes them where the configuration allows."""
+change) equal their plain statement, one autograd graph per chunk, in values and in every gradient (that the
+packed path takes them is checked with the layer's gradients in ``test_kvm_equivalence``)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mixerzoo_kvm import KVMAttention, incremental_rows
 from mixerzoo_kvm.incremental_rows import IncrementalRows
 from mixerzoo_kvm.lean_attention import additive_mask, memory_window_attention, memory_window_attention_reference
 from mixerzoo_kvm.ops import read_values
@@ -75,26 +74,3 @@ def test_incremental_rows_equal_the_plain_statement(pre_rope):
                               + [f"x_k{f}" for f in range(4)] + [f"x_v{f}" for f in range(4)], grads[0], gr):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=name)
 
-
-def test_packed_path_makes_growing_states_incrementally(monkeypatch):
-    """A power-law state larger than the window takes the incremental rows, and the layer's gradients still equal
-    the readable chunk loop's (the plain statement is what the other equivalence tests compare too)."""
-    started = []
-    start = incremental_rows.IncrementalRows.start
-    monkeypatch.setattr(incremental_rows.IncrementalRows, "start",
-                        lambda self, shared, wants: started.append(wants is not None) or start(self, shared, wants))
-    torch.manual_seed(0)
-    layer = KVMAttention(16, n_heads=2, chunk_len=4,
-                         schedule={"name": "power_law", "coef": 3.0, "exponent": 0.5, "min_size": 4}).train()
-    x = torch.randn(2, 61, 16, generator=torch.Generator().manual_seed(1))
-    w = torch.randn(2, 61, 16, generator=torch.Generator().manual_seed(2))
-    grads = []
-    for ref in (True, False):
-        layer.use_reference = ref
-        layer.zero_grad(set_to_none=True)
-        y, _ = layer(x)
-        (y * w).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
-    assert True in started and False in started  # forward and backward passes
-    for n in grads[0]:
-        torch.testing.assert_close(grads[1][n], grads[0][n], atol=5e-5, rtol=1e-4, msg=n)

@@ -121,8 +121,14 @@ class _KeyLists:
         self.block_rows = [b.shape[1] for b in blocks_k]
         self.tau = tau.to(dtype)[:, None, None]
 
-    def __call__(self, c: int, R_c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chunk ``c``'s lists (its window written now; its ``R_c`` rows already written by their source)."""
+    def __call__(self, c: int, R_c: int, mem_k: torch.Tensor | None, mem_v: torch.Tensor | None,
+                 rows_pass) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk ``c``'s lists: its ``R_c`` rows from ``mem_k, mem_v (N, n, R, D)`` or written by ``rows_pass``
+        (:meth:`ChunkRows.start`), then its window."""
+        if rows_pass is None:
+            self.rows_k[:, :R_c], self.rows_v[:, :R_c] = mem_k[:, c, :R_c], mem_v[:, c, :R_c]
+        else:
+            rows_pass.write(c, self.rows_k, self.rows_v, R_c)
         for i, r0, w0, n in _window_pieces(self.block_rows, c * self.C, self.L):
             torch.mul(self.blocks_k[i][:, r0:r0 + n], self.tau, out=self.keys[:, 0, w0:w0 + n, -self.D:])
             self.values[:, 0, w0:w0 + n, :self.D] = self.blocks_v[i][:, r0:r0 + n]
@@ -256,11 +262,7 @@ class _MemoryWindowAttention(torch.autograd.Function):
             rows_pass = None if rows is None else rows.start(shared, None)
             for c in range(n):  # one chunk's key list at a time, in buffers made once
                 R = n_rows[c]
-                if rows is None:
-                    lists.rows_k[:, :R], lists.rows_v[:, :R] = mem_k[:, c, :R], mem_v[:, c, :R]
-                else:
-                    rows_pass.write(c, lists.rows_k, lists.rows_v, R)
-                keys, values = lists(c, R)
+                keys, values = lists(c, R, mem_k, mem_v, rows_pass)
                 out[:, c:c + 1], lse[:, c:c + 1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q[:, c:c + 1], keys, values, attn_mask=masks(c, R), scale=scale)
             del lists, rows_pass
@@ -299,11 +301,7 @@ class _MemoryWindowAttention(torch.autograd.Function):
         for c in range(n):
             R = n_rows[c]
             # the chunk's rows again (with rows: by the pass, which takes their gradient back to `shared`)
-            if rows is None:
-                lists.rows_k[:, :R], lists.rows_v[:, :R] = mem_k[:, c, :R], mem_v[:, c, :R]
-            else:
-                rows_pass.write(c, lists.rows_k, lists.rows_v, R)
-            keys, values = lists(c, R)
+            keys, values = lists(c, R, mem_k, mem_v, rows_pass)
             gq_c, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out[:, c:c + 1], q[:, c:c + 1], keys, values, out[:, c:c + 1], lse[:, c:c + 1], 0.0, False,
                 attn_mask=masks(c, R), scale=scale)
