@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["KVMSpec", "KVMParams", "memory_keys", "memory_queries", "joint_queries", "joint_keys", "merge_gate", "read_values", "state_budget", "Routing",
-           "route_overflow", "fold", "keep_from"]
+__all__ = ["KVMSpec", "KVMParams", "memory_keys", "memory_queries", "joint_queries", "joint_keys", "merge_gate",
+           "read_values", "state_budget", "Routing", "route_overflow", "fold", "keep_from"]
 
 
 @dataclasses.dataclass(frozen=True)
