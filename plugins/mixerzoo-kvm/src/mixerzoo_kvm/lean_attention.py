@@ -13,8 +13,8 @@ what full attention keeps (queries, output, the log-sum-exp per query) plus the 
 copies, no extra attention work, and the transient buffers are one chunk's ``window + R`` keys whatever the group's
 size. The memory rows may be given, or made chunk by chunk inside the call (:class:`ChunkRows`). It runs on
 PyTorch's CPU flash-attention kernels (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward,
-which return and take the log-sum-exp); elsewhere (CUDA) it is :func:`memory_window_attention_reference`, the same computation written
-with autograd, which the tests compare it with.
+which return and take the log-sum-exp); elsewhere (CUDA) it is :func:`memory_window_attention_reference`, the same
+computation written with autograd, which the tests compare it with.
 """
 
 from __future__ import annotations
