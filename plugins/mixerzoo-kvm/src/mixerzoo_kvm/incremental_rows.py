@@ -5,8 +5,8 @@ of its snapshot: ``tau_state * LN_s(s_k)`` and the value readout ``rho * s_v / m
 4, "Readout"), where the snapshot is the state entering the group plus the group's folds before the chunk. Both
 are row-wise, and a fold changes at most ``chunk_len`` rows (the rows its tokens merge into or append), so the
 rows of chunk ``c + 1`` are those of chunk ``c`` with a few rows made again. :class:`IncrementalRows` keeps the
-running snapshot and its rows in one buffer each and, per fold, normalises only the rows the fold changed, where
-the plain statement (:class:`~mixerzoo_kvm.lean_attention.ChunkRows`, one autograd graph per chunk) makes every
+running snapshot in one buffer and, per fold, normalises only the rows the fold changed, straight into the read's
+key and value lists (which keep them from chunk to chunk), where the plain statement (:class:`~mixerzoo_kvm.lean_attention.ChunkRows`, one autograd graph per chunk) makes every
 row of every chunk's snapshot, in forward and again in backward (about 20 passes over ``R`` rows per chunk; a
 power-law state at 32k tokens has ~2,900 rows against a 256-token chunk; issue #17).
 
