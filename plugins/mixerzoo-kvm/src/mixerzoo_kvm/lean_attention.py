@@ -162,8 +162,8 @@ class ChunkRows:
 
     def start(self, shared: tuple, wants: list[bool] | None) -> "_GraphPass":
         """A pass over the chunks; ``wants``: which of ``shared`` need a gradient (None: forward, no gradient).
-        A pass has ``write(c, out_k, out_v)``: chunk ``c``'s rows into the leading ``R_c`` rows of ``out_k, out_v
-        (N, max R_c, D)``, the same two buffers for every chunk of the pass, which keep what was written;
+        A pass has ``write(c, out_k, out_v, R_c)``: chunk ``c``'s rows into the leading ``R_c`` rows of ``out_k,
+        out_v (N, max R_c, D)``, the same two buffers for every chunk of the pass, which keep what was written;
         ``add_grad(c, g_k, g_v)``: the loss's gradient with respect to them, ``(N, 1, R_c, D)``; and ``grads()``:
         the gradients of ``shared`` (None where not wanted) after the last chunk."""
         return _GraphPass(self.fn, shared, wants)
