@@ -6,9 +6,10 @@
    call per group (:func:`mixerzoo_kvm.lean_attention.memory_window_attention`: keys ``[snapshot rows ; block
    window]``). Each chunk's snapshot (the state entering the group plus the group's folds before the chunk, one
    row-indexed add) and its rows (``tau_state * LN_s`` and the value readout) are made one chunk at a time inside
-   the call, in forward and again in backward, so a group's snapshots never exist at once (a state no larger than
-   the window makes its group's rows at once instead: they are small, and a graph per chunk costs more Python
-   than it saves memory); each chunk reads exactly its state's rows (no padded rows); the windows are read
+   the call, in forward and again in backward, so a group's snapshots never exist at once; with the paper's
+   routing, ``LN_s`` and readout only the rows each fold changes are made again
+   (:class:`mixerzoo_kvm.incremental_rows.IncrementalRows`). A state no larger than the window makes its group's
+   rows at once instead (they are small, and work per chunk costs more Python than it saves); each chunk reads exactly its state's rows (no padded rows); the windows are read
    from chunk-aligned blocks of one padded copy of the keys, the same blocks the folds take, one broadcast mask
    when the chunks share a pattern, grouped-query heads folded into the query length.
 3. **Training memory** (issue #17): with ``checkpoint_chunks > 0`` each group runs under
