@@ -187,18 +187,27 @@ def run(task: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def profile(name: str, T: int, task: dict, rows: int = 25) -> None:
-    """Print torch.profiler's top ops (self CPU time, or self CUDA time on a GPU) of one training step and its
-    tracked tensor peak."""
+def warmed_up(name: str, T: int, task: dict):
+    """The layer ``name`` (:func:`build`) at the task's threads and an input ``x (1, T, d_model)`` that wants a
+    gradient, after one training step on its first 1,024 tokens (lazy imports and thread pools paid): what the
+    profiling entry points start from."""
     import torch
-    from torch.profiler import ProfilerActivity, profile as tprofile
 
     torch.set_num_threads(task["threads"])
     layer = build(name, task)
+    x = torch.randn(1, T, task.get("d_model", D_MODEL), device=on(task)[0], requires_grad=True)
+    step(layer, x[:, :1024], task)
+    return layer, x
+
+
+def profile(name: str, T: int, task: dict, rows: int = 25) -> None:
+    """Print torch.profiler's top ops (self CPU time, or self CUDA time on a GPU) of one training step and its
+    tracked tensor peak."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    layer, x = warmed_up(name, T, task)
     device = on(task)[0]
     cuda = device == "cuda"
-    x = torch.randn(1, T, task.get("d_model", D_MODEL), device=device, requires_grad=True)
-    step(layer, x[:, :1024], task)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with tprofile(activities=activities, profile_memory=True) as prof:
         step(layer, x, task)
@@ -213,7 +222,6 @@ def op_lines(name: str, T: int, task: dict, rows: int = 40) -> None:
     code (see the module docstring)."""
     import collections
 
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     def caller() -> str:
@@ -236,10 +244,7 @@ def op_lines(name: str, T: int, task: dict, rows: int = 40) -> None:
             entry[1] += 1
             return out
 
-    torch.set_num_threads(task["threads"])
-    layer = build(name, task)
-    x = torch.randn(1, T, task.get("d_model", D_MODEL), device=on(task)[0], requires_grad=True)
-    step(layer, x[:, :1024], task)
+    layer, x = warmed_up(name, T, task)
     t0 = time.perf_counter()
     with Timed():
         step(layer, x, task)
@@ -257,7 +262,6 @@ def memory_profile(name: str, T: int, task: dict, rows: int = 20) -> None:
     remove."""
     import collections
 
-    import torch
     from mixerzoo.evaluation.cost import LiveTensorBytes
 
     class AtPeak(LiveTensorBytes):
@@ -284,10 +288,7 @@ def memory_profile(name: str, T: int, task: dict, rows: int = 20) -> None:
             if ptr not in self._live:
                 self.made_by.pop(ptr, None)
 
-    torch.set_num_threads(task["threads"])
-    layer = build(name, task)
-    x = torch.randn(1, T, task.get("d_model", D_MODEL), device=on(task)[0], requires_grad=True)
-    step(layer, x[:, :1024], task)
+    layer, x = warmed_up(name, T, task)
     layer.zero_grad(set_to_none=True)
     with AtPeak(exclude=[*layer.parameters(), x]) as mem:
         with autocast(*on(task)):

@@ -6,9 +6,10 @@ of its snapshot: ``tau_state * LN_s(s_k)`` and the value readout ``rho * s_v / m
 are row-wise, and a fold changes at most ``chunk_len`` rows (the rows its tokens merge into or append), so the
 rows of chunk ``c + 1`` are those of chunk ``c`` with a few rows made again. :class:`IncrementalRows` keeps the
 running snapshot in one buffer and, per fold, normalises only the rows the fold changed, straight into the read's
-key and value lists (which keep them from chunk to chunk), where the plain statement (:class:`~mixerzoo_kvm.lean_attention.ChunkRows`, one autograd graph per chunk) makes every
-row of every chunk's snapshot, in forward and again in backward (about 20 passes over ``R`` rows per chunk; a
-power-law state at 32k tokens has ~2,900 rows against a 256-token chunk; issue #17).
+key and value lists (which keep them from chunk to chunk), where the plain statement
+(:class:`~mixerzoo_kvm.lean_attention.ChunkRows`, one autograd graph per chunk) makes every row of every chunk's
+snapshot, in forward and again in backward (about 20 passes over ``R`` rows per chunk; a power-law state at 32k
+tokens has ~2,900 rows against a 256-token chunk; issue #17).
 
 Backward, chunk by chunk in the same order: the row gradients of the chunks that read a row while it did not
 change are summed (``G``), and taken through ``LN_s`` and the readout once per such stretch, at the values of the
@@ -108,43 +109,32 @@ class _IncrementalPass:
         self.M[0][at] = (F.layer_norm(sk, (D,), self.weight, self.bias, self.spec.ln_eps) * tau).to(self.M[0].dtype)
         self.M[1][at] = read_values(sv, rho, None, "radius", self.spec.eps).to(self.M[1].dtype)
 
-    def _flush(self, at: torch.Tensor | slice) -> None:
-        """Take the summed row gradients of rows ``at`` (flat: distinct indices, or a range) through ``LN_s`` and the
-        readout at the rows' present values, into ``T`` and the parameters' gradients, and start their sums
-        again."""
+    def _flush(self, u: torch.Tensor) -> None:
+        """Take the summed row gradients of rows ``u`` (flat, distinct) through ``LN_s`` and the readout at the
+        rows' present values, into ``T`` and the parameters' gradients, and start their sums again."""
         D, eps = self.D, self.spec.eps
-        if isinstance(at, slice):
-            flat = torch.arange(at.start, at.stop, device=self.g_rho.device)
-
-            def add(t: torch.Tensor, v: torch.Tensor) -> None:
-                t[at] += v
-        else:
-            flat = at
-
-            def add(t: torch.Tensor, v: torch.Tensor) -> None:
-                t.index_add_(0, at, v)
-        heads = flat // self.R
-        sk, gk = self.S[0][at].float(), self.G[0][at]  # in float32, as read_values and autocast's layer_norm
+        heads = u // self.R
+        sk, gk = self.S[0][u].float(), self.G[0][u]  # in float32, as read_values and autocast's layer_norm
         out, mean, rstd = torch.native_layer_norm(sk, (D,), self.weight, self.bias, self.spec.ln_eps)
         self.g_tau.index_add_(0, heads, (gk * out).sum(dim=-1, dtype=torch.float32))
         del out
         g_in, g_w, g_b = torch.ops.aten.native_layer_norm_backward(
             gk * self.tau[heads, None], sk, (D,), mean, rstd, self.weight, self.bias, [True, True, True])
-        add(self.T[0], g_in)
+        self.T[0].index_add_(0, u, g_in)
         self.g_ln[0] += g_w
         self.g_ln[1] += g_b
         del sk, gk, g_in
-        sv, gv = self.S[1][at].float(), self.G[1][at]
+        sv, gv = self.S[1][u].float(), self.G[1][u]
         norm = sv.norm(dim=-1)
         floor = norm.clamp_min(eps)
-        r = self.rho[at]
+        r = self.rho[u]
         dot = (gv * sv).sum(dim=-1)
-        add(self.g_rho, dot / floor)
+        self.g_rho.index_add_(0, u, dot / floor)
         # d/ds of s rho / ||s|| = rho / ||s|| - rho s s^T / ||s||^3 (the second term only above the floor)
         along = torch.where(norm > eps, r * dot / (norm * norm * norm), torch.zeros_like(dot))
-        add(self.T[1], gv * (r / floor)[:, None] - sv * along[:, None])
+        self.T[1].index_add_(0, u, gv * (r / floor)[:, None] - sv * along[:, None])
         for g in self.G:
-            g[at] = 0
+            g[u] = 0
 
     def _fold(self, f: int) -> None:
         rows = self.fold_rows[f]
@@ -175,8 +165,8 @@ class _IncrementalPass:
     def grads(self) -> list[torch.Tensor | None]:
         """The gradients of ``shared``, after the last chunk (the stretches still open are taken through first)."""
         B, H, m, D = self.shape
-        for lo in range(0, self.S[0].shape[0], 1024):  # in row blocks: small transient buffers
-            self._flush(slice(lo, min(lo + 1024, self.S[0].shape[0])))
+        for block in torch.arange(self.S[0].shape[0], device=self.S[0].device).split(1024):  # small transients
+            self._flush(block)
         self.S = self.G = None
         T = [t.view(B * H, self.R, D) for t in self.T]
         g_x = [[(t[rows] - before[i]).view(B, H, -1, D) for rows, before in zip(self.fold_rows, self.before)]

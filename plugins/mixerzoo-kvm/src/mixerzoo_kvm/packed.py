@@ -9,9 +9,10 @@
    the call, in forward and again in backward, so a group's snapshots never exist at once; with the paper's
    routing, ``LN_s`` and readout only the rows each fold changes are made again
    (:class:`mixerzoo_kvm.incremental_rows.IncrementalRows`). A state no larger than the window makes its group's
-   rows at once instead (they are small, and work per chunk costs more Python than it saves); each chunk reads exactly its state's rows (no padded rows); the windows are read
-   from chunk-aligned blocks of one padded copy of the keys, the same blocks the folds take, one broadcast mask
-   when the chunks share a pattern, grouped-query heads folded into the query length.
+   rows at once instead (they are small, and work per chunk costs more Python than it saves); each chunk reads
+   exactly its state's rows (no padded rows); the windows are read from chunk-aligned blocks of one padded copy
+   of the keys, the same blocks the folds take, one broadcast mask when the chunks share a pattern, grouped-query
+   heads folded into the query length.
 3. **Training memory** (issue #17): with ``checkpoint_chunks > 0`` each group runs under
    ``torch.utils.checkpoint`` and is recomputed in backward from the state entering it, so autograd keeps no
    snapshot, memory row or key list, only each group's inputs. With 0, nothing is recomputed (one attention
