@@ -26,6 +26,7 @@ decoding uses :func:`kvm_step`, which needs no mask at all.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -38,6 +39,7 @@ from .incremental_rows import IncrementalRows
 from .lean_attention import memory_window_attention, shared_mask
 from .ops import (KVMParams, KVMSpec, Routing, fold, joint_keys, joint_queries, keep_from, memory_keys, read_values,
                   route_overflow, state_budget)
+from .refold import refold
 from .state import KVMState
 
 __all__ = ["kvm_packed", "kvm_step"]
@@ -165,13 +167,44 @@ def _apply_folds(s0: torch.Tensor, x: tuple[torch.Tensor, ...], reads: list[int]
     return torch.stack(snaps, dim=2)
 
 
+def _gated(spec: KVMSpec, kbar: torch.Tensor, v_o: torch.Tensor, g: torch.Tensor | None, appended: torch.Tensor,
+           initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What fold tokens add to their rows, ``(x_k, x_v)`` of ``kbar``'s shape ``(..., C, D)``: merged tokens and
+    (with ``gate_appends``) appended tokens are gated by ``g (..., C)``; tokens of a fold that initialises the state
+    (``initial``, broadcast over ``appended (..., C)``) never are."""
+    xs = kbar, v_o.to(kbar.dtype)
+    if g is None:
+        return xs
+    ungated = initial | (appended & (not spec.gate_appends))
+    w = torch.where(ungated, torch.ones_like(g), g)[..., None].to(kbar.dtype)
+    return xs[0] * w, xs[1] * w
+
+
+def _radii(rho: torch.Tensor, norms: list[torch.Tensor], routes: list[Routing]) -> torch.Tensor:
+    """The rows' value radii after folds: ``rho (B, H, m)`` entering, then each fold's appended tokens' value norms
+    (``norms[f] (B, H, C)``; eq. 6's ``rho``)."""
+    return torch.cat([rho] + [torch.gather(n, 2, r.append_idx) for n, r in zip(norms, routes)], dim=2)
+
+
+@torch.no_grad()
+def _counts(count: torch.Tensor, routes: list[Routing], sizes: list[int]) -> torch.Tensor:
+    """The rows' token counts ``(B, H, F + 1, R)`` entering (entry 0, ``count (B, H, m)`` zero-padded) and after
+    each fold (``sizes[f]`` rows before fold ``f``, ``R = sizes[F]``)."""
+    R = sizes[-1]
+    per_fold = []
+    for f, r in enumerate(routes):
+        p = r.probs if r.probs is not None else F.one_hot(r.target, sizes[f + 1]).float()
+        per_fold.append(F.pad(p.sum(dim=2), (0, R - sizes[f + 1])))
+    c0 = F.pad(count, (0, R - count.shape[2]))[:, :, None]
+    return torch.cat([c0, c0 + torch.stack(per_fold, dim=2).cumsum(dim=2)], dim=2) if routes else c0
+
+
 def _group_folds(spec: KVMSpec, state: KVMState, kbar: torch.Tensor, v_o: torch.Tensor, g: torch.Tensor | None,
                  routes: list[Routing], sizes: list[int]) -> _GroupFolds:
     """A group's :class:`_GroupFolds` from the state entering it and its ``F`` folds: overflow keys ``kbar`` and
     values ``v_o (B, H, F, C, D)``, gates ``g (B, H, F, C)`` or None, their routing, ``sizes[f]`` rows before
     fold ``f`` (``sizes[F]`` after the last)."""
     n_folds = kbar.shape[2]
-    R = sizes[-1]
     s_v = state.s_v.to(state.s_k.dtype)
     probs = None
     if spec.routing != "hard":
@@ -182,24 +215,11 @@ def _group_folds(spec: KVMSpec, state: KVMState, kbar: torch.Tensor, v_o: torch.
                            None if state.count is None else state.count[:, :, None])
     appended = torch.stack([r.appended for r in routes], dim=2)  # (B, H, F, C)
     initial = torch.tensor([s == 0 for s in sizes[:-1]], device=kbar.device)[:, None]  # folds that initialise
-    xs = [kbar, v_o.to(kbar.dtype)]
-    if g is not None:  # merged tokens and (with gate_appends) appended tokens are gated; initial rows never are
-        ungated = initial | (appended & (not spec.gate_appends))
-        w = torch.where(ungated, torch.ones_like(g), g)[..., None].to(kbar.dtype)
-        xs = [x * w for x in xs]
+    xs = _gated(spec, kbar, v_o, g, appended, initial)
     target = torch.cat([r.target for r in routes], dim=2) if probs is None else None  # (B, H, F C)
-    norms = v_o.float().norm(dim=-1)  # (B, H, F, C)
     # unbind, not norms[:, :, f]: each index's backward would be a zero tensor of all the folds' norms
-    rho = torch.cat([state.rho] + [torch.gather(n, 2, r.append_idx) for n, r in zip(norms.unbind(2), routes)], dim=2)
-    count = None
-    if state.count is not None:
-        with torch.no_grad():
-            per_fold = []
-            for f, r in enumerate(routes):
-                p = r.probs if r.probs is not None else F.one_hot(r.target, sizes[f + 1]).float()
-                per_fold.append(F.pad(p.sum(dim=2), (0, R - sizes[f + 1])))
-            c0 = F.pad(state.count, (0, R - state.count.shape[2]))[:, :, None]
-            count = torch.cat([c0, c0 + torch.stack(per_fold, dim=2).cumsum(dim=2)], dim=2)
+    rho = _radii(state.rho, v_o.float().norm(dim=-1).unbind(2), routes)
+    count = None if state.count is None else _counts(state.count, routes, sizes)
     return _GroupFolds(state.s_k, s_v, xs[0].unbind(2), xs[1].unbind(2), target, probs, rho, count)
 
 
@@ -376,27 +396,63 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         fold_k, fold_v = blocks_k[f_0:f_0 + n_folds], blocks_v[f_0:f_0 + n_folds]
     g_folds = g_o.split(n_f, dim=2) if g_o is not None else [None] * len(groups)
 
-    def group(a: int, b: int, f0: int, n_win: int, reuse: dict | None, q_piece, g_f, s_k, s_v, rho, count,
-              *pieces):
+    def pre_folds(f0: int, n_pre: int, g_pieces: tuple, s_k, s_v, rho, count, k_blocks, v_blocks):
+        """The state after folds ``f0 .. f0 + n_pre - 1`` from the state before them (``s_k, s_v, rho, count``):
+        the rows by :func:`mixerzoo_kvm.refold.refold` (one fold's additions at a time, none kept), the radii and
+        counts as :func:`_group_folds` makes them. ``k_blocks, v_blocks``: the folds' key and value blocks ``(B H,
+        C, D)``; ``g_pieces``: their gates, pieces to join (or Nones)."""
+        m = sizes[f0 + n_pre]
+        pre_routes, pre_sizes = routes[f0:f0 + n_pre], sizes[f0:f0 + n_pre + 1]
+        gated = g_pieces[0] is not None
+        heads = torch.arange(B * H, device=dev).view(B, H, 1) * m
+        flat_rows = [(r.target + heads).reshape(-1) for r in pre_routes]
+
+        def make(f: int, *inputs):
+            """Fold ``f``'s additions from ``inputs`` = its sources (``k_blocks, v_blocks``, the gates, ``LN_s``'s
+            parameters): no tensor from outside its arguments (the autograd node holds this function)."""
+            kb, vb = inputs[f].view(B, H, C, D), inputs[n_pre + f].view(B, H, C, D)
+            rest = inputs[2 * n_pre:]
+            g_fold, ln = (rest[0][:, :, f], rest[1:]) if gated else (None, rest)
+            kbar = memory_keys(kb, spec.rotary_dim, lambda t: ln_s_with(t, *ln),
+                               o_pos[(f0 + f) * C:(f0 + f + 1) * C], spec.unrotate)
+            initial = torch.tensor(pre_sizes[f] == 0, device=dev)
+            return _gated(spec, kbar, vb, g_fold, pre_routes[f].appended, initial)
+        gates = (torch.cat(g_pieces, dim=2),) if gated else ()
+        s_k, s_v = refold(s_k, s_v, make, flat_rows, m, (*k_blocks, *v_blocks, *gates, *ln_params))
+        rho = _radii(rho, [vb.view(B, H, C, D).float().norm(dim=-1) for vb in v_blocks], pre_routes)
+        count = None if count is None else _counts(count, pre_routes, pre_sizes)[:, :, -1]
+        return s_k, s_v, rho, count
+
+    def group(a: int, b: int, f0: int, n_pre: int, n_win: int, exit_state: bool, reuse: dict | None, q_piece,
+              g_f: tuple, s_k, s_v, rho, count, *pieces):
         """Chunks ``a .. b-1``: their queries (from their tokens ``q_piece``, :func:`group_queries`), their
-        snapshots from the state entering the group (``s_k, s_v, rho, count``, snapshot ``f0``) and the group's
-        folds, then their attention. ``pieces``: the window's key blocks, its value blocks (``n_win`` each), then
-        the folds' key and value blocks ``(B H, C, D)``; ``reuse`` see :func:`memory_window_attention`. Returns
-        the output and the state after."""
+        snapshots from an anchor state (``s_k, s_v, rho, count``, snapshot ``f0``), the ``n_pre`` folds between
+        it and the group (which make the state entering the group) and the group's own folds, then their
+        attention. ``pieces``: the window's key blocks, its value blocks (``n_win`` each), then the folds' key and
+        value blocks ``(B H, C, D)`` from fold ``f0`` on; ``g_f``: their gates, pieces to join (or None);
+        ``reuse`` see :func:`memory_window_attention`. Returns the output, and with ``exit_state`` the state
+        after the group."""
         q_g = group_queries(a, b, q_piece)
         win, fold_blocks = pieces[:2 * n_win], pieces[2 * n_win:]
-        nf, n, R = len(fold_blocks) // 2, b - a, max(rows[a:b])
+        n_all, n, R = len(fold_blocks) // 2, b - a, max(rows[a:b])
+        if n_pre:  # the state entering the group, from the anchor and the folds between (refold: autograd keeps one
+            # state per block of groups, not one per group; issue #17)
+            s_k, s_v, rho, count = pre_folds(f0, n_pre, g_f[:-1], s_k, s_v, rho, count, fold_blocks[:n_pre],
+                                             fold_blocks[n_all:n_all + n_pre])
+            f0, fold_blocks = f0 + n_pre, fold_blocks[n_pre:n_all] + fold_blocks[n_all + n_pre:]
+        nf = n_all - n_pre  # the group's own folds
         k_f, v_f = ((torch.stack(t, dim=1) if t else q_g.new_empty(B * H, 0, C, D)).view(B, H, nf, C, D)
                     for t in (fold_blocks[:nf], fold_blocks[nf:]))
         kbar = memory_keys(k_f.reshape(B, H, nf * C, D), spec.rotary_dim, params.ln_s,
                            o_pos[f0 * C:(f0 + nf) * C], spec.unrotate).view(B, H, nf, C, D)
         entering = dataclasses.replace(state, s_k=s_k, s_v=s_v, rho=rho, count=count)
-        folds = _group_folds(spec, entering, kbar, v_f, g_f, routes[f0:f0 + nf], sizes[f0:f0 + nf + 1])
+        folds = _group_folds(spec, entering, kbar, v_f, g_f[-1], routes[f0:f0 + nf], sizes[f0:f0 + nf + 1])
         reads = [entry[i] - f0 for i in range(a, b)]  # folds of this group before each chunk's snapshot
         cnt = None if folds.count is None else folds.count[:, :, reads].reshape(B * H, n, R)
+        target, probs = folds.target, folds.probs
+        s_k, s_v, x_k, x_v = folds.s_k, folds.s_v, folds.x_k, folds.x_v
         # what memory_rows takes from outside its arguments: no tensor with gradient (the read's autograd node
         # holds the function, beyond the reach of the checkpoint's hooks)
-        target, probs = folds.target, folds.probs
 
         def memory_rows(chunks: list[int], s_k, s_v, tau, rho, *rest):
             """The memory rows ``(B H, K, R_K, D)`` of the group's chunks ``chunks`` (``R_K`` the largest of their
@@ -415,7 +471,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             return memory_rows([c], *shared)
         # the window keys each query may see (the memory rows are all visible: each chunk reads its own R_c rows)
         mask = shared_mask(win_mask(a, b)[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, L))  # a byte each
-        shared = (folds.s_k, folds.s_v, tau_s, folds.rho.reshape(B * H, 1, R), *ln_params, *folds.x_k, *folds.x_v)
+        shared = (s_k, s_v, tau_s, folds.rho.reshape(B * H, 1, R), *ln_params, *x_k, *x_v)
         if R <= L:  # a state no larger than the window: the group's rows at once (batched) cost little memory and
             # save the read a graph per chunk in backward (Python per chunk)
             mem_k, mem_v = memory_rows(list(range(n)), *shared)
@@ -430,9 +486,10 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
                                         D ** -0.5, reuse, rows=made, shared=shared, n_rows=rows[a:b])
         if out_proj is not None:
             o = out_proj(group_tokens(a, b, o).transpose(1, 2).flatten(2))
+        if not exit_state:
+            return (o,)
         # squeeze, not [:, :, 0]: a select's backward would copy the incoming gradient into a fresh zero tensor
-        last_k, last_v = (_apply_folds(s0, x, [nf], R, folds.target, folds.probs).squeeze(2)
-                          for s0, x in ((folds.s_k, folds.x_k), (folds.s_v, folds.x_v)))
+        last_k, last_v = (_apply_folds(s0, x, [nf], R, target, probs).squeeze(2) for s0, x in ((s_k, x_k), (s_v, x_v)))
         return o, last_k, last_v, folds.rho, None if folds.count is None else folds.count[:, :, -1].clone()
 
     carry = (state.s_k, state.s_v.to(state.s_k.dtype), state.rho, state.count)
@@ -440,17 +497,28 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     outs = []
     # each group's tokens: one split, not slices (a slice's backward is a full-length zero gradient per group)
     q_tokens = [end - start for start, end in (token_span(a, b) for a, b in groups)]
+    # lean: blocks of about sqrt(groups / 2) groups share one anchor, the state entering the block, from which each
+    # group makes its entering state again (refold: its folds since the anchor, a few row additions): autograd keeps
+    # one state per block instead of one per group (a power-law state at 16k: 40 MiB of states a layer; issue #17).
+    # Larger blocks keep fewer states but make more folds again, and in backward give the folds' key and value
+    # blocks their gradients earlier (they live until backward ends); sqrt(groups / 2) measured best for the
+    # one-layer peak at 4k-16k (docs/results/efficiency_cpu/session14)
+    per_block = max(1, round(math.sqrt(len(groups) / 2))) if lean and spec.routing == "hard" else 1
     for i, ((a, b), q_piece) in enumerate(zip(groups, q.split(q_tokens, dim=2))):
         wk, wv = (pieces_k[a:b + nb - 1], pieces_v[a:b + nb - 1]) if n_q > 1 else (pieces_k, pieces_v)
-        fs = slice(first[i], first[i] + n_f[i])
-        # lean: recomputed in backward from the state entering the group: autograd keeps no snapshot, memory row or
-        # key list, only each group's inputs (issue #17); the recomputation reuses the read's output (`reuse`)
-        args = (a, b, first[i], len(wk), {} if lean else None, q_piece, g_folds[i], *carry, *wk, *wv, *fold_k[fs],
-                *fold_v[fs])
+        j0 = i - i % per_block  # the block's first group, whose entering state is the anchor (`carry`)
+        exit_state = i % per_block == per_block - 1 or i == len(groups) - 1
+        fs = slice(first[j0], first[i] + n_f[i])
+        # lean: recomputed in backward from the anchor: autograd keeps no snapshot, memory row or key list, only
+        # each group's inputs (issue #17); the recomputation reuses the read's output (`reuse`)
+        args = (a, b, first[j0], first[i] - first[j0], len(wk), exit_state, {} if lean else None, q_piece,
+                tuple(g_folds[j0:i + 1]), *carry, *wk, *wv, *fold_k[fs], *fold_v[fs])
         if lean:
-            o, *carry = torch.utils.checkpoint.checkpoint(group, *args, use_reentrant=False)
+            o, *out = torch.utils.checkpoint.checkpoint(group, *args, use_reentrant=False)
         else:
-            o, *carry = group(*args)
+            o, *out = group(*args)
+        if exit_state:
+            carry = out
         outs.append(o)
     o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     if out_proj is None:

@@ -1,0 +1,98 @@
+"""A state made again from an earlier one and the folds between, keeping no fold's additions for backward.
+
+In training, :func:`mixerzoo_kvm.packed.kvm_packed` recomputes each group of query chunks in backward from the
+state entering it (``checkpoint_chunks``), so autograd keeps that state for every group: for a power-law state
+(KVM-sqrt) about 40 MiB a layer at 16k tokens, more than the rest of the layer keeps (issue #17). Groups in a
+block instead share one anchor, the state entering the block, and each group makes its entering state again from
+the anchor and the folds between (:func:`refold`): a few cheap row additions, in forward and in the group's
+recomputation.
+
+Written with plain autograd, the folds' memory keys and gated additions of all those folds would live at once
+in the recomputed group (several MiB); :class:`_Refold` makes one fold's additions at a time, without a graph in
+forward, and in backward makes each again with a small graph of its own, takes the incoming gradient of its rows
+back through it, and lets it go (the pattern of :class:`mixerzoo_kvm.lean_attention.ChunkRows`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["refold", "refold_reference"]
+
+
+class _Refold(torch.autograd.Function):
+    """See :func:`refold`. Keeps only ``inputs`` (the folds' sources, views of tensors autograd keeps anyway)."""
+
+    @staticmethod
+    def forward(ctx, s0_k: torch.Tensor, s0_v: torch.Tensor, make: Callable, rows: list[torch.Tensor], m: int,
+                *inputs: torch.Tensor):
+        B, H, m0, D = s0_k.shape
+        outs = []
+        for s0 in (s0_k, s0_v):
+            out = s0.new_zeros(B, H, m, D)
+            out[:, :, :m0] = s0
+            outs.append(out)
+        with torch.no_grad():
+            for f, r in enumerate(rows):
+                for out, x in zip(outs, make(f, *inputs)):
+                    out.view(-1, D).index_add_(0, r, x.reshape(-1, D).to(out.dtype))
+        ctx.save_for_backward(*inputs)
+        ctx.make, ctx.rows, ctx.m0 = make, rows, m0
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, g_k: torch.Tensor | None, g_v: torch.Tensor | None):
+        inputs = ctx.saved_tensors
+        wants = ctx.needs_input_grad[5:]
+        leaves = [t.detach().requires_grad_(w) for t, w in zip(inputs, wants)]
+        wanted = [leaf for leaf, w in zip(leaves, wants) if w]
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
+        flat = [None if g is None else g.reshape(-1, g.shape[-1]) for g in (g_k, g_v)]
+        for f, r in enumerate(ctx.rows):
+            if not wanted:
+                break
+            with torch.enable_grad():
+                made = ctx.make(f, *leaves)
+            pairs = [(x, g.index_select(0, r).view(x.shape).to(x.dtype)) for x, g in zip(made, flat)
+                     if g is not None and x.requires_grad]
+            if not pairs:
+                continue
+            got = iter(torch.autograd.grad([x for x, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+            for i, w in enumerate(wants):
+                if w and (g := next(got)) is not None:
+                    grads[i] = g if grads[i] is None else grads[i] + g
+            del made, pairs
+        m0 = ctx.m0
+        g_s0 = [None if g is None else g[:, :, :m0] for g in (g_k, g_v)]
+        return (*g_s0, None, None, None, *grads)
+
+
+def refold(s0_k: torch.Tensor, s0_v: torch.Tensor, make: Callable, rows: list[torch.Tensor], m: int,
+           inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state after ``F`` folds: ``s0_k, s0_v (B, H, m0, D)`` zero-padded to ``m`` rows, plus for each fold
+    ``f`` what its tokens add, ``make(f, *inputs) -> (x_k, x_v)`` each ``(B, H, C, D)``, token ``i`` into the
+    flat row ``rows[f][b H C + h C + i]`` of the ``(B H m, D)`` state (winner-take-all routing; paper section 4,
+    "Merge" and "Append"). ``make`` must be a pure function of its arguments; ``inputs`` get gradients.
+
+    Same value and gradients as :func:`refold_reference` (plain autograd), which keeps every fold's additions
+    for backward; this keeps none (module docstring).
+
+    Returns:
+        ``(s_k, s_v)``, each ``(B, H, m, D)`` in ``s0``'s dtype.
+    """
+    return _Refold.apply(s0_k, s0_v, make, list(rows), m, *inputs)
+
+
+def refold_reference(s0_k: torch.Tensor, s0_v: torch.Tensor, make: Callable, rows: list[torch.Tensor], m: int,
+                     inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The readable form of :func:`refold`, in plain autograd."""
+    B, H, m0, D = s0_k.shape
+    outs = []
+    for j, s0 in enumerate((s0_k, s0_v)):
+        s = torch.nn.functional.pad(s0, (0, 0, 0, m - m0)).reshape(-1, D)
+        for f, r in enumerate(rows):
+            s = s.index_add(0, r, make(f, *inputs)[j].reshape(-1, D).to(s.dtype))
+        outs.append(s.view(B, H, m, D))
+    return outs[0], outs[1]
