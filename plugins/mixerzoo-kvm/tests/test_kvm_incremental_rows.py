@@ -35,11 +35,16 @@ def _group(g: torch.Generator):
     shared[2].requires_grad_(True)
     shared[3].requires_grad_(True)
 
+    def make(f, *x):
+        """What fold f adds, from the sources x (a nonlinear map, so that its backward is exercised)."""
+        return torch.tanh(x[f]), 1.5 * x[4 + f]
+
     def rows(c, s_k, s_v, tau, rho, w, b, *x):
         """Chunk c's rows, plainly: its snapshot by out-of-place scatter_add, then LN_s * tau and the readout."""
         R = n_rows[c]
         snaps = []
-        for s0, xs in ((s_k, x[:4]), (s_v, x[4:])):
+        made = [make(f, *x) for f in range(4)]
+        for s0, xs in ((s_k, [k for k, _ in made]), (s_v, [v for _, v in made])):
             s = F.pad(s0, (0, 0, 0, R - m))
             for f in range(reads[c]):
                 s = s.scatter_add(2, target[:, :, f * C:(f + 1) * C, None].expand(-1, -1, -1, D), xs[f])
@@ -47,13 +52,13 @@ def _group(g: torch.Generator):
         return (F.layer_norm(snaps[0], (D,), w, b, 1e-5) * tau,
                 read_values(snaps[1], rho[..., :R], None, "radius", 1e-6))
 
-    return rows, target, reads, n_rows, shared
+    return rows, make, target, reads, n_rows, shared
 
 
 @pytest.mark.parametrize("pre_rope", [False, True], ids=["paper", "pre_rope"])
 def test_incremental_rows_equal_the_plain_statement(pre_rope):
     g = torch.Generator().manual_seed(0)
-    rows, target, reads, n_rows, shared = _group(g)
+    rows, make, target, reads, n_rows, shared = _group(g)
     N, n, C, Lq, D = 4, 5, 3, 3, 4
     E = 2 * D if pre_rope else D
     L = 2 * C
@@ -61,7 +66,7 @@ def test_incremental_rows_equal_the_plain_statement(pre_rope):
     q, grid_k, grid_v, tau = leaf(N, n, Lq, E), leaf(N, (n - 1) * C + L, D), leaf(N, (n - 1) * C + L, D), leaf(N)
     mask = additive_mask(torch.rand(n, Lq, L, generator=g) > 0.3, torch.float32)
     args = (q, grid_k, grid_v, tau, None, None, mask, L, C, pre_rope, D ** -0.5)
-    by_fold = IncrementalRows(rows, target, reads, n_rows, 1e-5, 1e-6)
+    by_fold = IncrementalRows(rows, target, reads, n_rows, 1e-5, 1e-6, make)
     outs = [memory_window_attention(*args, rows=by_fold, shared=shared, n_rows=n_rows),
             memory_window_attention(*args, rows=rows, shared=shared, n_rows=n_rows),
             memory_window_attention_reference(*args, rows=rows, shared=shared, n_rows=n_rows)]

@@ -37,10 +37,12 @@ __all__ = ["IncrementalRows"]
 
 class IncrementalRows(ChunkRows):
     """A group's memory rows, made incrementally (module docstring), for ``shared = (s_k, s_v, tau, rho, weight,
-    bias, *x_k, *x_v)``: the entering state ``s_k, s_v (B, H, m, D)``, ``tau (B H, 1, 1, 1)`` the state keys'
-    inverse temperature, ``rho (B H, 1, R)`` the rows' value radii, ``LN_s``'s weight and bias ``(D,)``, and what
-    each of the group's ``F`` folds adds, ``x_k[f], x_v[f] (B, H, C, D)``, token ``i`` into row
-    ``target[:, :, f C + i]``.
+    bias, *sources)``: the entering state ``s_k, s_v (B, H, m, D)``, ``tau (B H, 1, 1, 1)`` the state keys'
+    inverse temperature, ``rho (B H, 1, R)`` the rows' value radii, ``LN_s``'s weight and bias ``(D,)``, and the
+    tensors the group's ``F`` folds are made from: ``make(f, *sources) -> (x_k, x_v)``, each ``(B, H, C, D)``, is
+    what fold ``f`` adds, token ``i`` into row ``target[:, :, f C + i]``. The additions are made when a fold is
+    applied and let go (none kept); backward makes each again with a small graph to take its gradient to
+    ``sources``.
 
     Args:
         rows: the plain statement, ``rows(c, *shared) -> (mem_k, mem_v)`` each ``(B H, 1, n_rows[c], D)`` (the
@@ -49,12 +51,14 @@ class IncrementalRows(ChunkRows):
         reads: the folds before each chunk's snapshot (nondecreasing; the last chunk reads all ``F``).
         n_rows: each chunk's rows.
         ln_eps: ``LN_s``'s epsilon; eps: the readout's floor of the norm (``eps_norm``).
+        make: the folds' additions from ``sources``; a pure function of its arguments.
     """
 
     def __init__(self, rows: Callable, target: torch.Tensor | None, reads: list[int], n_rows: list[int], ln_eps: float,
-                 eps: float) -> None:
+                 eps: float, make: Callable) -> None:
         super().__init__(rows)
         self.target, self.reads, self.n_rows, self.ln_eps, self.eps = target, reads, n_rows, ln_eps, eps
+        self.make = make
 
     def start(self, shared: tuple, wants: list[bool] | None) -> "_IncrementalPass":
         return _IncrementalPass(self, shared, wants)
@@ -65,11 +69,11 @@ class _IncrementalPass:
     ``n R + r``."""
 
     def __init__(self, spec: IncrementalRows, shared: tuple, wants: list[bool] | None) -> None:
-        s_k, s_v, tau, rho, self.weight, self.bias, *x = self.shared = shared
+        s_k, s_v, tau, rho, self.weight, self.bias, *self.sources = self.shared = shared
         B, H, m, D = s_k.shape
-        N, R, self.n_folds = B * H, max(spec.n_rows), len(x) // 2
+        N, R = B * H, max(spec.n_rows)
+        self.n_folds = spec.reads[-1]  # the last chunk reads every fold
         self.spec, self.wants, self.shape, self.R, self.D = spec, wants, (B, H, m, D), R, D
-        self.x = x
         self.tau, self.rho = tau.reshape(N), rho.reshape(N * R)
         self.S = []  # the running snapshot's keys and values (N R, D)
         for s in (s_k, s_v):
@@ -78,7 +82,7 @@ class _IncrementalPass:
             self.S.append(run.view(N * R, D))
         self.M = None  # the read's buffers for the rows (normalised keys, read-out values), from the first write
         heads = torch.arange(N, device=s_k.device)[:, None] * R
-        C = x[0].shape[2] if x else 0
+        C = spec.target.shape[2] // self.n_folds if self.n_folds else 0
         self.fold_rows = [(spec.target[:, :, f * C:(f + 1) * C].reshape(N, C) + heads).reshape(-1)
                           for f in range(self.n_folds)]  # (no target without folds)
         self.applied = 0
@@ -142,8 +146,11 @@ class _IncrementalPass:
         if self.wants is not None:
             self._flush(u)
             self.before[f] = [t[rows] for t in self.T]
-        for s, x in zip(self.S, (self.x[f], self.x[self.n_folds + f])):
-            s.index_add_(0, rows, x.reshape(-1, self.D))
+        with torch.no_grad():
+            made = self.spec.make(f, *self.sources)
+        for s, x in zip(self.S, made):
+            s.index_add_(0, rows, x.reshape(-1, self.D).to(s.dtype))
+        del made
         self._make_rows(u)
 
     def write(self, c: int, out_k: torch.Tensor, out_v: torch.Tensor, R_c: int) -> None:
@@ -169,10 +176,27 @@ class _IncrementalPass:
             self._flush(block)
         self.S = self.G = None
         T = [t.view(B * H, self.R, D) for t in self.T]
-        g_x = [[(t[rows] - before[i]).view(B, H, -1, D) for rows, before in zip(self.fold_rows, self.before)]
-               for i, t in enumerate(self.T)]
+        # each fold's additions made again with a graph, and their gradient (T at the fold's rows now, less what it
+        # held when the fold was applied) taken to the sources, one fold at a time
+        wants = self.wants[6:]
+        leaves = [t.detach().requires_grad_(w) for t, w in zip(self.sources, wants)]
+        wanted = [leaf for leaf, w in zip(leaves, wants) if w]
+        g_sources: list[torch.Tensor | None] = [None] * len(leaves)
+        for f, (rows, before) in enumerate(zip(self.fold_rows, self.before)):
+            if not wanted:
+                break
+            with torch.enable_grad():
+                made = self.spec.make(f, *leaves)
+            pairs = [(x, (t[rows] - b).view(x.shape).to(x.dtype)) for x, t, b in zip(made, self.T, before)
+                     if x.requires_grad]
+            got = iter(torch.autograd.grad([x for x, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                       if pairs else [None] * len(wanted))
+            for i, w in enumerate(wants):
+                if w and (g := next(got)) is not None:
+                    g_sources[i] = g if g_sources[i] is None else g_sources[i] + g
+            del made, pairs
         # copies of the entering rows: a view would keep all R rows of T alive as long as autograd holds them
         grads = [T[0][:, :m].reshape(B, H, m, D).clone(), T[1][:, :m].reshape(B, H, m, D).clone(),
-                 self.g_tau.view(-1, 1, 1, 1),
-                 self.g_rho.view(B * H, 1, self.R), *self.g_ln, *g_x[0], *g_x[1]]
-        return [g.to(t.dtype) if w else None for g, t, w in zip(grads, self.shared, self.wants)]
+                 self.g_tau.view(-1, 1, 1, 1), self.g_rho.view(B * H, 1, self.R), *self.g_ln]
+        return [None if g is None or not w else g.to(t.dtype)
+                for g, t, w in zip([*grads, *g_sources], self.shared, self.wants)]

@@ -25,9 +25,8 @@ decoding uses :func:`kvm_step`, which needs no mask at all.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -73,25 +72,6 @@ def _route_all(spec: KVMSpec, params: KVMParams, s_k0: torch.Tensor, kbar: torch
                 buf[:, :, :m_new] += route.probs.transpose(-1, -2).to(src.dtype) @ src
         routes.append(route)
     return routes
-
-
-class _GroupFolds(NamedTuple):
-    """What a group's snapshots are made of: ``s_k, s_v (B, H, m, D)`` the state entering the group; ``x_k, x_v``
-    what each of its ``F`` folds adds (gated where the rule gates), a ``(B, H, C, D)`` tensor per fold (so that a
-    chunk's snapshot has gradients for the folds it reads only, not a zero-padded gradient of all of them);
-    ``target (B, H, F C)`` the row each fold token goes to (winner-take-all routing) or ``probs``, a ``(B, H, C,
-    m_f)`` weight per fold (soft routing, an ablation); ``rho (B, H, R)`` the radii and ``count (B, H, F + 1, R)``
-    the token counts after each fold (entry 0 entering; no gradient) or None, with ``R`` the rows after the last
-    fold."""
-
-    s_k: torch.Tensor
-    s_v: torch.Tensor
-    x_k: tuple[torch.Tensor, ...]
-    x_v: tuple[torch.Tensor, ...]
-    target: torch.Tensor | None
-    probs: list[torch.Tensor] | None
-    rho: torch.Tensor
-    count: torch.Tensor | None
 
 
 class _FoldSnapshots(torch.autograd.Function):
@@ -199,28 +179,9 @@ def _counts(count: torch.Tensor, routes: list[Routing], sizes: list[int]) -> tor
     return torch.cat([c0, c0 + torch.stack(per_fold, dim=2).cumsum(dim=2)], dim=2) if routes else c0
 
 
-def _group_folds(spec: KVMSpec, state: KVMState, kbar: torch.Tensor, v_o: torch.Tensor, g: torch.Tensor | None,
-                 routes: list[Routing], sizes: list[int]) -> _GroupFolds:
-    """A group's :class:`_GroupFolds` from the state entering it and its ``F`` folds: overflow keys ``kbar`` and
-    values ``v_o (B, H, F, C, D)``, gates ``g (B, H, F, C)`` or None, their routing, ``sizes[f]`` rows before
-    fold ``f`` (``sizes[F]`` after the last)."""
-    n_folds = kbar.shape[2]
-    s_v = state.s_v.to(state.s_k.dtype)
-    probs = None
-    if spec.routing != "hard":
-        probs = [r.probs if r.probs is not None else F.one_hot(r.target, sizes[f + 1]).float()
-                 for f, r in enumerate(routes)]
-    if n_folds == 0:
-        return _GroupFolds(state.s_k, s_v, (), (), None, probs, state.rho,
-                           None if state.count is None else state.count[:, :, None])
-    appended = torch.stack([r.appended for r in routes], dim=2)  # (B, H, F, C)
-    initial = torch.tensor([s == 0 for s in sizes[:-1]], device=kbar.device)[:, None]  # folds that initialise
-    xs = _gated(spec, kbar, v_o, g, appended, initial)
-    target = torch.cat([r.target for r in routes], dim=2) if probs is None else None  # (B, H, F C)
-    # unbind, not norms[:, :, f]: each index's backward would be a zero tensor of all the folds' norms
-    rho = _radii(state.rho, v_o.float().norm(dim=-1).unbind(2), routes)
-    count = None if state.count is None else _counts(state.count, routes, sizes)
-    return _GroupFolds(state.s_k, s_v, xs[0].unbind(2), xs[1].unbind(2), target, probs, rho, count)
+def _given_folds(f: int, *x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``make`` of folds whose additions are given: ``x = (*x_k, *x_v)``, fold ``f``'s ``(x_k[f], x_v[f])``."""
+    return x[f], x[len(x) // 2 + f]
 
 
 def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) -> list[tuple[int, int]]:
@@ -396,32 +357,46 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         fold_k, fold_v = blocks_k[f_0:f_0 + n_folds], blocks_v[f_0:f_0 + n_folds]
     g_folds = g_o.split(n_f, dim=2) if g_o is not None else [None] * len(groups)
 
-    def pre_folds(f0: int, n_pre: int, g_pieces: tuple, s_k, s_v, rho, count, k_blocks, v_blocks):
-        """The state after folds ``f0 .. f0 + n_pre - 1`` from the state before them (``s_k, s_v, rho, count``):
-        the rows by :func:`mixerzoo_kvm.refold.refold` (one fold's additions at a time, none kept), the radii and
-        counts as :func:`_group_folds` makes them. ``k_blocks, v_blocks``: the folds' key and value blocks ``(B H,
-        C, D)``; ``g_pieces``: their gates, pieces to join (or Nones)."""
-        m = sizes[f0 + n_pre]
-        pre_routes, pre_sizes = routes[f0:f0 + n_pre], sizes[f0:f0 + n_pre + 1]
+    def fold_sources(f0: int, g_pieces: tuple, k_blocks: tuple, v_blocks: tuple) -> tuple[Callable, tuple]:
+        """Folds ``f0 .. f0 + n - 1`` (``n = len(k_blocks)``) as ``(make, sources)``: ``make(f, *sources) -> (x_k,
+        x_v)``, each ``(B, H, C, D)``, what fold ``f0 + f``'s tokens add to their rows (``_gated`` memory keys and
+        values), made on demand from ``sources`` = the folds' key and value blocks ``(B H, C, D)``, their gates
+        (``g_pieces`` joined; none without gates) and ``LN_s``'s parameters. ``make`` reads no tensor with
+        gradient from outside its arguments (autograd nodes hold it, beyond the reach of the checkpoint's hooks),
+        so that :func:`mixerzoo_kvm.refold.refold` and :class:`IncrementalRows` need not keep the additions."""
+        n = len(k_blocks)
         gated = g_pieces[0] is not None
-        heads = torch.arange(B * H, device=dev).view(B, H, 1) * m
-        flat_rows = [(r.target + heads).reshape(-1) for r in pre_routes]
+        fold_routes, fold_sizes = routes[f0:f0 + n], sizes[f0:f0 + n]
 
-        def make(f: int, *inputs):
-            """Fold ``f``'s additions from ``inputs`` = its sources (``k_blocks, v_blocks``, the gates, ``LN_s``'s
-            parameters): no tensor from outside its arguments (the autograd node holds this function)."""
-            kb, vb = inputs[f].view(B, H, C, D), inputs[n_pre + f].view(B, H, C, D)
-            rest = inputs[2 * n_pre:]
+        def make(f: int, *sources):
+            kb, vb = sources[f].view(B, H, C, D), sources[n + f].view(B, H, C, D)
+            rest = sources[2 * n:]
             g_fold, ln = (rest[0][:, :, f], rest[1:]) if gated else (None, rest)
             kbar = memory_keys(kb, spec.rotary_dim, lambda t: ln_s_with(t, *ln),
                                o_pos[(f0 + f) * C:(f0 + f + 1) * C], spec.unrotate)
-            initial = torch.tensor(pre_sizes[f] == 0, device=dev)
-            return _gated(spec, kbar, vb, g_fold, pre_routes[f].appended, initial)
+            initial = torch.tensor(fold_sizes[f] == 0, device=dev)  # a fold that initialises is never gated
+            return _gated(spec, kbar, vb, g_fold, fold_routes[f].appended, initial)
         gates = (torch.cat(g_pieces, dim=2),) if gated else ()
-        s_k, s_v = refold(s_k, s_v, make, flat_rows, m, (*k_blocks, *v_blocks, *gates, *ln_params))
-        rho = _radii(rho, [vb.view(B, H, C, D).float().norm(dim=-1) for vb in v_blocks], pre_routes)
-        count = None if count is None else _counts(count, pre_routes, pre_sizes)[:, :, -1]
-        return s_k, s_v, rho, count
+        return make, (*k_blocks, *v_blocks, *gates, *ln_params)
+
+    def rows_after(f0: int, n: int, make: Callable, sources: tuple, s_k, s_v, R: int):
+        """The state's rows ``s_k, s_v (B, H, R, D)`` after folds ``f0 .. f0 + n - 1`` (:func:`fold_sources`) from
+        the rows before them: by :func:`mixerzoo_kvm.refold.refold` (winner-take-all routing: one fold's additions
+        at a time, none kept), in plain autograd with soft routing (an ablation)."""
+        fold_routes = routes[f0:f0 + n]
+        if spec.routing == "hard":
+            heads = torch.arange(B * H, device=dev).view(B, H, 1) * R
+            return refold(s_k, s_v, make, [(r.target + heads).reshape(-1) for r in fold_routes], R, sources)
+        probs = [r.probs if r.probs is not None else F.one_hot(r.target, sizes[f0 + f + 1]).float()
+                 for f, r in enumerate(fold_routes)]
+        x_k, x_v = zip(*[make(f, *sources) for f in range(n)]) if n else ((), ())
+        # squeeze, not [:, :, 0]: a select's backward would copy the incoming gradient into a fresh zero tensor
+        return tuple(_apply_folds(s0, x, [n], R, None, probs).squeeze(2) for s0, x in ((s_k, x_k), (s_v, x_v)))
+
+    def radii(rho: torch.Tensor, f0: int, v_blocks: tuple) -> torch.Tensor:
+        """The rows' value radii after folds ``f0 ..`` (:func:`_radii`) from their value blocks ``(B H, C, D)``."""
+        return _radii(rho, [vb.view(B, H, C, D).float().norm(dim=-1) for vb in v_blocks],
+                      routes[f0:f0 + len(v_blocks)])
 
     def group(a: int, b: int, f0: int, n_pre: int, n_win: int, exit_state: bool, reuse: dict | None, q_piece,
               g_f: tuple, s_k, s_v, rho, count, *pieces):
@@ -429,36 +404,48 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         snapshots from an anchor state (``s_k, s_v, rho, count``, snapshot ``f0``), the ``n_pre`` folds between
         it and the group (which make the state entering the group) and the group's own folds, then their
         attention. ``pieces``: the window's key blocks, its value blocks (``n_win`` each), then the folds' key and
-        value blocks ``(B H, C, D)`` from fold ``f0`` on; ``g_f``: their gates, pieces to join (or None);
-        ``reuse`` see :func:`memory_window_attention`. Returns the output, and with ``exit_state`` the state
-        after the group."""
+        value blocks ``(B H, C, D)`` from fold ``f0`` on; ``g_f``: their gates, a piece per group from the
+        anchor's on (or Nones); ``reuse`` see :func:`memory_window_attention`. Returns the output, and with
+        ``exit_state`` the state after the group."""
         q_g = group_queries(a, b, q_piece)
         win, fold_blocks = pieces[:2 * n_win], pieces[2 * n_win:]
         n_all, n, R = len(fold_blocks) // 2, b - a, max(rows[a:b])
         if n_pre:  # the state entering the group, from the anchor and the folds between (refold: autograd keeps one
             # state per block of groups, not one per group; issue #17)
-            s_k, s_v, rho, count = pre_folds(f0, n_pre, g_f[:-1], s_k, s_v, rho, count, fold_blocks[:n_pre],
-                                             fold_blocks[n_all:n_all + n_pre])
+            make, sources = fold_sources(f0, g_f[:-1], fold_blocks[:n_pre], fold_blocks[n_all:n_all + n_pre])
+            s_k, s_v = rows_after(f0, n_pre, make, sources, s_k, s_v, sizes[f0 + n_pre])
+            rho = radii(rho, f0, fold_blocks[n_all:n_all + n_pre])
+            count = None if count is None else _counts(count, routes[f0:f0 + n_pre],
+                                                       sizes[f0:f0 + n_pre + 1])[:, :, -1].clone()
             f0, fold_blocks = f0 + n_pre, fold_blocks[n_pre:n_all] + fold_blocks[n_all + n_pre:]
         nf = n_all - n_pre  # the group's own folds
-        k_f, v_f = ((torch.stack(t, dim=1) if t else q_g.new_empty(B * H, 0, C, D)).view(B, H, nf, C, D)
-                    for t in (fold_blocks[:nf], fold_blocks[nf:]))
-        kbar = memory_keys(k_f.reshape(B, H, nf * C, D), spec.rotary_dim, params.ln_s,
-                           o_pos[f0 * C:(f0 + nf) * C], spec.unrotate).view(B, H, nf, C, D)
-        entering = dataclasses.replace(state, s_k=s_k, s_v=s_v, rho=rho, count=count)
-        folds = _group_folds(spec, entering, kbar, v_f, g_f[-1], routes[f0:f0 + nf], sizes[f0:f0 + nf + 1])
+        make, sources = fold_sources(f0, g_f[-1:], fold_blocks[:nf], fold_blocks[nf:])
+        final = exit_state and b == n_q
+        if final:
+            # the call's final state: its backward runs only when the loss uses it, so a node of its own keeping a
+            # view of the keys or values (a refold, the gated values' product) would keep all of them alive to the
+            # end of backward; its folds' additions are made once, in plain autograd, and shared with the read,
+            # whose backward always runs
+            made = [make(f, *sources) for f in range(nf)]
+            sources = (*[x for x, _ in made], *[x for _, x in made])
+            make = _given_folds
+        own_routes, own_sizes = routes[f0:f0 + nf], sizes[f0:f0 + nf + 1]
+        target = torch.cat([r.target for r in own_routes], dim=2) if spec.routing == "hard" and nf else None
+        probs = None if spec.routing == "hard" else [r.probs if r.probs is not None else F.one_hot(
+            r.target, own_sizes[f + 1]).float() for f, r in enumerate(own_routes)]
+        rho_all = radii(rho, f0, fold_blocks[nf:])  # one node for the read and the state after the group
+        counts = None if count is None else _counts(count, own_routes, own_sizes)
         reads = [entry[i] - f0 for i in range(a, b)]  # folds of this group before each chunk's snapshot
-        cnt = None if folds.count is None else folds.count[:, :, reads].reshape(B * H, n, R)
-        target, probs = folds.target, folds.probs
-        s_k, s_v, x_k, x_v = folds.s_k, folds.s_v, folds.x_k, folds.x_v
-        # what memory_rows takes from outside its arguments: no tensor with gradient (the read's autograd node
-        # holds the function, beyond the reach of the checkpoint's hooks)
+        cnt = None if counts is None else counts[:, :, reads].reshape(B * H, n, R)
+        n_ln = len(ln_params)
 
         def memory_rows(chunks: list[int], s_k, s_v, tau, rho, *rest):
             """The memory rows ``(B H, K, R_K, D)`` of the group's chunks ``chunks`` (``R_K`` the largest of their
             states' rows): their snapshots (the entering state and the group's folds before each chunk), then
-            ``tau_state * LN_s(s_k)`` and the value readout."""
-            ln, x_k, x_v = rest[:len(ln_params)], rest[len(ln_params):len(ln_params) + nf], rest[len(ln_params) + nf:]
+            ``tau_state * LN_s(s_k)`` and the value readout. ``rest``: ``LN_s``'s parameters, then the folds'
+            sources (:func:`fold_sources`). Plain autograd."""
+            ln, fold_in = rest[:n_ln], rest[n_ln:]
+            x_k, x_v = zip(*[make(f, *fold_in) for f in range(nf)]) if nf else ((), ())
             R_K, K = max(rows[a + c] for c in chunks), len(chunks)
             snap_k, snap_v = (_apply_folds(s0, x, [reads[c] for c in chunks], R_K, target, probs).view(
                 B * H, K, R_K, D) for s0, x in ((s_k, x_k), (s_v, x_v)))
@@ -471,7 +458,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             return memory_rows([c], *shared)
         # the window keys each query may see (the memory rows are all visible: each chunk reads its own R_c rows)
         mask = shared_mask(win_mask(a, b)[:, None].expand(-1, G, -1, -1).reshape(n, G * Cq, L))  # a byte each
-        shared = (s_k, s_v, tau_s, folds.rho.reshape(B * H, 1, R), *ln_params, *x_k, *x_v)
+        shared = (s_k, s_v, tau_s, rho_all.reshape(B * H, 1, R), *ln_params, *sources)
         if R <= L:  # a state no larger than the window: the group's rows at once (batched) cost little memory and
             # save the read a graph per chunk in backward (Python per chunk)
             mem_k, mem_v = memory_rows(list(range(n)), *shared)
@@ -480,17 +467,20 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         else:
             # only the rows each fold changes are made again (incremental_rows), where the configuration allows
             by_fold = incremental and probs is None
-            made = IncrementalRows(chunk_rows, target, reads, rows[a:b], params.ln_s.eps, spec.eps) if by_fold \
-                else chunk_rows
+            made = IncrementalRows(chunk_rows, target, reads, rows[a:b], params.ln_s.eps, spec.eps, make) \
+                if by_fold else chunk_rows
             o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, None, None, mask, L, C, two,
                                         D ** -0.5, reuse, rows=made, shared=shared, n_rows=rows[a:b])
         if out_proj is not None:
             o = out_proj(group_tokens(a, b, o).transpose(1, 2).flatten(2))
         if not exit_state:
             return (o,)
-        # squeeze, not [:, :, 0]: a select's backward would copy the incoming gradient into a fresh zero tensor
-        last_k, last_v = (_apply_folds(s0, x, [nf], R, target, probs).squeeze(2) for s0, x in ((s_k, x_k), (s_v, x_v)))
-        return o, last_k, last_v, folds.rho, None if folds.count is None else folds.count[:, :, -1].clone()
+        if final:
+            last_k, last_v = (_apply_folds(s0, x, [nf], R, target, probs).squeeze(2)
+                              for s0, x in ((s_k, sources[:nf]), (s_v, sources[nf:])))
+        else:
+            last_k, last_v = rows_after(f0, nf, make, sources, s_k, s_v, R)
+        return o, last_k, last_v, rho_all, None if counts is None else counts[:, :, -1].clone()
 
     carry = (state.s_k, state.s_v.to(state.s_k.dtype), state.rho, state.count)
     lean = spec.checkpoint_chunks > 0 and training((q, KP, VP))

@@ -64,8 +64,10 @@ class _Refold(torch.autograd.Function):
                 if w and (g := next(got)) is not None:
                     grads[i] = g if grads[i] is None else grads[i] + g
             del made, pairs
+        # a copy of the anchor's rows, not a view: the view would keep all m rows alive until the anchor's own
+        # backward, after every group of its block
         m0 = ctx.m0
-        g_s0 = [None if g is None else g[:, :, :m0] for g in (g_k, g_v)]
+        g_s0 = [None if g is None else g[:, :, :m0].clone() if m0 < g.shape[2] else g for g in (g_k, g_v)]
         return (*g_s0, None, None, None, *grads)
 
 
