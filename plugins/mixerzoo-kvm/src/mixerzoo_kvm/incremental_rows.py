@@ -14,9 +14,11 @@ tokens has ~2,900 rows against a 256-token chunk; issue #17).
 Backward, chunk by chunk in the same order: the row gradients of the chunks that read a row while it did not
 change are summed (``G``), and taken through ``LN_s`` and the readout once per such stretch, at the values of the
 stretch (both backward maps are linear in the incoming gradient), when a fold is about to change the row or at the
-end. What a stretch gives the pre-normalisation row is summed into ``T``: at the end ``T`` is the gradient of the
-entering state's rows, and a fold token's gradient is ``T`` at its row minus what ``T`` held there when the fold
-was applied (the stretches after it). Equal to the plain statement up to float rounding (tested against it).
+end. What a stretch gives the pre-normalisation row is kept with the fold that ends it; at the end these are
+summed backwards over the folds: a fold token's gradient is the sum of the stretches of its row after its fold,
+the entering state's rows get all of them (a difference of running totals instead cancels catastrophically where
+an early stretch's gradient is large, as at the readout's norm floor). The folds' additions are made on demand
+(``make``), none kept. Equal to the plain statement up to float rounding (tested against it).
 
 Only for the common configuration: winner-take-all routing, ``LN_s`` a ``torch.nn.LayerNorm`` with weight and
 bias, the ``radius`` value readout; other configurations use the plain statement.
@@ -39,10 +41,10 @@ class IncrementalRows(ChunkRows):
     """A group's memory rows, made incrementally (module docstring), for ``shared = (s_k, s_v, tau, rho, weight,
     bias, *sources)``: the entering state ``s_k, s_v (B, H, m, D)``, ``tau (B H, 1, 1, 1)`` the state keys'
     inverse temperature, ``rho (B H, 1, R)`` the rows' value radii, ``LN_s``'s weight and bias ``(D,)``, and the
-    tensors the group's ``F`` folds are made from: ``make(f, *sources) -> (x_k, x_v)``, each ``(B, H, C, D)``, is
-    what fold ``f`` adds, token ``i`` into row ``target[:, :, f C + i]``. The additions are made when a fold is
-    applied and let go (none kept); backward makes each again with a small graph to take its gradient to
-    ``sources``.
+    tensors the group's ``F`` folds are made from: ``make(lo, hi, *sources) -> (x_k, x_v)``, each ``(B, H, (hi -
+    lo) C, D)``, is what folds ``lo .. hi-1`` add, token ``i`` of fold ``f`` into row ``target[:, :, f C + i]``.
+    The additions are made when a fold is applied and let go (none kept); backward makes them again with a small
+    graph, once for all folds at the end, to take their gradient to ``sources``.
 
     Args:
         rows: the plain statement, ``rows(c, *shared) -> (mem_k, mem_v)`` each ``(B H, 1, n_rows[c], D)`` (the
@@ -62,6 +64,20 @@ class IncrementalRows(ChunkRows):
 
     def start(self, shared: tuple, wants: list[bool] | None) -> "_IncrementalPass":
         return _IncrementalPass(self, shared, wants)
+
+    def final_state(self, s_k: torch.Tensor, s_v: torch.Tensor, *rest: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state after all the group's folds, ``(B, H, R, D)`` each, in plain autograd from ``shared``: what a
+        forward pass's :meth:`_IncrementalPass.state` gives (the reference path's form of it)."""
+        B, H, m, D = s_k.shape
+        R, n_folds = max(self.n_rows), self.reads[-1]
+        if not n_folds:
+            return tuple(F.pad(s, (0, 0, 0, R - m)) for s in (s_k, s_v))
+        heads = torch.arange(B * H, device=s_k.device).view(B, H, 1) * R
+        rows = (self.target.view(B, H, n_folds, -1) + heads[..., None]).reshape(-1)
+        made = self.make(0, n_folds, *rest[4:])
+        return tuple(F.pad(s, (0, 0, 0, R - m)).reshape(-1, D).index_add(0, rows, x.reshape(-1, D).to(s.dtype))
+                     .view(B, H, R, D) for s, x in zip((s_k, s_v), made))
 
 
 class _IncrementalPass:
@@ -86,12 +102,18 @@ class _IncrementalPass:
         self.fold_rows = [(spec.target[:, :, f * C:(f + 1) * C].reshape(N, C) + heads).reshape(-1)
                           for f in range(self.n_folds)]  # (no target without folds)
         self.applied = 0
+        self.g_state = (None, None)  # the gradient of the state after the folds (add_state_grad)
+        # forward (no gradient; its transient memory is far below backward's): every fold's additions at once, fewer
+        # and larger operators; backward makes one fold's at a time (they would live through the read's backward)
+        self.made = None
+        if wants is None and self.n_folds:
+            with torch.no_grad():
+                self.made = spec.make(0, self.n_folds, *self.sources)
         if wants is not None:
-            # float32: row gradients summed since the row last changed, and the gradients of the rows before
-            # normalisation
+            # float32: row gradients summed since the row last changed
             self.G = [torch.zeros_like(s, dtype=torch.float32) for s in self.S]
-            self.T = [torch.zeros_like(s, dtype=torch.float32) for s in self.S]
-            self.before = [None] * self.n_folds  # T at each fold token's row when the fold was applied
+            # what the stretch that fold f ends gives its rows before normalisation: (rows, keys', values')
+            self.ended = [None] * self.n_folds
             self.g_tau = torch.zeros(N, dtype=torch.float32, device=s_k.device)
             self.g_rho = torch.zeros(N * R, dtype=torch.float32, device=s_k.device)
             self.g_ln = [torch.zeros_like(self.weight, dtype=torch.float32),
@@ -113,9 +135,10 @@ class _IncrementalPass:
         self.M[0][at] = (F.layer_norm(sk, (D,), self.weight, self.bias, self.spec.ln_eps) * tau).to(self.M[0].dtype)
         self.M[1][at] = read_values(sv, rho, None, "radius", self.spec.eps).to(self.M[1].dtype)
 
-    def _flush(self, u: torch.Tensor) -> None:
+    def _flush(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the summed row gradients of rows ``u`` (flat, distinct) through ``LN_s`` and the readout at the
-        rows' present values, into ``T`` and the parameters' gradients, and start their sums again."""
+        rows' present values, into the parameters' gradients, and start their sums again. Returns what the
+        stretch gives the rows before normalisation, keys' and values' ``(len(u), D)`` float32."""
         D, eps = self.D, self.spec.eps
         heads = u // self.R
         sk, gk = self.S[0][u].float(), self.G[0][u]  # in float32, as read_values and autocast's layer_norm
@@ -124,10 +147,9 @@ class _IncrementalPass:
         del out
         g_in, g_w, g_b = torch.ops.aten.native_layer_norm_backward(
             gk * self.tau[heads, None], sk, (D,), mean, rstd, self.weight, self.bias, [True, True, True])
-        self.T[0].index_add_(0, u, g_in)
         self.g_ln[0] += g_w
         self.g_ln[1] += g_b
-        del sk, gk, g_in
+        del sk, gk
         sv, gv = self.S[1][u].float(), self.G[1][u]
         norm = sv.norm(dim=-1)
         floor = norm.clamp_min(eps)
@@ -136,18 +158,22 @@ class _IncrementalPass:
         self.g_rho.index_add_(0, u, dot / floor)
         # d/ds of s rho / ||s|| = rho / ||s|| - rho s s^T / ||s||^3 (the second term only above the floor)
         along = torch.where(norm > eps, r * dot / (norm * norm * norm), torch.zeros_like(dot))
-        self.T[1].index_add_(0, u, gv * (r / floor)[:, None] - sv * along[:, None])
+        g_sv = gv * (r / floor)[:, None] - sv * along[:, None]
         for g in self.G:
             g[u] = 0
+        return g_in, g_sv
 
     def _fold(self, f: int) -> None:
         rows = self.fold_rows[f]
         u = torch.unique(rows)
         if self.wants is not None:
-            self._flush(u)
-            self.before[f] = [t[rows] for t in self.T]
-        with torch.no_grad():
-            made = self.spec.make(f, *self.sources)
+            self.ended[f] = (u, *self._flush(u))
+        if self.made is None:
+            with torch.no_grad():
+                made = self.spec.make(f, f + 1, *self.sources)
+        else:  # this fold's part of the additions made at once
+            C = rows.shape[0] // self.tau.shape[0]
+            made = [x.view(x.shape[0], x.shape[1], -1, C, self.D)[:, :, f] for x in self.made]
         for s, x in zip(self.S, made):
             s.index_add_(0, rows, x.reshape(-1, self.D).to(s.dtype))
         del made
@@ -163,6 +189,18 @@ class _IncrementalPass:
             self._fold(f)
         self.applied = max(self.applied, self.spec.reads[c])
 
+    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """After the last chunk's :meth:`write` (forward): the running snapshot, the state after every fold of the
+        group, ``(B, H, R, D)`` each."""
+        B, H, _, D = self.shape
+        return tuple(s.view(B, H, self.R, D) for s in self.S)
+
+    def add_state_grad(self, g_k: torch.Tensor | None, g_v: torch.Tensor | None) -> None:
+        """The loss's gradient with respect to :meth:`state` ``(B, H, R, D)`` (None: not used), before
+        :meth:`grads`: the state is the entering rows plus every fold's additions, so it joins ``T`` after the
+        last stretch (every fold's tokens and the entering rows get it)."""
+        self.g_state = (g_k, g_v)
+
     def add_grad(self, c: int, g_k: torch.Tensor, g_v: torch.Tensor) -> None:
         """Chunk ``c``'s row gradients ``(B H, 1, R_c, D)``, summed into ``G``."""
         R_c = g_k.shape[2]
@@ -170,30 +208,45 @@ class _IncrementalPass:
             acc.view(-1, self.R, self.D)[:, :R_c] += g[:, 0]
 
     def grads(self) -> list[torch.Tensor | None]:
-        """The gradients of ``shared``, after the last chunk (the stretches still open are taken through first)."""
+        """The gradients of ``shared``, after the last chunk (the stretches still open are taken through first).
+
+        A fold token's gradient is the sum of what the stretches of its row after its fold give, and the entering
+        rows' the sum of all: summed backwards over the folds (suffix sums), never as a difference of running
+        totals, which would cancel catastrophically where an early stretch's gradient is large (a row at the
+        readout's norm floor has gradients ``1 / eps`` times larger)."""
         B, H, m, D = self.shape
+        N = B * H
+        acc = [torch.zeros_like(t, dtype=torch.float32) for t in self.S]  # the stretches after the fold being summed
         for block in torch.arange(self.S[0].shape[0], device=self.S[0].device).split(1024):  # small transients
-            self._flush(block)
+            for t, g in zip(acc, self._flush(block)):
+                t[block] = g
         self.S = self.G = None
-        T = [t.view(B * H, self.R, D) for t in self.T]
-        # each fold's additions made again with a graph, and their gradient (T at the fold's rows now, less what it
-        # held when the fold was applied) taken to the sources, one fold at a time
+        for t, g in zip(acc, self.g_state):  # the state after the folds: a stretch after every fold
+            if g is not None:
+                t += g.reshape(-1, D)
+        g_x = [[None] * self.n_folds for _ in acc]
+        for f in range(self.n_folds - 1, -1, -1):
+            u, *ended = self.ended[f]
+            for i, t in enumerate(acc):
+                g_x[i][f] = t[self.fold_rows[f]].view(N, -1, D)
+                t.index_add_(0, u, ended[i])
+            self.ended[f] = None
+        T = [t.view(N, self.R, D) for t in acc]
+        # the folds' additions made again with a graph, and their gradient taken to the sources at once
         wants = self.wants[6:]
         leaves = [t.detach().requires_grad_(w) for t, w in zip(self.sources, wants)]
         wanted = [leaf for leaf, w in zip(leaves, wants) if w]
         g_sources: list[torch.Tensor | None] = [None] * len(leaves)
-        for f, (rows, before) in enumerate(zip(self.fold_rows, self.before)):
-            if not wanted:
-                break
+        if wanted and self.n_folds:
+            g_x = [torch.cat(parts, dim=1) for parts in g_x]  # (B H, F C, D): batch and head, then fold, then token
             with torch.enable_grad():
-                made = self.spec.make(f, *leaves)
-            pairs = [(x, (t[rows] - b).view(x.shape).to(x.dtype)) for x, t, b in zip(made, self.T, before)
-                     if x.requires_grad]
-            got = iter(torch.autograd.grad([x for x, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                       if pairs else [None] * len(wanted))
-            for i, w in enumerate(wants):
-                if w and (g := next(got)) is not None:
-                    g_sources[i] = g if g_sources[i] is None else g_sources[i] + g
+                made = self.spec.make(0, self.n_folds, *leaves)
+            pairs = [(x, g.view(x.shape).to(x.dtype)) for x, g in zip(made, g_x) if x.requires_grad]
+            del g_x
+            if pairs:
+                got = iter(torch.autograd.grad([x for x, _ in pairs], wanted, [g for _, g in pairs],
+                                               allow_unused=True))
+                g_sources = [next(got) if w else None for w in wants]
             del made, pairs
         # copies of the entering rows: a view would keep all R rows of T alive as long as autograd holds them
         grads = [T[0][:, :m].reshape(B, H, m, D).clone(), T[1][:, :m].reshape(B, H, m, D).clone(),

@@ -249,10 +249,14 @@ class _MemoryWindowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, tau, mem_k, mem_v, mask, L: int, C: int, pre_rope: bool, scale: float, reuse: dict | None,
-                rows: ChunkRows | None, n_rows: list[int], n_shared: int, n_blocks: int, *rest):
+                rows: ChunkRows | None, n_rows: list[int], with_state: bool, n_shared: int, n_blocks: int, *rest):
         shared, blocks = rest[:n_shared], rest[n_shared:]
+        ctx.set_materialize_grads(False)
+        state = ()
         if reuse:  # the recomputation of a checkpointed group: the read's output is already known
             out, lse = reuse.pop("out"), reuse.pop("lse")
+            if with_state:  # (the state's value is not needed: a checkpoint's recomputation discards the outputs)
+                state = tuple(q.new_zeros(()).expand(shape) for shape in reuse.pop("state"))
         else:
             N, n, Lq, E = q.shape
             out = q.new_empty(N, n, Lq, E)
@@ -265,16 +269,18 @@ class _MemoryWindowAttention(torch.autograd.Function):
                 keys, values = lists(c, R, mem_k, mem_v, rows_pass)
                 out[:, c:c + 1], lse[:, c:c + 1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q[:, c:c + 1], keys, values, attn_mask=masks(c, R), scale=scale)
+            if with_state:
+                state = rows_pass.state()
             del lists, rows_pass
             if reuse is not None:
-                reuse.update(out=out.detach(), lse=lse)
+                reuse.update(out=out.detach(), lse=lse, state=[t.shape for t in state])
         ctx.save_for_backward(q, tau, mem_k, mem_v, mask, out, lse, *shared, *blocks)
         ctx.meta = L, C, pre_rope, scale, rows, n_rows, n_shared, n_blocks
         D = blocks[0].shape[-1]
-        return out[..., :D] if pre_rope else out
+        return (out[..., :D] if pre_rope else out, *state) if with_state else out[..., :D] if pre_rope else out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *grad_state):
         L, C, pre_rope, scale, rows, n_rows, n_shared, n_blocks = ctx.meta
         q, tau, mem_k, mem_v, mask, out, lse, *rest = ctx.saved_tensors
         shared, blocks = rest[:n_shared], rest[n_shared:]
@@ -283,7 +289,7 @@ class _MemoryWindowAttention(torch.autograd.Function):
         D = blocks_k[0].shape[-1]
         if pre_rope:
             grad_out = F.pad(grad_out, (0, D))
-        grad_out = grad_out.contiguous()
+        grad_out = torch.zeros_like(out[..., :D]) if grad_out is None else grad_out.contiguous()
         gq = torch.empty_like(q)
         g_mem_k, g_mem_v = (None, None) if rows is not None else (torch.empty_like(mem_k), torch.empty_like(mem_v))
         g_tau = torch.zeros(N, dtype=torch.float32, device=q.device)
@@ -291,7 +297,7 @@ class _MemoryWindowAttention(torch.autograd.Function):
         # gradients of every block, and with overlapping windows that is every group's)
         g_k = [torch.zeros(b.shape, dtype=torch.float32, device=q.device) for b in blocks_k]
         g_v = [torch.zeros(b.shape, dtype=torch.float32, device=q.device) for b in blocks_v]
-        first_shared = 14  # forward's arguments before ``rest``
+        first_shared = 15  # forward's arguments before ``rest``
         rows_pass = None if rows is None else rows.start(shared, [ctx.needs_input_grad[first_shared + i]
                                                                   for i in range(n_shared)])
         block_rows = [b.shape[1] for b in blocks_k]
@@ -321,17 +327,19 @@ class _MemoryWindowAttention(torch.autograd.Function):
             # before the next chunk's kernel gradients are made (a name keeps its tensor until rebound): one chunk's
             # transient buffers alive at a time, not two (issue #17)
             del gq_c, gk, gv, g_win
+        if any(g is not None for g in grad_state):  # the state after the group's folds (``state``) is used
+            rows_pass.add_state_grad(*grad_state)
         g_shared = [None] * n_shared if rows is None else rows_pass.grads()
         g_blocks = [g.to(b.dtype) for g, b in zip(g_k + g_v, blocks)]
         return (gq, g_tau.to(tau.dtype), g_mem_k, g_mem_v, None, None, None, None, None, None, None, None, None,
-                None, *g_shared, *g_blocks)
+                None, None, *g_shared, *g_blocks)
 
 
 def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch.Tensor, tau: torch.Tensor,
                             mem_k: torch.Tensor, mem_v: torch.Tensor, mask: torch.Tensor, window: int,
                             chunk_len: int, pre_rope: bool, scale: float, reuse: dict | None = None,
                             rows: Callable | None = None, shared: tuple = (),
-                            n_rows: list[int] | None = None) -> torch.Tensor:
+                            n_rows: list[int] | None = None, state: bool = False):
     """KVM's read for ``n`` query chunks: ``softmax(scale * q [mem_k ; tau * win_k]^T + mask) [mem_v ; win_v]``.
 
     Query chunk ``c`` attends to its state snapshot's rows ``mem_k[:, c]`` and to its block window, keys
@@ -367,13 +375,24 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
         shared: the tensors ``rows`` reads (states, fold sources, parameters, radii), which get gradients.
         n_rows: the memory rows of each chunk (its state's size; rows past it are padding, never read); default:
             all ``R`` rows of ``mem_k``. ``rows(c)`` must make exactly ``n_rows[c]`` rows.
+        state: also return the state after the last chunk's folds, which an incremental ``rows``
+            (:class:`mixerzoo_kvm.incremental_rows.IncrementalRows`) has made on the way: a group's exit state
+            without making its folds' additions again.
 
     Returns:
-        ``(N, n, Lq, D)`` in ``q``'s dtype.
+        ``(N, n, Lq, D)`` in ``q``'s dtype; with ``state``, ``(out, s_k, s_v)``, the state ``(B, H, R, D)``.
+
+    Raises:
+        ValueError: ``state`` with ``rows`` that do not keep it; key and value blocks in different numbers;
+            ``rows`` without ``n_rows``.
     """
+    if state and not hasattr(rows, "final_state"):
+        raise ValueError("memory_window_attention: state=True needs rows whose passes keep the state "
+                         "(IncrementalRows)")
     if q.device.type != "cpu" or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        return memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask, window, chunk_len,
-                                                 pre_rope, scale, rows, shared, n_rows)
+        out = memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask, window, chunk_len,
+                                                pre_rope, scale, rows, shared, n_rows)
+        return (out, *rows.final_state(*shared)) if state else out
     blocks_k = (grid_k,) if isinstance(grid_k, torch.Tensor) else tuple(grid_k)
     blocks_v = (grid_v,) if isinstance(grid_v, torch.Tensor) else tuple(grid_v)
     if len(blocks_k) != len(blocks_v):
@@ -386,4 +405,4 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
             raise ValueError("memory_window_attention: rows needs n_rows, the rows each chunk's rows() makes")
         n_rows = [mem_k.shape[2]] * q.shape[1]
     return _MemoryWindowAttention.apply(q, tau, mem_k, mem_v, mask, window, chunk_len, pre_rope, scale, reuse, rows,
-                                        list(n_rows), len(shared), len(blocks_k), *shared, *blocks_k, *blocks_v)
+                                        list(n_rows), state, len(shared), len(blocks_k), *shared, *blocks_k, *blocks_v)

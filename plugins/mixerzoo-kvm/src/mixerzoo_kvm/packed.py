@@ -15,8 +15,12 @@
    heads folded into the query length.
 3. **Training memory** (issue #17): with ``checkpoint_chunks > 0`` each group runs under
    ``torch.utils.checkpoint`` and is recomputed in backward from the state entering it, so autograd keeps no
-   snapshot, memory row or key list, only each group's inputs. With 0, nothing is recomputed (one attention
-   forward less) and the attention still keeps no concatenated key list (its custom backward rebuilds them).
+   snapshot, memory row or key list, only each group's inputs. A state larger than the window is kept once per
+   pair of groups: the second group makes its entering state again from the pair's anchor
+   (:func:`mixerzoo_kvm.refold.refold`). The folds' additions (memory keys and values, gated) are made on demand
+   from their key and value blocks, in the incremental read one fold at a time, and none is kept for backward;
+   the state after a group comes out of that read. With 0, nothing is recomputed (one attention forward less)
+   and the attention still keeps no concatenated key list (its custom backward rebuilds them).
 
 On this project's CPU, FlexAttention was ruled out by measurement: torch 2.13 has no FlexAttention backward on
 CPU (NotImplementedError), while SDPA runs on the CPU flash kernel (docs/mechanisms/kvm.md). Single-token
@@ -25,7 +29,6 @@ decoding uses :func:`kvm_step`, which needs no mask at all.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -147,17 +150,12 @@ def _apply_folds(s0: torch.Tensor, x: tuple[torch.Tensor, ...], reads: list[int]
     return torch.stack(snaps, dim=2)
 
 
-def _gated(spec: KVMSpec, kbar: torch.Tensor, v_o: torch.Tensor, g: torch.Tensor | None, appended: torch.Tensor,
-           initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What fold tokens add to their rows, ``(x_k, x_v)`` of ``kbar``'s shape ``(..., C, D)``: merged tokens and
-    (with ``gate_appends``) appended tokens are gated by ``g (..., C)``; tokens of a fold that initialises the state
-    (``initial``, broadcast over ``appended (..., C)``) never are."""
-    xs = kbar, v_o.to(kbar.dtype)
-    if g is None:
-        return xs
+def _fold_weights(spec: KVMSpec, g: torch.Tensor, appended: torch.Tensor, initial: torch.Tensor) -> torch.Tensor:
+    """The weight of each fold token's addition to its row, ``(..., C)``: merged tokens and (with
+    ``gate_appends``) appended tokens are gated by ``g (..., C)``; tokens of a fold that initialises the state
+    (``initial``, broadcast over ``appended (..., C)``) never are (paper section 4, "Merge")."""
     ungated = initial | (appended & (not spec.gate_appends))
-    w = torch.where(ungated, torch.ones_like(g), g)[..., None].to(kbar.dtype)
-    return xs[0] * w, xs[1] * w
+    return torch.where(ungated, torch.ones_like(g), g)
 
 
 def _radii(rho: torch.Tensor, norms: list[torch.Tensor], routes: list[Routing]) -> torch.Tensor:
@@ -177,11 +175,6 @@ def _counts(count: torch.Tensor, routes: list[Routing], sizes: list[int]) -> tor
         per_fold.append(F.pad(p.sum(dim=2), (0, R - sizes[f + 1])))
     c0 = F.pad(count, (0, R - count.shape[2]))[:, :, None]
     return torch.cat([c0, c0 + torch.stack(per_fold, dim=2).cumsum(dim=2)], dim=2) if routes else c0
-
-
-def _given_folds(f: int, *x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``make`` of folds whose additions are given: ``x = (*x_k, *x_v)``, fold ``f``'s ``(x_k[f], x_v[f])``."""
-    return x[f], x[len(x) // 2 + f]
 
 
 def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) -> list[tuple[int, int]]:
@@ -358,26 +351,38 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     g_folds = g_o.split(n_f, dim=2) if g_o is not None else [None] * len(groups)
 
     def fold_sources(f0: int, g_pieces: tuple, k_blocks: tuple, v_blocks: tuple) -> tuple[Callable, tuple]:
-        """Folds ``f0 .. f0 + n - 1`` (``n = len(k_blocks)``) as ``(make, sources)``: ``make(f, *sources) -> (x_k,
-        x_v)``, each ``(B, H, C, D)``, what fold ``f0 + f``'s tokens add to their rows (``_gated`` memory keys and
-        values), made on demand from ``sources`` = the folds' key and value blocks ``(B H, C, D)``, their gates
-        (``g_pieces`` joined; none without gates) and ``LN_s``'s parameters. ``make`` reads no tensor with
-        gradient from outside its arguments (autograd nodes hold it, beyond the reach of the checkpoint's hooks),
-        so that :func:`mixerzoo_kvm.refold.refold` and :class:`IncrementalRows` need not keep the additions."""
+        """Folds ``f0 .. f0 + n - 1`` (``n = len(k_blocks)``) as ``(make, sources)``: ``make(lo, hi, *sources) ->
+        (x_k, x_v)``, each ``(B, H, (hi - lo) C, D)``, what folds ``f0 + lo .. f0 + hi - 1`` add to their rows (the
+        memory keys and the values, weighted by :func:`_fold_weights`), made on demand from ``sources`` = the folds'
+        key and value blocks ``(B H, C, D)``, their weights ``(B, H, n, C)`` (none without gates) and ``LN_s``'s
+        parameters. ``make`` reads no tensor with gradient from outside its arguments (autograd nodes hold it,
+        beyond the reach of the checkpoint's hooks), so that :func:`mixerzoo_kvm.refold.refold` and
+        :class:`IncrementalRows` need not keep the additions."""
         n = len(k_blocks)
-        gated = g_pieces[0] is not None
-        fold_routes, fold_sizes = routes[f0:f0 + n], sizes[f0:f0 + n]
+        weights = ()
+        if g_pieces[0] is not None and n:
+            appended = torch.stack([r.appended for r in routes[f0:f0 + n]], dim=2)  # (B, H, n, C)
+            initial = torch.tensor([m == 0 for m in sizes[f0:f0 + n]], device=dev)[:, None]
+            gates = g_pieces[0] if len(g_pieces) == 1 else torch.cat(g_pieces, dim=2)
+            weights = (_fold_weights(spec, gates, appended, initial),)
 
-        def make(f: int, *sources):
-            kb, vb = sources[f].view(B, H, C, D), sources[n + f].view(B, H, C, D)
+        def make(lo: int, hi: int, *sources):
+            kb, vb = (sources[i + lo] if hi - lo == 1 else torch.cat(sources[i + lo:i + hi], dim=1)
+                      for i in (0, n))
             rest = sources[2 * n:]
-            g_fold, ln = (rest[0][:, :, f], rest[1:]) if gated else (None, rest)
-            kbar = memory_keys(kb, spec.rotary_dim, lambda t: ln_s_with(t, *ln),
-                               o_pos[(f0 + f) * C:(f0 + f + 1) * C], spec.unrotate)
-            initial = torch.tensor(fold_sizes[f] == 0, device=dev)  # a fold that initialises is never gated
-            return _gated(spec, kbar, vb, g_fold, fold_routes[f].appended, initial)
-        gates = (torch.cat(g_pieces, dim=2),) if gated else ()
-        return make, (*k_blocks, *v_blocks, *gates, *ln_params)
+            w, ln = (rest[0], rest[1:]) if weights else (None, rest)
+            kbar = memory_keys(kb.view(B, H, -1, D), spec.rotary_dim, lambda t: ln_s_with(t, *ln),
+                               o_pos[(f0 + lo) * C:(f0 + hi) * C], spec.unrotate)
+            v = vb.view(B, H, -1, D).to(kbar.dtype)
+            if w is None:
+                return kbar, v
+            w = w[:, :, lo:hi].reshape(B, H, -1, 1).to(kbar.dtype)
+            return kbar * w, v * w
+        return make, (*k_blocks, *v_blocks, *weights, *ln_params)
+
+    def given_folds(lo: int, hi: int, x_k: torch.Tensor, x_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``make`` of folds whose additions ``x_k, x_v (B, H, F C, D)`` are given (:func:`fold_sources`)."""
+        return x_k[:, :, lo * C:hi * C], x_v[:, :, lo * C:hi * C]
 
     def rows_after(f0: int, n: int, make: Callable, sources: tuple, s_k, s_v, R: int):
         """The state's rows ``s_k, s_v (B, H, R, D)`` after folds ``f0 .. f0 + n - 1`` (:func:`fold_sources`) from
@@ -389,7 +394,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             return refold(s_k, s_v, make, [(r.target + heads).reshape(-1) for r in fold_routes], R, sources)
         probs = [r.probs if r.probs is not None else F.one_hot(r.target, sizes[f0 + f + 1]).float()
                  for f, r in enumerate(fold_routes)]
-        x_k, x_v = zip(*[make(f, *sources) for f in range(n)]) if n else ((), ())
+        x_k, x_v = (x.view(B, H, n, C, D).unbind(2) for x in make(0, n, *sources)) if n else ((), ())
         # squeeze, not [:, :, 0]: a select's backward would copy the incoming gradient into a fresh zero tensor
         return tuple(_apply_folds(s0, x, [n], R, None, probs).squeeze(2) for s0, x in ((s_k, x_k), (s_v, x_v)))
 
@@ -420,15 +425,15 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             f0, fold_blocks = f0 + n_pre, fold_blocks[n_pre:n_all] + fold_blocks[n_all + n_pre:]
         nf = n_all - n_pre  # the group's own folds
         make, sources = fold_sources(f0, g_f[-1:], fold_blocks[:nf], fold_blocks[nf:])
-        final = exit_state and b == n_q
-        if final:
-            # the call's final state: its backward runs only when the loss uses it, so a node of its own keeping a
-            # view of the keys or values (a refold, the gated values' product) would keep all of them alive to the
-            # end of backward; its folds' additions are made once, in plain autograd, and shared with the read,
-            # whose backward always runs
-            made = [make(f, *sources) for f in range(nf)]
-            sources = (*[x for x, _ in made], *[x for _, x in made])
-            make = _given_folds
+        # only the rows each fold changes are made again (incremental_rows), where the configuration allows: the
+        # folds' additions are then made on demand (none kept) and the state after them comes out of the read
+        by_fold = R > L and incremental and spec.routing == "hard"
+        if not by_fold:
+            # the additions made once, in plain autograd, shared by the rows and the state after the group (a
+            # state of its own would be a node that, for the call's final state, may never run in backward and
+            # would keep views of every key and value alive to its end)
+            sources = make(0, nf, *sources) if nf else (q_g.new_empty(B, H, 0, D),) * 2
+            make = given_folds
         own_routes, own_sizes = routes[f0:f0 + nf], sizes[f0:f0 + nf + 1]
         target = torch.cat([r.target for r in own_routes], dim=2) if spec.routing == "hard" and nf else None
         probs = None if spec.routing == "hard" else [r.probs if r.probs is not None else F.one_hot(
@@ -445,7 +450,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             ``tau_state * LN_s(s_k)`` and the value readout. ``rest``: ``LN_s``'s parameters, then the folds'
             sources (:func:`fold_sources`). Plain autograd."""
             ln, fold_in = rest[:n_ln], rest[n_ln:]
-            x_k, x_v = zip(*[make(f, *fold_in) for f in range(nf)]) if nf else ((), ())
+            x_k, x_v = (x.view(B, H, nf, C, D).unbind(2) for x in make(0, nf, *fold_in)) if nf else ((), ())
             R_K, K = max(rows[a + c] for c in chunks), len(chunks)
             snap_k, snap_v = (_apply_folds(s0, x, [reads[c] for c in chunks], R_K, target, probs).view(
                 B * H, K, R_K, D) for s0, x in ((s_k, x_k), (s_v, x_v)))
@@ -464,22 +469,23 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             mem_k, mem_v = memory_rows(list(range(n)), *shared)
             o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, mem_k, mem_v, mask, L, C, two,
                                         D ** -0.5, reuse, n_rows=rows[a:b])
-        else:
-            # only the rows each fold changes are made again (incremental_rows), where the configuration allows
-            by_fold = incremental and probs is None
-            made = IncrementalRows(chunk_rows, target, reads, rows[a:b], params.ln_s.eps, spec.eps, make) \
-                if by_fold else chunk_rows
+        elif by_fold:
+            made = IncrementalRows(chunk_rows, target, reads, rows[a:b], params.ln_s.eps, spec.eps, make)
             o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, None, None, mask, L, C, two,
-                                        D ** -0.5, reuse, rows=made, shared=shared, n_rows=rows[a:b])
+                                        D ** -0.5, reuse, rows=made, shared=shared, n_rows=rows[a:b], state=exit_state)
+            o, exit_rows = (o[0], o[1:]) if exit_state else (o, None)
+        else:
+            o = memory_window_attention(q_g, win[:n_win], win[n_win:], tau_w, None, None, mask, L, C, two,
+                                        D ** -0.5, reuse, rows=chunk_rows, shared=shared, n_rows=rows[a:b])
         if out_proj is not None:
             o = out_proj(group_tokens(a, b, o).transpose(1, 2).flatten(2))
         if not exit_state:
             return (o,)
-        if final:
-            last_k, last_v = (_apply_folds(s0, x, [nf], R, target, probs).squeeze(2)
-                              for s0, x in ((s_k, sources[:nf]), (s_v, sources[nf:])))
+        if by_fold:
+            last_k, last_v = exit_rows
         else:
-            last_k, last_v = rows_after(f0, nf, make, sources, s_k, s_v, R)
+            last_k, last_v = (_apply_folds(s0, x.view(B, H, nf, C, D).unbind(2), [nf], R, target, probs).squeeze(2)
+                              for s0, x in ((s_k, sources[0]), (s_v, sources[1])))
         return o, last_k, last_v, rho_all, None if counts is None else counts[:, :, -1].clone()
 
     carry = (state.s_k, state.s_v.to(state.s_k.dtype), state.rho, state.count)
@@ -487,13 +493,13 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     outs = []
     # each group's tokens: one split, not slices (a slice's backward is a full-length zero gradient per group)
     q_tokens = [end - start for start, end in (token_span(a, b) for a, b in groups)]
-    # lean: blocks of about sqrt(groups / 2) groups share one anchor, the state entering the block, from which each
-    # group makes its entering state again (refold: its folds since the anchor, a few row additions): autograd keeps
-    # one state per block instead of one per group (a power-law state at 16k: 40 MiB of states a layer; issue #17).
-    # Larger blocks keep fewer states but make more folds again, and in backward give the folds' key and value
-    # blocks their gradients earlier (they live until backward ends); sqrt(groups / 2) measured best for the
-    # one-layer peak at 4k-16k (docs/results/efficiency_cpu/session14)
-    per_block = max(1, round(math.sqrt(len(groups) / 2))) if lean and spec.routing == "hard" else 1
+    # lean: pairs of groups share one anchor, the state entering the pair, from which the second group makes its
+    # entering state again (refold: its folds since the anchor): autograd keeps one state per pair instead of one per
+    # group (a power-law state at 16k: 40 MiB of states a layer; issue #17). Only for states larger than the window
+    # (a fixed 256-row state is 0.5 MiB a group); larger blocks keep fewer states but make more folds again, and in
+    # backward give the folds' key and value blocks their gradients earlier (they live until backward ends): pairs
+    # measured best for the one-layer peak at 4k-16k and cost the least time (docs/results/efficiency_cpu/session14)
+    per_block = 2 if lean and spec.routing == "hard" and max(rows) > L else 1
     for i, ((a, b), q_piece) in enumerate(zip(groups, q.split(q_tokens, dim=2))):
         wk, wv = (pieces_k[a:b + nb - 1], pieces_v[a:b + nb - 1]) if n_q > 1 else (pieces_k, pieces_v)
         j0 = i - i % per_block  # the block's first group, whose entering state is the anchor (`carry`)

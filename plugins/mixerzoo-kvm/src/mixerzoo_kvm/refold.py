@@ -8,9 +8,10 @@ the anchor and the folds between (:func:`refold`): a few cheap row additions, in
 recomputation.
 
 Written with plain autograd, the folds' memory keys and gated additions of all those folds would live at once
-in the recomputed group (several MiB); :class:`_Refold` makes one fold's additions at a time, without a graph in
-forward, and in backward makes each again with a small graph of its own, takes the incoming gradient of its rows
-back through it, and lets it go (the pattern of :class:`mixerzoo_kvm.lean_attention.ChunkRows`).
+in the recomputed group (several MiB); :class:`_Refold` makes the additions of a few folds at a time
+(:data:`FOLDS_AT_ONCE`), without a graph in forward, and in backward makes them again with a small graph of their
+own, takes the incoming gradient of their rows back through it, and lets it go (the pattern of
+:class:`mixerzoo_kvm.lean_attention.ChunkRows`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from typing import Callable
 
 import torch
 
-__all__ = ["refold", "refold_reference"]
+__all__ = ["refold", "refold_reference", "FOLDS_AT_ONCE"]
+
+FOLDS_AT_ONCE = 4
+"""Folds whose additions :func:`refold` makes in one call of ``make``: fewer, smaller operators than one fold at a
+time (each costs Python and dispatch), a transient of ``FOLDS_AT_ONCE`` chunks' keys and values."""
+
+
+def _spans(n: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + FOLDS_AT_ONCE, n)) for lo in range(0, n, FOLDS_AT_ONCE)]
 
 
 class _Refold(torch.autograd.Function):
@@ -34,12 +43,15 @@ class _Refold(torch.autograd.Function):
             out = s0.new_zeros(B, H, m, D)
             out[:, :, :m0] = s0
             outs.append(out)
+        spans = _spans(len(rows))
+        # a span's rows in the additions' order: batch and head, then fold, then token
+        span_rows = [torch.cat([r.view(B * H, -1) for r in rows[lo:hi]], dim=1).reshape(-1) for lo, hi in spans]
         with torch.no_grad():
-            for f, r in enumerate(rows):
-                for out, x in zip(outs, make(f, *inputs)):
+            for (lo, hi), r in zip(spans, span_rows):
+                for out, x in zip(outs, make(lo, hi, *inputs)):
                     out.view(-1, D).index_add_(0, r, x.reshape(-1, D).to(out.dtype))
         ctx.save_for_backward(*inputs)
-        ctx.make, ctx.rows, ctx.m0 = make, rows, m0
+        ctx.make, ctx.spans, ctx.rows, ctx.m0 = make, spans, span_rows, m0
         return tuple(outs)
 
     @staticmethod
@@ -50,11 +62,11 @@ class _Refold(torch.autograd.Function):
         wanted = [leaf for leaf, w in zip(leaves, wants) if w]
         grads: list[torch.Tensor | None] = [None] * len(inputs)
         flat = [None if g is None else g.reshape(-1, g.shape[-1]) for g in (g_k, g_v)]
-        for f, r in enumerate(ctx.rows):
+        for (lo, hi), r in zip(ctx.spans, ctx.rows):
             if not wanted:
                 break
             with torch.enable_grad():
-                made = ctx.make(f, *leaves)
+                made = ctx.make(lo, hi, *leaves)
             pairs = [(x, g.index_select(0, r).view(x.shape).to(x.dtype)) for x, g in zip(made, flat)
                      if g is not None and x.requires_grad]
             if not pairs:
@@ -73,10 +85,11 @@ class _Refold(torch.autograd.Function):
 
 def refold(s0_k: torch.Tensor, s0_v: torch.Tensor, make: Callable, rows: list[torch.Tensor], m: int,
            inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The state after ``F`` folds: ``s0_k, s0_v (B, H, m0, D)`` zero-padded to ``m`` rows, plus for each fold
-    ``f`` what its tokens add, ``make(f, *inputs) -> (x_k, x_v)`` each ``(B, H, C, D)``, token ``i`` into the
-    flat row ``rows[f][b H C + h C + i]`` of the ``(B H m, D)`` state (winner-take-all routing; paper section 4,
-    "Merge" and "Append"). ``make`` must be a pure function of its arguments; ``inputs`` get gradients.
+    """The state after ``F = len(rows)`` folds: ``s0_k, s0_v (B, H, m0, D)`` zero-padded to ``m`` rows, plus what
+    the folds' tokens add, ``make(lo, hi, *inputs) -> (x_k, x_v)``, each ``(B, H, (hi - lo) C, D)`` for folds
+    ``lo .. hi-1`` in order, token ``i`` of fold ``f`` into the flat row ``rows[f][b H C + h C + i]`` of the ``(B H
+    m, D)`` state (winner-take-all routing; paper section 4, "Merge" and "Append"). ``make`` must be a pure
+    function of its arguments; ``inputs`` get gradients.
 
     Same value and gradients as :func:`refold_reference` (plain autograd), which keeps every fold's additions
     for backward; this keeps none (module docstring).
@@ -89,12 +102,12 @@ def refold(s0_k: torch.Tensor, s0_v: torch.Tensor, make: Callable, rows: list[to
 
 def refold_reference(s0_k: torch.Tensor, s0_v: torch.Tensor, make: Callable, rows: list[torch.Tensor], m: int,
                      inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The readable form of :func:`refold`, in plain autograd."""
+    """The readable form of :func:`refold`, in plain autograd, one fold at a time."""
     B, H, m0, D = s0_k.shape
     outs = []
     for j, s0 in enumerate((s0_k, s0_v)):
         s = torch.nn.functional.pad(s0, (0, 0, 0, m - m0)).reshape(-1, D)
         for f, r in enumerate(rows):
-            s = s.index_add(0, r, make(f, *inputs)[j].reshape(-1, D).to(s.dtype))
+            s = s.index_add(0, r, make(f, f + 1, *inputs)[j].reshape(-1, D).to(s.dtype))
         outs.append(s.view(B, H, m, D))
     return outs[0], outs[1]
