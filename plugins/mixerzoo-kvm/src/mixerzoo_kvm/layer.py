@@ -109,8 +109,9 @@ class KVMAttention(Mixer):
         if memory_keys not in MEMORY_KEYS:
             raise ValueError(f"kvm memory_keys must be one of {list(MEMORY_KEYS)} ('zero_rotary': paper eq. 1; "
                              f"'pre_rope': for models whose RoPE rotates every channel), got {memory_keys!r}")
-        self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim, HALF_ROPE if positional is None else positional,
-                                 qk_norm, token_shift, value_residual, bias)
+        self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim,
+                                 HALF_ROPE if positional is None else positional, qk_norm, token_shift,
+                                 value_residual, bias)
         H, D = self.qkv.n_kv_heads, self.qkv.head_dim
         if memory_keys == "zero_rotary" and self.rotary_dim >= D:
             raise ValueError(f"kvm positional rotates all {D} channels of a head; KVM zeroes the rotary channels of "
