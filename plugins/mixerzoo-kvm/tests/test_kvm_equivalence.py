@@ -85,6 +85,18 @@ def _split_run(layer, x, cuts):
         start = end
 
 
+def _reference_and_fast_gradients(layer: KVMAttention, x: torch.Tensor, w: torch.Tensor) -> list[dict]:
+    """The parameters' gradients of ``(layer(x) * w).sum()`` on the chunk loop, then on the packed path."""
+    grads = []
+    for ref in (True, False):
+        layer.use_reference = ref
+        layer.zero_grad(set_to_none=True)
+        y, _ = layer(x)
+        (y * w).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+    return grads
+
+
 @pytest.mark.parametrize("name", ["default", "power_law", "soft_routing", "gqa_token_shift", "value_mean",
                                   "pre_rope_gqa_grow"])
 def test_gradients_agree(name, monkeypatch):
@@ -97,13 +109,7 @@ def test_gradients_agree(name, monkeypatch):
     layer = make(**CONFIGS[name]).train()
     x = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(4))
     w = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(5))
-    grads = []
-    for ref in (True, False):
-        layer.use_reference = ref
-        layer.zero_grad(set_to_none=True)
-        y, _ = layer(x)
-        (y * w).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+    grads = _reference_and_fast_gradients(layer, x, w)
     incremental = name in ("power_law", "gqa_token_shift", "pre_rope_gqa_grow")
     assert set(started) == ({False, True} if incremental else set())
     for n in grads[0]:
@@ -121,13 +127,7 @@ def test_gradients_agree_with_states_made_again_from_anchors(name, monkeypatch):
     layer = make(**CONFIGS[name]).train()
     x = torch.randn(1, 150, D_MODEL, generator=torch.Generator().manual_seed(8))
     w = torch.randn(1, 150, D_MODEL, generator=torch.Generator().manual_seed(9))
-    grads = []
-    for ref in (True, False):
-        layer.use_reference = ref
-        layer.zero_grad(set_to_none=True)
-        y, _ = layer(x)
-        (y * w).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+    grads = _reference_and_fast_gradients(layer, x, w)
     assert max(pre_folds) >= 2
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=5e-5, rtol=1e-4, msg=n)

@@ -55,6 +55,18 @@ def _group(g: torch.Generator):
     return rows, make, target, reads, n_rows, shared
 
 
+def _read_args(g: torch.Generator, pre_rope: bool):
+    """Queries, key/value grid, window temperature (leaves) and the positional arguments of a read of 5 chunks of
+    3 queries over a window of 6 keys, 4 heads of 4 channels (``_group``'s shapes)."""
+    N, n, C, Lq, D = 4, 5, 3, 3, 4
+    E = 2 * D if pre_rope else D
+    L = 2 * C
+    leaf = lambda *s: torch.randn(*s, generator=g).requires_grad_(True)  # noqa: E731
+    q, grid_k, grid_v, tau = leaf(N, n, Lq, E), leaf(N, (n - 1) * C + L, D), leaf(N, (n - 1) * C + L, D), leaf(N)
+    mask = additive_mask(torch.rand(n, Lq, L, generator=g) > 0.3, torch.float32)
+    return q, grid_k, grid_v, tau, (q, grid_k, grid_v, tau, None, None, mask, L, C, pre_rope, D ** -0.5)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("pre_rope", [False, True], ids=["paper", "pre_rope"])
 def test_incremental_rows_equal_the_plain_statement(pre_rope, seed):
@@ -63,13 +75,7 @@ def test_incremental_rows_equal_the_plain_statement(pre_rope, seed):
     cancellation (errors of 0.02 on gradients of order 1)."""
     g = torch.Generator().manual_seed(seed)
     rows, make, target, reads, n_rows, shared = _group(g)
-    N, n, C, Lq, D = 4, 5, 3, 3, 4
-    E = 2 * D if pre_rope else D
-    L = 2 * C
-    leaf = lambda *s: torch.randn(*s, generator=g).requires_grad_(True)  # noqa: E731
-    q, grid_k, grid_v, tau = leaf(N, n, Lq, E), leaf(N, (n - 1) * C + L, D), leaf(N, (n - 1) * C + L, D), leaf(N)
-    mask = additive_mask(torch.rand(n, Lq, L, generator=g) > 0.3, torch.float32)
-    args = (q, grid_k, grid_v, tau, None, None, mask, L, C, pre_rope, D ** -0.5)
+    q, grid_k, grid_v, tau, args = _read_args(g, pre_rope)
     by_fold = IncrementalRows(rows, target, reads, n_rows, 1e-5, 1e-6, make)
     outs = [memory_window_attention(*args, rows=by_fold, shared=shared, n_rows=n_rows),
             memory_window_attention(*args, rows=rows, shared=shared, n_rows=n_rows),
@@ -92,13 +98,9 @@ def test_the_state_after_the_folds_comes_out_of_the_read_with_its_gradient():
     (``final_state``, what CUDA takes)."""
     g = torch.Generator().manual_seed(1)
     rows, make, target, reads, n_rows, shared = _group(g)
-    N, n, C, Lq, D = 4, 5, 3, 3, 4
+    C, D = 3, 4
     m, R = shared[0].shape[2], max(n_rows)
-    L = 2 * C
-    leaf = lambda *s: torch.randn(*s, generator=g).requires_grad_(True)  # noqa: E731
-    q, grid_k, grid_v, tau = leaf(N, n, Lq, D), leaf(N, (n - 1) * C + L, D), leaf(N, (n - 1) * C + L, D), leaf(N)
-    mask = additive_mask(torch.rand(n, Lq, L, generator=g) > 0.3, torch.float32)
-    args = (q, grid_k, grid_v, tau, None, None, mask, L, C, False, D ** -0.5)
+    q, grid_k, grid_v, tau, args = _read_args(g, False)
     by_fold = IncrementalRows(rows, target, reads, n_rows, 1e-5, 1e-6, make)
     out, s_k, s_v = memory_window_attention(*args, rows=by_fold, shared=shared, n_rows=n_rows, state=True)
 
