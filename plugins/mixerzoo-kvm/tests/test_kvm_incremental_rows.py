@@ -124,5 +124,15 @@ def test_the_state_after_the_folds_comes_out_of_the_read_with_its_gradient():
         grads = torch.autograd.grad(sum((t * w).sum() for t, w in zip(got, weights)), wrt)
         for i, (a, b) in enumerate(zip(grads, grads_want)):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=f"input {i}")
+    # a loss on the state alone: the read's output gets no gradient (none is materialised), also with the
+    # two-channel pre_rope layout
+    plain_loss = sum((plain_state(shared[j], [x[j] for x in made]) * weights[1 + j]).sum() for j in (0, 1))
+    plain = torch.autograd.grad(plain_loss, shared[:2])
+    for pre_rope in (False, True):
+        *_, args_p = _read_args(g, pre_rope)
+        _, s_k, s_v = memory_window_attention(*args_p, rows=by_fold, shared=shared, n_rows=n_rows, state=True)
+        grads = torch.autograd.grad((s_k * weights[1]).sum() + (s_v * weights[2]).sum(), shared[:2])
+        for a, b in zip(grads, plain):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="state=True"):
         memory_window_attention(*args, rows=rows, shared=shared, n_rows=n_rows, state=True)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from .lean_attention import ChunkRows
 from .ops import read_values
+from .refold import refold_reference
 
 __all__ = ["IncrementalRows"]
 
@@ -69,15 +70,17 @@ class IncrementalRows(ChunkRows):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The state after all the group's folds, ``(B, H, R, D)`` each, in plain autograd from ``shared``: what a
         forward pass's :meth:`_IncrementalPass.state` gives (the reference path's form of it)."""
-        B, H, m, D = s_k.shape
-        R, n_folds = max(self.n_rows), self.reads[-1]
+        return refold_reference(s_k, s_v, self.make, self.fold_rows(s_k.shape[0] * s_k.shape[1]),
+                                max(self.n_rows), rest[4:])
+
+    def fold_rows(self, N: int) -> list[torch.Tensor]:
+        """Each fold's rows, ``(N C,)`` for ``N = B H`` heads: token ``i`` of head ``n`` into row ``n R +
+        target[n, f C + i]`` of the flattened ``(N R, D)`` state (``R`` the group's largest state)."""
+        n_folds, R = self.reads[-1], max(self.n_rows)
         if not n_folds:
-            return tuple(F.pad(s, (0, 0, 0, R - m)) for s in (s_k, s_v))
-        heads = torch.arange(B * H, device=s_k.device).view(B, H, 1) * R
-        rows = (self.target.view(B, H, n_folds, -1) + heads[..., None]).reshape(-1)
-        made = self.make(0, n_folds, *rest[4:])
-        return tuple(F.pad(s, (0, 0, 0, R - m)).reshape(-1, D).index_add(0, rows, x.reshape(-1, D).to(s.dtype))
-                     .view(B, H, R, D) for s, x in zip((s_k, s_v), made))
+            return []
+        heads = torch.arange(N, device=self.target.device)[:, None] * R
+        return [r.reshape(-1) for r in (self.target.reshape(N, n_folds, -1) + heads[:, :, None]).unbind(1)]
 
 
 class _IncrementalPass:
@@ -97,10 +100,8 @@ class _IncrementalPass:
             run[:, :m] = s.reshape(N, m, D)
             self.S.append(run.view(N * R, D))
         self.M = None  # the read's buffers for the rows (normalised keys, read-out values), from the first write
-        heads = torch.arange(N, device=s_k.device)[:, None] * R
-        C = spec.target.shape[2] // self.n_folds if self.n_folds else 0
-        self.fold_rows = [(spec.target[:, :, f * C:(f + 1) * C].reshape(N, C) + heads).reshape(-1)
-                          for f in range(self.n_folds)]  # (no target without folds)
+        self.fold_rows = spec.fold_rows(N)
+        self.C = spec.target.shape[2] // self.n_folds if self.n_folds else 0
         self.applied = 0
         self.g_state = (None, None)  # the gradient of the state after the folds (add_state_grad)
         # forward (no gradient; its transient memory is far below backward's): every fold's additions at once, fewer
@@ -172,8 +173,7 @@ class _IncrementalPass:
             with torch.no_grad():
                 made = self.spec.make(f, f + 1, *self.sources)
         else:  # this fold's part of the additions made at once
-            C = rows.shape[0] // self.tau.shape[0]
-            made = [x.view(x.shape[0], x.shape[1], -1, C, self.D)[:, :, f] for x in self.made]
+            made = [x.view(x.shape[0], x.shape[1], -1, self.C, self.D)[:, :, f] for x in self.made]
         for s, x in zip(self.S, made):
             s.index_add_(0, rows, x.reshape(-1, self.D).to(s.dtype))
         del made

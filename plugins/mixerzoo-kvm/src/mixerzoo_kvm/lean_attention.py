@@ -287,9 +287,11 @@ class _MemoryWindowAttention(torch.autograd.Function):
         blocks_k, blocks_v = blocks[:n_blocks], blocks[n_blocks:]
         N, n, _, E = q.shape
         D = blocks_k[0].shape[-1]
+        if grad_out is None:  # only the state after the folds is used (grads are not materialised)
+            grad_out = torch.zeros_like(out[..., :D])
         if pre_rope:
             grad_out = F.pad(grad_out, (0, D))
-        grad_out = torch.zeros_like(out[..., :D]) if grad_out is None else grad_out.contiguous()
+        grad_out = grad_out.contiguous()
         gq = torch.empty_like(q)
         g_mem_k, g_mem_v = (None, None) if rows is not None else (torch.empty_like(mem_k), torch.empty_like(mem_v))
         g_tau = torch.zeros(N, dtype=torch.float32, device=q.device)

@@ -195,6 +195,11 @@ class Routing:
     target: torch.Tensor
     probs: torch.Tensor | None = None
 
+    def weights(self, m_grown: int) -> torch.Tensor:
+        """``(B, H, C, m_grown)`` float: each token's weight on each row of the grown state (``m_grown = m +
+        n_append``): ``probs``, or one-hot at ``target`` for winner-take-all."""
+        return self.probs if self.probs is not None else F.one_hot(self.target, m_grown).float()
+
 
 @torch.no_grad()
 def route_overflow(keys_hat: torch.Tensor, kbar: torch.Tensor, append_rows: torch.Tensor, n_append: int,
@@ -335,8 +340,7 @@ def fold(spec: KVMSpec, params: KVMParams, s_k: torch.Tensor, s_v: torch.Tensor,
     # Merge: "scores" (B, H, C, m') is one-hot at each merged token's target (or its soft weights);
     # appended tokens are not merged again.
     m_grown = s_k.shape[2]
-    scores = route.probs if route.probs is not None else F.one_hot(route.target, m_grown).float()
-    scores = scores * (~route.appended)[..., None]
+    scores = route.weights(m_grown) * (~route.appended)[..., None]
     s_k = s_k + scores.transpose(-1, -2).to(gk.dtype) @ gk
     s_v = s_v + scores.transpose(-1, -2).to(gv.dtype) @ gv
     if count is not None:

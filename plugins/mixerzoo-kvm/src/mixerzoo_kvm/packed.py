@@ -169,10 +169,7 @@ def _counts(count: torch.Tensor, routes: list[Routing], sizes: list[int]) -> tor
     """The rows' token counts ``(B, H, F + 1, R)`` entering (entry 0, ``count (B, H, m)`` zero-padded) and after
     each fold (``sizes[f]`` rows before fold ``f``, ``R = sizes[F]``)."""
     R = sizes[-1]
-    per_fold = []
-    for f, r in enumerate(routes):
-        p = r.probs if r.probs is not None else F.one_hot(r.target, sizes[f + 1]).float()
-        per_fold.append(F.pad(p.sum(dim=2), (0, R - sizes[f + 1])))
+    per_fold = [F.pad(r.weights(sizes[f + 1]).sum(dim=2), (0, R - sizes[f + 1])) for f, r in enumerate(routes)]
     c0 = F.pad(count, (0, R - count.shape[2]))[:, :, None]
     return torch.cat([c0, c0 + torch.stack(per_fold, dim=2).cumsum(dim=2)], dim=2) if routes else c0
 
@@ -392,8 +389,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         if spec.routing == "hard":
             heads = torch.arange(B * H, device=dev).view(B, H, 1) * R
             return refold(s_k, s_v, make, [(r.target + heads).reshape(-1) for r in fold_routes], R, sources)
-        probs = [r.probs if r.probs is not None else F.one_hot(r.target, sizes[f0 + f + 1]).float()
-                 for f, r in enumerate(fold_routes)]
+        probs = [r.weights(sizes[f0 + f + 1]) for f, r in enumerate(fold_routes)]
         x_k, x_v = (x.view(B, H, n, C, D).unbind(2) for x in make(0, n, *sources)) if n else ((), ())
         # squeeze, not [:, :, 0]: a select's backward would copy the incoming gradient into a fresh zero tensor
         return tuple(_apply_folds(s0, x, [n], R, None, probs).squeeze(2) for s0, x in ((s_k, x_k), (s_v, x_v)))
@@ -436,8 +432,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             make = given_folds
         own_routes, own_sizes = routes[f0:f0 + nf], sizes[f0:f0 + nf + 1]
         target = torch.cat([r.target for r in own_routes], dim=2) if spec.routing == "hard" and nf else None
-        probs = None if spec.routing == "hard" else [r.probs if r.probs is not None else F.one_hot(
-            r.target, own_sizes[f + 1]).float() for f, r in enumerate(own_routes)]
+        probs = None if spec.routing == "hard" else [r.weights(own_sizes[f + 1]) for f, r in enumerate(own_routes)]
         rho_all = radii(rho, f0, fold_blocks[nf:])  # one node for the read and the state after the group
         counts = None if count is None else _counts(count, own_routes, own_sizes)
         reads = [entry[i] - f0 for i in range(a, b)]  # folds of this group before each chunk's snapshot
