@@ -1,5 +1,7 @@
 """The OVQ mixer: protocol conformance, fast == reference == decode, schedule, N at evaluation, config errors."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -74,6 +76,29 @@ def test_gradients_fast_equal_reference():
         (m(x)[0] * w).sum().backward()
     for (name, p), (_, p_ref) in zip(fast.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+
+@pytest.mark.parametrize("kind", ["ovq", "vq"])
+def test_state_log_counts_follow_the_counts(kind):
+    """The state keeps ``log(counts)`` for the read (taken again at merges only, not per decoded token): after a
+    prefill that ends mid-chunk and single-token steps across several merges it is exactly the log of the counts,
+    and a state without it (None: made by hand) continues with the same outputs and state."""
+    torch.manual_seed(0)
+    m = (make("default") if kind == "ovq" else
+         registry.get("vq")(D_MODEL, n_heads=2, chunk_len=8, codebook_size=12)).eval()
+    x = torch.randn(1, 45, D_MODEL, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        _, st = m(x[:, :13])
+        merged_before = st.counts.sum()
+        for t in range(13, 44):
+            assert torch.equal(st.log_counts, st.counts.log()), t
+            y, st_next = m(x[:, t:t + 1], st)
+            y_bare, st_bare = m(x[:, t:t + 1], dataclasses.replace(st, log_counts=None))
+            torch.testing.assert_close(y_bare, y, atol=0, rtol=0)
+            torch.testing.assert_close(st_bare.counts, st_next.counts, atol=0, rtol=0)
+            st = st_next
+    assert st.counts.sum() > merged_before  # merges happened during the steps
 
 
 @pytest.mark.parametrize("name,checkpoint_chunks", [("default", 1), ("default", 2), ("backbone_options", 1)])

@@ -30,6 +30,8 @@ from . import ops, reference
 
 __all__ = ["OVQState", "OVQAttention"]
 
+N_CARRY = 6  # what the chunk loop carries: dk, dv, counts, log_counts, buf_k, buf_v (OVQAttention._carry)
+
 
 @dataclasses.dataclass
 class OVQState(StreamState):
@@ -39,6 +41,9 @@ class OVQState(StreamState):
         dk, dv: key and value dictionaries ``(B, H_kv, n, D)``; ``n`` follows the schedule, at most ``max_size``.
         counts: ``(B, H_kv, n)`` float32, how many keys each centroid has absorbed.
         buf_k, buf_v: raw keys (unit norm) and values of the unfinished chunk, ``(B, H_kv, next_pos % L, D)``.
+        log_counts: ``log(counts)``, the read's prior (eq. 15), kept beside the counts because they change only at
+            merges: a decoding step would otherwise take ``n`` logs per key/value head per token (at 16k tokens
+            a twentieth of the step; issue #17). None (a state made by hand): computed from ``counts``.
         next_pos: tokens seen so far.
         shift: previous-token projections for the token-shift option, else None.
     """
@@ -48,11 +53,17 @@ class OVQState(StreamState):
     counts: torch.Tensor
     buf_k: torch.Tensor
     buf_v: torch.Tensor
+    log_counts: torch.Tensor | None = None
 
     @property
     def dict_size(self) -> int:
         """Current dictionary rows ``n``."""
         return self.dk.shape[2]
+
+
+def state_log_counts(st) -> torch.Tensor:
+    """The state's ``log_counts``, from its counts where it has none (``OVQState``, ``VQState``)."""
+    return st.counts.log() if st.log_counts is None else st.log_counts
 
 
 class OVQAttention(Mixer):
@@ -220,16 +231,16 @@ class OVQAttention(Mixer):
         # the projections, and backward's q/k/v gradients exist one segment at a time (issue #17)
         shift = optional_carry(st.shift, self.qkv.token_shift)
         y, carry = run_segments(self._layer_segment, (x,), p0, (*carry, *shift), span=span, dim=1, memo=True)
-        carry, shift = carry[:5], tuple(carry[5:]) or None
+        carry, shift = carry[:N_CARRY], tuple(carry[N_CARRY:]) or None
         return y, self._state(carry, p0 + T, shift)
 
     def _layer_segment(self, x: torch.Tensor, memo: dict | None, pos: int, *carry) -> tuple:
         """The layer on ``x (B, T, d_model)`` at absolute position ``pos``: the projections (continuing the token
-        shift carried after the five dictionary tensors of :meth:`_carry`, none without ``token_shift``), then
+        shift carried after the ``N_CARRY`` dictionary tensors of :meth:`_carry`, none without ``token_shift``), then
         :meth:`_segment`, then the output projection. Returns ``(y, *carry after)``."""
         positions = torch.arange(pos, pos + x.shape[1], device=x.device)
-        q, k, v, shift = self.qkv(x, positions, tuple(carry[5:]) or None)
-        o, *dictionary = self._segment(q, k, v, memo, pos, *carry[:5])
+        q, k, v, shift = self.qkv(x, positions, tuple(carry[N_CARRY:]) or None)
+        o, *dictionary = self._segment(q, k, v, memo, pos, *carry[:N_CARRY])
         return (self._output(o), *dictionary, *(shift or ()))
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
@@ -237,15 +248,17 @@ class OVQAttention(Mixer):
         return self.o_proj(o.transpose(1, 2).flatten(2))
 
     def _carry(self, st: OVQState) -> tuple:
-        """What the chunk loop carries: ``(dk, dv, counts, buf_k, buf_v)``. The dictionary and its counts stay
-        float32 under autocast (bf16 running means drift ~1.5% after 8k merges); attention reads them in the
-        compute dtype, and the buffered tokens join the new ones in theirs (:meth:`_segment`)."""
-        return st.dk.float(), st.dv.float(), st.counts, st.buf_k, st.buf_v
+        """What the chunk loop carries: ``(dk, dv, counts, log_counts, buf_k, buf_v)`` (``N_CARRY``). The
+        dictionary and its counts stay float32 under autocast (bf16 running means drift ~1.5% after 8k merges);
+        attention reads them in the compute dtype, and the buffered tokens join the new ones in theirs
+        (:meth:`_segment`)."""
+        return st.dk.float(), st.dv.float(), st.counts, state_log_counts(st), st.buf_k, st.buf_v
 
     def _state(self, carry: tuple, next_pos: int, shift) -> OVQState:
         """The state after the chunk loop (inverse of :meth:`_carry`)."""
-        dk, dv, counts, buf_k, buf_v = carry
-        return OVQState(dk=dk, dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, next_pos=next_pos, shift=shift)
+        dk, dv, counts, log_counts, buf_k, buf_v = carry
+        return OVQState(dk=dk, dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, log_counts=log_counts,
+                        next_pos=next_pos, shift=shift)
 
     def _merge(self, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
                vc: torch.Tensor, decisions: dict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -263,15 +276,16 @@ class OVQAttention(Mixer):
                                      decisions)
 
     def _segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, memo: dict | None, pos: int,
-                 dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, buf_k: torch.Tensor, buf_v: torch.Tensor
-                 ) -> tuple:
+                 dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, log_counts: torch.Tensor,
+                 buf_k: torch.Tensor, buf_v: torch.Tensor) -> tuple:
         """Tokens at absolute positions ``pos .. pos + T`` (``q, k, v (B, H, T, D)``), chunk by chunk: each piece
         attends over ``[D_k ; K_c]`` (eq. 15), each completed chunk is merged into the dictionary (eq. 17-19).
         ``memo``: a dict the segment's first run fills and its recomputation in backward reads (each piece's read
         and choices), or None. ``q, k`` are the projections before :meth:`normalize_qk`, which runs here: in
         training it is recomputed with the segment, so autograd keeps the projections only, not also their
-        normalised copies (two ``(B, H, T, D)`` tensors a layer; issue #17). Returns ``(o (B, H, T, D), dk, dv,
-        counts, buf_k, buf_v)``."""
+        normalised copies (two ``(B, H, T, D)`` tensors a layer; issue #17). ``log_counts``: ``counts.log()``,
+        taken again after each merge only. Returns ``(o (B, H, T, D), dk, dv, counts, log_counts, buf_k,
+        buf_v)``."""
         q, k = self.normalize_qk(q, k)
         buf_k, buf_v = buf_k.to(k.dtype), buf_v.to(v.dtype)
         L = self.chunk_len
@@ -287,16 +301,17 @@ class OVQAttention(Mixer):
             vc = vn if buf_v.shape[2] == 0 else torch.cat([buf_v, vn], dim=2)
             read, decisions = (None, None) if memo is None else (memo.setdefault(("read", t), {}),
                                                                   memo.setdefault(("merge", t), {}))
-            outs.append(attend(qc, dk.to(q.dtype), dv.to(q.dtype), counts.log(), kc, vc, reuse=read))
+            outs.append(attend(qc, dk.to(q.dtype), dv.to(q.dtype), log_counts, kc, vc, reuse=read))
             t += qc.shape[2]
             if kc.shape[2] == L:                          # the chunk is complete: merge it (eq. 17-19)
                 dk, dv, counts = self._merge((pos + t) // L - 1, dk, dv, counts, kc.float(), vc.float(), decisions)
+                log_counts = counts.log()
                 # new empty tensors, not empty views: a view would keep the whole segment's keys alive in the
                 # state that autograd keeps for the next segment (issue #17)
                 buf_k, buf_v = kc.new_empty(*kc.shape[:2], 0, kc.shape[3]), vc.new_empty(*vc.shape[:2], 0, vc.shape[3])
             else:
                 buf_k, buf_v = kc, vc
-        return torch.cat(outs, dim=2), dk, dv, counts, buf_k, buf_v
+        return torch.cat(outs, dim=2), dk, dv, counts, log_counts, buf_k, buf_v
 
     def extra_repr(self) -> str:
         opts = f"chunk_len={self.chunk_len}, max_size={self.max_size}, schedule={self.schedule!r}"

@@ -30,7 +30,7 @@ from torch import nn
 from mixerzoo.mixers.qkv import StreamState
 
 from . import ops, reference
-from .layer import OVQAttention
+from .layer import OVQAttention, state_log_counts
 
 __all__ = ["VQState", "VQAttention", "quantize_keys"]
 
@@ -43,12 +43,14 @@ class VQState(StreamState):
         dv: ``(B, H_kv, N, D)`` float32, the mean value of the keys each codeword absorbed (0 where none).
         counts: ``(B, H_kv, N)`` float32, how many keys each codeword absorbed.
         buf_k, buf_v: quantized keys and values of the unfinished chunk, ``(B, H_kv, next_pos % L, D)``.
+        log_counts: ``log(counts)`` (see :class:`~mixerzoo_ovq.layer.OVQState`), or None.
     """
 
     dv: torch.Tensor
     counts: torch.Tensor
     buf_k: torch.Tensor
     buf_v: torch.Tensor
+    log_counts: torch.Tensor | None = None
 
 
 def quantize_keys(k: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,11 +134,13 @@ class VQAttention(OVQAttention):
 
     def _carry(self, st: VQState) -> tuple:
         B = st.dv.shape[0]
-        return self.codes().float()[None].expand(B, -1, -1, -1), st.dv.float(), st.counts, st.buf_k, st.buf_v
+        return (self.codes().float()[None].expand(B, -1, -1, -1), st.dv.float(), st.counts, state_log_counts(st),
+                st.buf_k, st.buf_v)
 
     def _state(self, carry: tuple, next_pos: int, shift) -> VQState:
-        _, dv, counts, buf_k, buf_v = carry
-        return VQState(dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, next_pos=next_pos, shift=shift)
+        _, dv, counts, log_counts, buf_k, buf_v = carry
+        return VQState(dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, log_counts=log_counts, next_pos=next_pos,
+                       shift=shift)
 
     def _merge(self, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
                vc: torch.Tensor, decisions: dict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
