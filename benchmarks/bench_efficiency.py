@@ -26,8 +26,9 @@ mixers their defaults.
   of a fast path costs what. Timed through a ``TorchDispatchMode``, whose own overhead (tens of microseconds per
   operator) inflates lines with many small operators: for finding hot spots, not for comparing versions.
 - ``--memory-profile MIXER T``: what is alive at the peak of one training step: the tensor storages created by
-  the step, counted by :class:`mixerzoo.evaluation.cost.LiveTensorBytes`, grouped by the operator that made them
-  and their shape (the view a memory optimisation needs; independent of the machine's load).
+  the step, counted by :class:`mixerzoo.evaluation.cost.LiveTensorBytes`, grouped by the operator that made them,
+  their shape and the line of mixerzoo code that called it (as ``--op-lines``; "(autograd)": made by autograd's
+  engine in backward): the view a memory optimisation needs, independent of the machine's load.
 - ``--device cuda --dtype bf16 --d-model 1024 --head-dim 128`` (issue #21's GPU table): the same tables on a GPU
   under bf16 autocast (weights fp32, as in ``bf16-mixed`` training); time is taken after ``cuda.synchronize``
   and peak memory is ``torch.cuda.max_memory_allocated`` of the step minus what was allocated before it.
@@ -217,6 +218,19 @@ def profile(name: str, T: int, task: dict, rows: int = 25) -> None:
                                     row_limit=rows))
 
 
+def calling_line(depth: int = 2) -> str:
+    """Where the operator being dispatched was called from: the innermost line of mixerzoo code (the package or a
+    plugin) above the ``depth`` frames of the caller and its ``__torch_dispatch__``, as ``file:line function``;
+    "" for the operators autograd's engine runs in backward (no Python frame of ours calls them)."""
+    frame = sys._getframe(depth)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "mixerzoo" in path and "_python_dispatch" not in path:
+            return f"{os.path.basename(path)}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return ""
+
+
 def op_lines(name: str, T: int, task: dict, rows: int = 40) -> None:
     """Print the operators' time of one training step (after a warm-up step) summed per calling line of mixerzoo
     code (see the module docstring)."""
@@ -224,22 +238,13 @@ def op_lines(name: str, T: int, task: dict, rows: int = 40) -> None:
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    def caller() -> str:
-        frame = sys._getframe(2)
-        while frame is not None:
-            path = frame.f_code.co_filename
-            if "mixerzoo" in path and "_python_dispatch" not in path:
-                return f"{os.path.basename(path)}:{frame.f_lineno} {frame.f_code.co_name}"
-            frame = frame.f_back
-        return ""
-
     spent = collections.defaultdict(lambda: [0.0, 0])
 
     class Timed(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             t0 = time.perf_counter()
             out = func(*args, **(kwargs or {}))
-            entry = spent[caller()]
+            entry = spent[calling_line()]
             entry[0] += time.perf_counter() - t0
             entry[1] += 1
             return out
@@ -258,8 +263,8 @@ def op_lines(name: str, T: int, task: dict, rows: int = 40) -> None:
 
 def memory_profile(name: str, T: int, task: dict, rows: int = 20) -> None:
     """Print the live tensor storages created by one training step (after a warm-up step) at its peak and at the
-    end of its forward pass ("kept"), grouped by (operator, shape): the storages a memory optimisation has to
-    remove."""
+    end of its forward pass ("kept"), grouped by (operator, shape, calling line of mixerzoo code; none: made by
+    autograd's engine in backward): the storages a memory optimisation has to remove, and where they are made."""
     import collections
 
     from mixerzoo.evaluation.cost import LiveTensorBytes
@@ -269,16 +274,16 @@ def memory_profile(name: str, T: int, task: dict, rows: int = 20) -> None:
 
         def __init__(self, exclude):
             super().__init__(exclude)
-            self.made_by, self.alive_at_peak, self._op = {}, {}, "?"
+            self.made_by, self.alive_at_peak, self._op, self._line = {}, {}, "?", ""
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self._op = str(func).removesuffix(".default")
+            self._op, self._line = str(func).removesuffix(".default"), calling_line()
             return super().__torch_dispatch__(func, types, args, kwargs)
 
         def _track(self, t):
             ptr, peak = t.untyped_storage().data_ptr(), self.peak
             if ptr not in self._live:  # a new storage (a view of a live one keeps its maker)
-                self.made_by[ptr] = (self._op, tuple(t.shape))
+                self.made_by[ptr] = (self._op, tuple(t.shape), self._line)
             super()._track(t)
             if self.peak > peak:
                 self.alive_at_peak = {p: (entry[0], self.made_by.get(p)) for p, entry in self._live.items()}
@@ -302,10 +307,10 @@ def memory_profile(name: str, T: int, task: dict, rows: int = 20) -> None:
             total[origin] += nbytes
             count[origin] += 1
         print(f"# live tensors {what}: {name}, T = {T}, {describe(task)}: {sum(total.values()) / 2**20:.1f} MiB")
-        print("\n| MiB | storages | made by | shape |\n|---|---|---|---|")
+        print("\n| MiB | storages | made by | shape | at |\n|---|---|---|---|---|")
         for origin, nbytes in total.most_common(rows):
-            op, shape = origin or ("?", ())
-            print(f"| {nbytes / 2**20:.1f} | {count[origin]} | {op} | {tuple(shape)} |")
+            op, shape, line = origin or ("?", (), "")
+            print(f"| {nbytes / 2**20:.1f} | {count[origin]} | {op} | {tuple(shape)} | {line or '(autograd)'} |")
         print()
 
 
@@ -336,7 +341,8 @@ def main() -> None:
     ap.add_argument("--op-lines", nargs=2, metavar=("MIXER", "T"),
                     help="print the operators' time of one training step per calling line, and exit")
     ap.add_argument("--memory-profile", nargs=2, metavar=("MIXER", "T"),
-                    help="print the tensors alive at the peak of one training step, by operator and shape, and exit")
+                    help="print the tensors alive at the peak of one training step, by operator, shape and calling "
+                         "line, and exit")
     ap.add_argument("--json", help="also write every figure here")
     add_device_args(ap)
     ap.add_argument("--d-model", type=int, default=D_MODEL)
