@@ -17,6 +17,11 @@ mixers their defaults.
   ``n`` layers holds ``n`` times "kept" before its backward starts, but only one layer's backward transient at
   a time, so at depth "kept" is the figure that decides memory; "live" is the whole one-layer step.
   ``--memory-only`` skips the timed rounds.
+- ``--model-layers N``: the same training-step columns for a whole language model instead of one layer:
+  ``N`` blocks of the mixer (each with its pre-norm, residual and the default SwiGLU MLP, as
+  :class:`mixerzoo.model.LanguageModel` builds them), a byte-sized vocabulary (256, so that the logits do not
+  dominate) and the next-token cross-entropy as the loss: the peak that a training run of such a model reaches,
+  where the one-layer figures only bound it. No decode table (pass ``--decode-contexts`` with no value).
 - **Decode**: a fresh process per mixer; prefill ``T`` tokens without gradient in pieces of 4,096, then the mean
   ms of ``--decode-steps`` single-token steps.
 - ``--profile MIXER T``: a ``torch.profiler`` table of one training step (top ops by self CPU time, and the
@@ -57,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _device import add_device_args, autocast, check_device, sync  # noqa: E402 - beside this script
 
 D_MODEL, N_HEADS = 256, 2
+MODEL_VOCAB = 256  # --model-layers: byte-sized, so that the logits (T x vocab) do not dominate the memory
 HALF_ROPE = {"name": "rope", "rotary_fraction": 0.5}
 KVM = dict(chunk_len=256, n_bswa_chunks=2, positional=HALF_ROPE, qk_norm="layernorm")
 MIXERS = {  # name in the tables: (registry name, options)
@@ -80,15 +86,42 @@ DEFAULT = [m for m in MIXERS if not m.endswith("/keep")]  # "/keep": checkpoint_
 
 
 def build(name: str, task: dict):
-    """The layer ``name`` of :data:`MIXERS` at the task's width, on its device (weights fp32)."""
+    """The layer ``name`` of :data:`MIXERS` at the task's width, on its device (weights fp32); with
+    ``task["layers"]`` (``--model-layers``) a :class:`mixerzoo.model.LanguageModel` of that many blocks of it."""
     import torch
     from mixerzoo import registry
+    from mixerzoo.model import LanguageModel
 
     torch.manual_seed(0)
     kind, options = MIXERS[name]
     d_model = task.get("d_model", D_MODEL)
-    return registry.get(kind)(d_model, n_heads=d_model // task.get("head_dim", D_MODEL // N_HEADS),
-                              **options).to(on(task)[0])
+    n_heads = d_model // task.get("head_dim", D_MODEL // N_HEADS)
+    if task.get("layers"):
+        return LanguageModel(dict(vocab_size=MODEL_VOCAB, d_model=d_model, n_layers=task["layers"], n_heads=n_heads,
+                                  layer_types=["mixer"], mixers={"mixer": {"mixer": kind, **options}})
+                             ).to(on(task)[0])
+    return registry.get(kind)(d_model, n_heads=n_heads, **options).to(on(task)[0])
+
+
+def inputs(task: dict, T: int):
+    """One step's input of ``T`` tokens: ``x (1, T, d_model)`` that wants a gradient for one layer, token ids
+    ``(1, T)`` for a model (``task["layers"]``)."""
+    import torch
+
+    device = on(task)[0]
+    if task.get("layers"):
+        return torch.randint(0, MODEL_VOCAB, (1, T), device=device)
+    return torch.randn(1, T, task.get("d_model", D_MODEL), device=device, requires_grad=True)
+
+
+def loss_of(out, x, task: dict):
+    """The step's loss from the forward's first output: the next-token cross-entropy for a model
+    (``task["layers"]``), ``y.square().mean()`` for one layer."""
+    import torch.nn.functional as F
+
+    if task.get("layers"):
+        return F.cross_entropy(out[0, :-1].float(), x[0, 1:])
+    return out.float().square().mean()
 
 
 def on(task: dict) -> tuple[str, str]:
@@ -102,9 +135,10 @@ def rss_mib() -> float:
 
 
 def step(layer, x, task: dict | None = None):
+    """One training step: forward under the task's autocast, then :func:`loss_of`'s backward."""
     with autocast(*on(task or {})):
         y, _ = layer(x)
-    y.float().square().mean().backward()
+    loss_of(y, x, task or {}).backward()
 
 
 def worker(task: dict) -> dict:
@@ -114,7 +148,7 @@ def worker(task: dict) -> dict:
     device, d_model = on(task)[0], task.get("d_model", D_MODEL)
     if task["what"] == "time":
         layers = {name: build(name, task) for name in task["mixers"]}
-        x = torch.randn(1, task["T"], d_model, device=device, requires_grad=True)
+        x = inputs(task, task["T"])
         for layer in layers.values():  # warm-up (lazy initialisation, kernel autotuning) outside the timed rounds
             step(layer, x[:, :1024], task)
         times = {name: [] for name in layers}
@@ -129,9 +163,9 @@ def worker(task: dict) -> dict:
         return times
     layer = build(task["mixer"], task)
     if task["what"] == "memory":
-        step(layer, torch.randn(1, 1024, d_model, device=device, requires_grad=True), task)
+        step(layer, inputs(task, 1024), task)
         layer.zero_grad(set_to_none=True)
-        x = torch.randn(1, task["T"], d_model, device=device, requires_grad=True)
+        x = inputs(task, task["T"])
         if device == "cuda":
             sync(device)
             base = torch.cuda.memory_allocated()
@@ -152,7 +186,7 @@ def worker(task: dict) -> dict:
             with autocast(*on(task)):
                 y, _ = layer(x)
             kept = live.current  # what autograd keeps for backward (and the output): per layer, in a deep model
-            y.float().square().mean().backward()
+            loss_of(y, x, task).backward()
         return {"peak_mib": rss, "live_mib": live.peak / 2**20, "kept_mib": kept / 2**20}
     if task["what"] == "decode":
         return {"ms_per_token": decode_ms_per_token(layer, task["T"], task["steps"], d_model, task)}
@@ -196,7 +230,7 @@ def warmed_up(name: str, T: int, task: dict):
 
     torch.set_num_threads(task["threads"])
     layer = build(name, task)
-    x = torch.randn(1, T, task.get("d_model", D_MODEL), device=on(task)[0], requires_grad=True)
+    x = inputs(task, T)
     step(layer, x[:, :1024], task)
     return layer, x
 
@@ -299,7 +333,7 @@ def memory_profile(name: str, T: int, task: dict, rows: int = 20) -> None:
         with autocast(*on(task)):
             y, _ = layer(x)
         kept = {p: (entry[0], mem.made_by.get(p)) for p, entry in mem._live.items()}  # alive when forward ends
-        y.float().square().mean().backward()
+        loss_of(y, x, task).backward()
     for what, alive in (("at the peak of one training step", mem.alive_at_peak),
                         ("kept at the end of the forward pass (for backward, and the output)", kept)):
         total, count = collections.Counter(), collections.Counter()
@@ -314,11 +348,20 @@ def memory_profile(name: str, T: int, task: dict, rows: int = 20) -> None:
         print()
 
 
+def what_is_measured(task: dict) -> str:
+    """"one layer", or the language model of ``--model-layers`` in words, for the tables' headers."""
+    if not task.get("layers"):
+        return "one layer"
+    return (f"the model: {task['layers']} blocks of the mixer (pre-norm, SwiGLU MLP), vocabulary {MODEL_VOCAB}, "
+            f"next-token cross-entropy")
+
+
 def describe(task: dict) -> str:
     """One line of the run's settings for the tables' headers."""
     d_model, head_dim = task.get("d_model", D_MODEL), task.get("head_dim", D_MODEL // N_HEADS)
+    model = f", {task['layers']}-block language model" if task.get("layers") else ""
     return (f"{', '.join(on(task))}, {task['threads']} threads, d_model "
-            f"{d_model}, {d_model // head_dim} heads x {head_dim}, batch 1")
+            f"{d_model}, {d_model // head_dim} heads x {head_dim}, batch 1{model}")
 
 
 def fmt_len(n: int) -> str:
@@ -343,6 +386,8 @@ def main() -> None:
     ap.add_argument("--memory-profile", nargs=2, metavar=("MIXER", "T"),
                     help="print the tensors alive at the peak of one training step, by operator, shape and calling "
                          "line, and exit")
+    ap.add_argument("--model-layers", type=int, default=0, metavar="N",
+                    help="the training-step columns for an N-block language model of each mixer (0: one layer)")
     ap.add_argument("--json", help="also write every figure here")
     add_device_args(ap)
     ap.add_argument("--d-model", type=int, default=D_MODEL)
@@ -353,11 +398,15 @@ def main() -> None:
         return
     if args.d_model % args.head_dim:
         ap.error(f"--d-model {args.d_model} is not a multiple of --head-dim {args.head_dim}")
+    if args.model_layers < 0:
+        ap.error(f"--model-layers must be >= 0 (0: one layer alone), got {args.model_layers}")
+    if args.model_layers and args.decode_contexts:
+        ap.error("--model-layers measures training steps only: add --decode-contexts with no value")
     import torch
 
     check_device(ap, args.device)
     base = {"threads": args.threads, "device": args.device, "dtype": args.dtype, "d_model": args.d_model,
-            "head_dim": args.head_dim}
+            "head_dim": args.head_dim, "layers": args.model_layers}
     if args.profile:
         profile(args.profile[0], int(args.profile[1]), base)
         return
@@ -372,7 +421,7 @@ def main() -> None:
     print(f"# bench_efficiency.py  {' '.join(sys.argv[1:])}")
     print(f"# {cpu}{gpu}, {os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f} at start; "
           f"torch {torch.__version__} {platform.machine()}")
-    print(f"# one layer, {describe(base)}; options: "
+    print(f"# {what_is_measured(base)}; {describe(base)}; options: "
           + "; ".join(f"{n}: {MIXERS[n][0]} {MIXERS[n][1]}" for n in args.mixers))
     limits = {m: int(t) for m, t in (s.split("=") for s in args.max_len)}
     trainable = [m for m in args.mixers if m in TRAINABLE]

@@ -85,6 +85,22 @@ def test_memory_profile_lists_what_is_alive_at_the_peak(capsys, benchmark_script
     assert 0 < totals[1] < totals[0]
 
 
+
+def test_model_layers_measure_a_language_model_of_the_mixer(benchmark_script):
+    """bench_efficiency --model-layers: the training-step memory of an n-block language model of the mixer (token
+    ids in, next-token cross-entropy out): each block keeps its own activations, so two blocks keep more than one
+    and the live peak is at least what the forward keeps; asking for decode with it is refused, naming the fix."""
+    bench = benchmark_script("bench_efficiency")
+    one, two = (bench.worker({"what": "memory", "mixer": "attention", "T": 300, "threads": 1, "layers": n})
+                for n in (1, 2))
+    assert two["live_mib"] >= two["kept_mib"] > one["kept_mib"] > 0
+    model = bench.build("kvm-256", {"layers": 2})
+    assert len(model.blocks) == 2 and all(b.mixer_name == "kvm" for b in model.blocks)
+    run = subprocess.run([sys.executable, bench.__file__, "--model-layers", "2", "--mixers", "attention"],
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "add --decode-contexts with no value" in run.stderr
+
+
 def test_op_lines_charge_operators_to_the_lines_that_called_them(capsys, benchmark_script):
     """bench_efficiency --op-lines: one row per calling line of mixerzoo code, sorted by time; KVM's read and its
     routing are found where they are, and a training step's backward has rows of autograd's own nodes."""
