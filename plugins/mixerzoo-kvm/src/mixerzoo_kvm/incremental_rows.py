@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .lean_attention import ChunkRows
-from .ops import read_values
+from .ops import flat_rows, read_values
 from .refold import refold_reference
 
 __all__ = ["IncrementalRows"]
@@ -70,17 +70,15 @@ class IncrementalRows(ChunkRows):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The state after all the group's folds, ``(B, H, R, D)`` each, in plain autograd from ``shared``: what a
         forward pass's :meth:`_IncrementalPass.state` gives (the reference path's form of it)."""
-        return refold_reference(s_k, s_v, self.make, self.fold_rows(s_k.shape[0] * s_k.shape[1]),
-                                max(self.n_rows), rest[4:])
+        return refold_reference(s_k, s_v, self.make, self.fold_rows(), max(self.n_rows), rest[4:])
 
-    def fold_rows(self, N: int) -> list[torch.Tensor]:
-        """Each fold's rows, ``(N C,)`` for ``N = B H`` heads: token ``i`` of head ``n`` into row ``n R +
-        target[n, f C + i]`` of the flattened ``(N R, D)`` state (``R`` the group's largest state)."""
-        n_folds, R = self.reads[-1], max(self.n_rows)
+    def fold_rows(self) -> list[torch.Tensor]:
+        """Each fold's rows, ``(B H C,)``: token ``i`` of head ``n = b H + h`` into row ``n R + target[b, h, f C +
+        i]`` of the flattened ``(B H R, D)`` state (``R`` the group's largest state; :func:`ops.flat_rows`)."""
+        n_folds = self.reads[-1]
         if not n_folds:
             return []
-        heads = torch.arange(N, device=self.target.device)[:, None] * R
-        return [r.reshape(-1) for r in (self.target.reshape(N, n_folds, -1) + heads[:, :, None]).unbind(1)]
+        return [flat_rows(t, max(self.n_rows)) for t in self.target.chunk(n_folds, dim=2)]
 
 
 class _IncrementalPass:
@@ -100,7 +98,7 @@ class _IncrementalPass:
             run[:, :m] = s.reshape(N, m, D)
             self.S.append(run.view(N * R, D))
         self.M = None  # the read's buffers for the rows (normalised keys, read-out values), from the first write
-        self.fold_rows = spec.fold_rows(N)
+        self.fold_rows = spec.fold_rows()
         self.C = spec.target.shape[2] // self.n_folds if self.n_folds else 0
         self.applied = 0
         self.g_state = (None, None)  # the gradient of the state after the folds (add_state_grad)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["KVMSpec", "KVMParams", "memory_keys", "memory_queries", "joint_queries", "joint_keys", "merge_gate",
-           "read_values", "state_budget", "Routing", "route_overflow", "fold", "keep_from"]
+           "flat_rows", "read_values", "state_budget", "Routing", "route_overflow", "fold", "keep_from"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +157,14 @@ def read_values(s_v: torch.Tensor, rho: torch.Tensor, count: torch.Tensor | None
     else:
         raise ValueError(f"value_norm must be 'radius' or 'mean', got {value_norm!r}")
     return out.to(s_v.dtype)
+
+
+def flat_rows(target: torch.Tensor, stride: int) -> torch.Tensor:
+    """The flat row indices ``(B H n,)`` of ``target (B, H, n)`` (rows of each head) in a state flattened to
+    ``(B H stride, D)``: row ``r`` of head ``(b, h)`` at ``(b H + h) stride + r``, in the order batch, head, then
+    the target's last axis (the fold tokens' order, for ``index_add_`` / ``index_select`` of their additions)."""
+    B, H = target.shape[:2]
+    return (target + torch.arange(B * H, device=target.device).view(B, H, 1) * stride).reshape(-1)
 
 
 def state_budget(m: int, schedule: Callable[[int], int], tokens_seen: int, chunk_len: int) -> int:

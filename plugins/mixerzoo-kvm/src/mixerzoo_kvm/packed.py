@@ -39,8 +39,8 @@ from mixerzoo.mixers.segments import training
 
 from .incremental_rows import IncrementalRows
 from .lean_attention import memory_window_attention, shared_mask
-from .ops import (KVMParams, KVMSpec, Routing, fold, joint_keys, joint_queries, keep_from, memory_keys, read_values,
-                  route_overflow, state_budget)
+from .ops import (KVMParams, KVMSpec, Routing, flat_rows, fold, joint_keys, joint_queries, keep_from, memory_keys,
+                  read_values, route_overflow, state_budget)
 from .refold import refold
 from .state import KVMState
 
@@ -99,9 +99,8 @@ class _FoldSnapshots(torch.autograd.Function):
         E = max(reads)
         C = x[0].shape[2] if E else 0
         K = len(reads)
-        bh = torch.arange(B * H, device=s0.device).view(B, H, 1)
         folds = [target[:, :, f * C:(f + 1) * C] for f in range(E)]
-        ctx.rows = [(t + bh * R).reshape(-1) for t in folds]  # rows of a (B, H, R, D) state, flattened
+        ctx.rows = [flat_rows(t, R) for t in folds]  # rows of a (B, H, R, D) state, flattened
         ctx.meta = reads, m, len(x)
         out = s0.new_empty(B, H, K, R, D)
         flat = out.view(-1, D)  # row (b H + h) K R + j R + r is row r of snapshot j
@@ -113,7 +112,7 @@ class _FoldSnapshots(torch.autograd.Function):
             else:
                 out[:, :, j] = out[:, :, j - 1]
             for f in range(done, e):
-                rows = ctx.rows[f] if K == 1 else (folds[f] + bh * (K * R) + j * R).reshape(-1)
+                rows = ctx.rows[f] if K == 1 else flat_rows(folds[f], K * R) + j * R
                 flat.index_add_(0, rows, x[f].reshape(-1, D))
             done = max(done, e)
         return out
@@ -387,8 +386,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         at a time, none kept), in plain autograd with soft routing (an ablation)."""
         fold_routes = routes[f0:f0 + n]
         if spec.routing == "hard":
-            heads = torch.arange(B * H, device=dev).view(B, H, 1) * R
-            return refold(s_k, s_v, make, [(r.target + heads).reshape(-1) for r in fold_routes], R, sources)
+            return refold(s_k, s_v, make, [flat_rows(r.target, R) for r in fold_routes], R, sources)
         probs = [r.weights(sizes[f0 + f + 1]) for f, r in enumerate(fold_routes)]
         x_k, x_v = (x.view(B, H, n, C, D).unbind(2) for x in make(0, n, *sources)) if n else ((), ())
         # squeeze, not [:, :, 0]: a select's backward would copy the incoming gradient into a fresh zero tensor
