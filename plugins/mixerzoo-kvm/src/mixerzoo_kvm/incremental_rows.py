@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .lean_attention import ChunkRows
+from .lean_attention import ChunkRows, detached_leaves, grads_to_leaves
 from .ops import flat_rows, read_values
 from .refold import refold_reference
 
@@ -232,20 +232,16 @@ class _IncrementalPass:
         T = [t.view(N, self.R, D) for t in acc]
         # the folds' additions made again with a graph, and their gradient taken to the sources at once
         wants = self.wants[6:]
-        leaves = [t.detach().requires_grad_(w) for t, w in zip(self.sources, wants)]
-        wanted = [leaf for leaf, w in zip(leaves, wants) if w]
-        g_sources: list[torch.Tensor | None] = [None] * len(leaves)
-        if wanted and self.n_folds:
+        g_sources: list[torch.Tensor | None] = [None] * len(wants)
+        if any(wants) and self.n_folds:
+            leaves = detached_leaves(self.sources, wants)
             g_x = [torch.cat(parts, dim=1) for parts in g_x]  # (B H, F C, D): batch and head, then fold, then token
             with torch.enable_grad():
                 made = self.spec.make(0, self.n_folds, *leaves)
-            pairs = [(x, g.view(x.shape).to(x.dtype)) for x, g in zip(made, g_x) if x.requires_grad]
+            g_made = [g.view(x.shape).to(x.dtype) if x.requires_grad else None for x, g in zip(made, g_x)]
             del g_x
-            if pairs:
-                got = iter(torch.autograd.grad([x for x, _ in pairs], wanted, [g for _, g in pairs],
-                                               allow_unused=True))
-                g_sources = [next(got) if w else None for w in wants]
-            del made, pairs
+            g_sources = grads_to_leaves(made, g_made, leaves, wants)
+            del made, g_made
         # copies of the entering rows: a view would keep all R rows of T alive as long as autograd holds them
         grads = [T[0][:, :m].reshape(B, H, m, D).clone(), T[1][:, :m].reshape(B, H, m, D).clone(),
                  self.g_tau.view(-1, 1, 1, 1), self.g_rho.view(B * H, 1, self.R), *self.g_ln]

@@ -169,6 +169,27 @@ class ChunkRows:
         return _GraphPass(self.fn, shared, wants)
 
 
+def detached_leaves(tensors, wants: list[bool]) -> list[torch.Tensor]:
+    """Detached copies of ``tensors`` that require a gradient where ``wants``: the inputs of a small graph made
+    again in a backward (the pattern of :class:`ChunkRows`, :class:`mixerzoo_kvm.refold._Refold`,
+    :class:`mixerzoo_kvm.incremental_rows.IncrementalRows`)."""
+    return [t.detach().requires_grad_(w) for t, w in zip(tensors, wants)]
+
+
+def grads_to_leaves(outputs, grad_outputs, leaves: list[torch.Tensor], wants: list[bool]
+                    ) -> list[torch.Tensor | None]:
+    """The gradients of ``leaves`` (:func:`detached_leaves`) from ``outputs`` made from them and the loss's
+    gradients with respect to those, ``grad_outputs`` (None: that output is not used), in one
+    ``torch.autograd.grad`` call. None for a leaf that is not wanted or that no used output reaches; all None when
+    no leaf is wanted or no used output has a graph."""
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
+    wanted = [t for t, w in zip(leaves, wants) if w]
+    if not (pairs and wanted):
+        return [None] * len(leaves)
+    got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+    return [next(got) if w else None for w in wants]
+
+
 class _GraphPass:
     """:meth:`ChunkRows.start`'s pass: ``rows(c, *shared)`` per chunk; in backward on detached copies of ``shared``
     (leaves), so each chunk's row gradient goes back to them at once, summed into one buffer per tensor."""
@@ -176,7 +197,7 @@ class _GraphPass:
     def __init__(self, fn: Callable, shared: tuple, wants: list[bool] | None) -> None:
         self.fn, self.wants = fn, wants
         self.grad = [None] * len(shared)
-        self.leaves = shared if wants is None else [t.detach().requires_grad_(w) for t, w in zip(shared, wants)]
+        self.leaves = shared if wants is None else detached_leaves(shared, wants)
         self.made = None
 
     def write(self, c: int, out_k: torch.Tensor, out_v: torch.Tensor, R_c: int) -> None:
@@ -187,14 +208,9 @@ class _GraphPass:
         self.made = made if self.wants is not None else None
 
     def add_grad(self, c: int, g_k: torch.Tensor, g_v: torch.Tensor) -> None:
-        made = [(t, g) for t, g in zip(self.made, (g_k, g_v)) if t.requires_grad]
-        inputs = [t for t, w in zip(self.leaves, self.wants) if w]
-        self.made = None
-        if not (made and inputs):
-            return
-        grads = iter(torch.autograd.grad([t for t, _ in made], inputs, [g for _, g in made], allow_unused=True))
-        for i, w in enumerate(self.wants):  # one buffer each (a chunk's gradient may be a view of a larger one)
-            if w and (g := next(grads)) is not None:
+        made, self.made = self.made, None
+        for i, g in enumerate(grads_to_leaves(made, (g_k, g_v), self.leaves, self.wants)):
+            if g is not None:  # one buffer each (a chunk's gradient may be a view of a larger one)
                 self.grad[i] = g.clone() if self.grad[i] is None else self.grad[i].add_(g)
 
     def grads(self) -> list[torch.Tensor | None]:

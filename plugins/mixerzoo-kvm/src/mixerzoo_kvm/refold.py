@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from .lean_attention import detached_leaves, grads_to_leaves
+
 __all__ = ["refold", "refold_reference", "FOLDS_AT_ONCE"]
 
 FOLDS_AT_ONCE = 4
@@ -58,24 +60,20 @@ class _Refold(torch.autograd.Function):
     def backward(ctx, g_k: torch.Tensor | None, g_v: torch.Tensor | None):
         inputs = ctx.saved_tensors
         wants = ctx.needs_input_grad[5:]
-        leaves = [t.detach().requires_grad_(w) for t, w in zip(inputs, wants)]
-        wanted = [leaf for leaf, w in zip(leaves, wants) if w]
+        leaves = detached_leaves(inputs, wants)
         grads: list[torch.Tensor | None] = [None] * len(inputs)
         flat = [None if g is None else g.reshape(-1, g.shape[-1]) for g in (g_k, g_v)]
         for (lo, hi), r in zip(ctx.spans, ctx.rows):
-            if not wanted:
+            if not any(wants):
                 break
             with torch.enable_grad():
                 made = ctx.make(lo, hi, *leaves)
-            pairs = [(x, g.index_select(0, r).view(x.shape).to(x.dtype)) for x, g in zip(made, flat)
-                     if g is not None and x.requires_grad]
-            if not pairs:
-                continue
-            got = iter(torch.autograd.grad([x for x, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
-            for i, w in enumerate(wants):
-                if w and (g := next(got)) is not None:
+            g_made = [None if g is None or not x.requires_grad else g.index_select(0, r).view(x.shape).to(x.dtype)
+                      for x, g in zip(made, flat)]
+            for i, g in enumerate(grads_to_leaves(made, g_made, leaves, wants)):
+                if g is not None:
                     grads[i] = g if grads[i] is None else grads[i] + g
-            del made, pairs
+            del made, g_made
         # a copy of the anchor's rows, not a view: the view would keep all m rows alive until the anchor's own
         # backward, after every group of its block
         m0 = ctx.m0
