@@ -357,11 +357,11 @@ def what_is_measured(task: dict) -> str:
 
 
 def describe(task: dict) -> str:
-    """One line of the run's settings for the tables' headers."""
+    """One line of the run's settings for the tables' headers: what is measured (:func:`what_is_measured`), then
+    the device, dtype, threads and shapes."""
     d_model, head_dim = task.get("d_model", D_MODEL), task.get("head_dim", D_MODEL // N_HEADS)
-    model = f", {task['layers']}-block language model" if task.get("layers") else ""
-    return (f"{', '.join(on(task))}, {task['threads']} threads, d_model "
-            f"{d_model}, {d_model // head_dim} heads x {head_dim}, batch 1{model}")
+    return (f"{what_is_measured(task)}; {', '.join(on(task))}, {task['threads']} threads, d_model "
+            f"{d_model}, {d_model // head_dim} heads x {head_dim}, batch 1")
 
 
 def fmt_len(n: int) -> str:
@@ -421,7 +421,7 @@ def main() -> None:
     print(f"# bench_efficiency.py  {' '.join(sys.argv[1:])}")
     print(f"# {cpu}{gpu}, {os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f} at start; "
           f"torch {torch.__version__} {platform.machine()}")
-    print(f"# {what_is_measured(base)}; {describe(base)}; options: "
+    print(f"# {describe(base)}; options: "
           + "; ".join(f"{n}: {MIXERS[n][0]} {MIXERS[n][1]}" for n in args.mixers))
     limits = {m: int(t) for m, t in (s.split("=") for s in args.max_len)}
     trainable = [m for m in args.mixers if m in TRAINABLE]
