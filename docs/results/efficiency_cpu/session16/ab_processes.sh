@@ -1,6 +1,7 @@
 #!/bin/bash
-# usage: abrev.sh T mixer rounds repeats -> alternating before (HEAD worktree) / after (installed) processes
-cd /work/main && . .venv/bin/activate
+# usage: ab_processes.sh T mixer rounds repeats: alternating processes of the code in a worktree at /tmp/before
+# (git worktree add -f /tmp/before <rev>) and of the installed tree, each timing attention and the mixer
+cd "$(dirname "$0")/../../../.." && . .venv/bin/activate
 T=$1; M=$2; R=$3; N=$4
 BEFORE="$(ls -d /tmp/before/plugins/*/src | tr '\n' ':')/tmp/before"
 for r in $(seq $R); do for e in before after; do

@@ -1,10 +1,11 @@
 """Live and kept tensor MiB of one training step of a layer with ``attr`` set to each value (one process)."""
 import sys
-sys.path.insert(0, "/work/main/benchmarks")
+sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), "../../../../benchmarks"))
 import torch
 import bench_efficiency as b
 from mixerzoo.evaluation.cost import LiveTensorBytes
-name, attr, values, lengths = sys.argv[1], sys.argv[2], [int(v) for v in sys.argv[3].split(",")], [int(t) for t in sys.argv[4].split(",")]
+name, attr = sys.argv[1], sys.argv[2]
+values, lengths = [int(v) for v in sys.argv[3].split(",")], [int(t) for t in sys.argv[4].split(",")]
 torch.set_num_threads(1)
 task = {"threads": 1}
 layer = b.build(name, task)
