@@ -213,6 +213,24 @@ def test_recomputed_groups_equal_keeping_everything(name, checkpoint_chunks):
     check_recomputation(lean, keep, torch.randn(2, 45, D_MODEL, generator=torch.Generator().manual_seed(3)), 10)
 
 
+def test_long_calls_read_longer_groups_equal_keeping_everything(monkeypatch):
+    """A call of at least 2 x LONG_CALL_CHUNKS query chunks is read in groups of up to twice checkpoint_chunks;
+    recomputing them gives the outputs, gradients and state of keeping every tensor, across a continuation that
+    starts mid-chunk."""
+    from mixerzoo_kvm import packed
+    from test_kvm_equivalence import D_MODEL, GROW, make
+
+    caps, group_chunks = [], packed._group_chunks
+    monkeypatch.setattr(packed, "_group_chunks", lambda rows, **kw: caps.append(kw["max_chunks"]) or group_chunks(
+        rows, **kw))
+    lean = make(schedule=GROW, checkpoint_chunks=2).train()
+    keep = make(schedule=GROW, checkpoint_chunks=0).train()
+    keep.load_state_dict(lean.state_dict())
+    T = 4 * (2 * packed.LONG_CALL_CHUNKS + 3)  # chunk_len 4
+    check_recomputation(lean, keep, torch.randn(1, T, D_MODEL, generator=torch.Generator().manual_seed(5)), 10)
+    assert 2 * 2 in caps and 2 in caps  # the whole call's groups are longer; the 10-token piece's are not
+
+
 def test_recomputation_does_not_run_the_read_again():
     """With checkpoint_chunks, backward recomputes each group's snapshots but takes the read's output and
     log-sum-exp from the first forward: one flash-attention forward per query chunk in a whole training step,

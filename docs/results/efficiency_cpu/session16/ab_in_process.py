@@ -4,6 +4,7 @@ process (the order reversed every round), so load swings hit every variant alike
     python ab_in_process.py kvm-256 8192 12 --env "KVM_BYFOLD=0;KVM_BYFOLD=1"        # environment settings
     python ab_in_process.py kvm-sqrt 16384 6 --attr checkpoint_chunks 4,8,12          # a layer attribute
     python ab_in_process.py kvm-sqrt 32768 4 --rule 0,1,0.5                           # the trial group rule
+    python ab_in_process.py kvm-sqrt 32768 4 --module-attr mixerzoo_kvm.packed.LONG_CALL_CHUNKS 64,1000000
 
 ``--rule`` scales the ``rows_per_step`` that ``kvm_packed`` passes to ``packed._group_chunks`` (0: none); it needs
 a tree where ``_group_chunks`` takes ``rows_per_step`` (not kept). The first variant is the reference of the ratios.
@@ -27,6 +28,7 @@ how = ap.add_mutually_exclusive_group(required=True)
 how.add_argument("--env", help="variants as 'K=V,K=V;K=V'")
 how.add_argument("--attr", nargs=2, metavar=("NAME", "VALUES"))
 how.add_argument("--rule", help="scales of rows_per_step, comma-separated")
+how.add_argument("--module-attr", nargs=2, metavar=("MODULE.NAME", "VALUES"), help="a module attribute's int values")
 args = ap.parse_args()
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 task = {"threads": torch.get_num_threads()}
@@ -45,6 +47,13 @@ elif args.attr:
 
     def use(v):
         setattr(layer, args.attr[0], v)
+elif args.module_attr:
+    import importlib
+    module, name = args.module_attr[0].rsplit(".", 1)
+    module, variants = importlib.import_module(module), [int(v) for v in args.module_attr[1].split(",")]
+
+    def use(v):
+        setattr(module, name, v)
 else:
     from mixerzoo_kvm import packed
     variants, group_chunks = [float(v) for v in args.rule.split(",")], packed._group_chunks

@@ -70,7 +70,9 @@ class KVMAttention(Mixer):
         checkpoint_chunks: training memory: the packed path recomputes, in backward, each group of at most this
             many query chunks from the state entering it (snapshots, memory rows and attention), so autograd keeps
             no snapshot, memory row or key list; 0 keeps them (faster: one attention forward less; about twice
-            full attention's memory). Results are identical (docs/mechanisms/kvm.md, "Implementations").
+            full attention's memory). A call of ``n`` query chunks uses groups of up to ``checkpoint_chunks x
+            max(1, n // 64)`` (:data:`mixerzoo_kvm.packed.LONG_CALL_CHUNKS`): longer calls, longer groups.
+            Results are identical (docs/mechanisms/kvm.md, "Implementations").
         use_reference: compute with the readable chunk loop instead of the packed fast path (for tests).
 
     State: :class:`mixerzoo_kvm.KVMState` (``m`` compressed rows plus at most ``L`` window tokens).

@@ -44,7 +44,11 @@ from .ops import (KVMParams, KVMSpec, Routing, flat_rows, fold, joint_keys, join
 from .refold import refold
 from .state import KVMState
 
-__all__ = ["kvm_packed", "kvm_step"]
+__all__ = ["kvm_packed", "kvm_step", "LONG_CALL_CHUNKS"]
+
+LONG_CALL_CHUNKS = 64
+"""A call of ``n`` query chunks reads them in groups of up to ``checkpoint_chunks x max(1, n // LONG_CALL_CHUNKS)``
+chunks: calls of fewer than ``2 LONG_CALL_CHUNKS`` chunks (32k tokens at chunk_len 256) keep ``checkpoint_chunks``."""
 
 
 @torch.no_grad()
@@ -291,7 +295,10 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         return (kp[:, None, :] <= qp[:, :, None]) & ((kp >= max(kpos0, 0)) & (kp < p1))[:, None, :]
 
     Cq = q_pos.shape[1]
-    groups = _group_chunks(rows, max_chunks=spec.checkpoint_chunks or 16)
+    # longer calls, longer groups: each group makes a few passes over its whole state and keeps one for backward,
+    # while a group's recomputed transient is a shrinking share of what a long call keeps (issue #17, session 16:
+    # groups of 8 at 32k tokens, 4-14% faster a step and a lower one-layer peak)
+    groups = _group_chunks(rows, max_chunks=(spec.checkpoint_chunks or 16) * max(1, n_q // LONG_CALL_CHUNKS))
 
     def token_span(a: int, b: int) -> tuple[int, int]:
         """Absolute positions ``[start, end)`` of the new tokens in query chunks ``a .. b-1``."""
