@@ -85,7 +85,6 @@ def test_memory_profile_lists_what_is_alive_at_the_peak(capsys, benchmark_script
     assert 0 < totals[1] < totals[0]
 
 
-
 def test_model_layers_measure_a_language_model_of_the_mixer(benchmark_script):
     """bench_efficiency --model-layers: the training-step memory of an n-block language model of the mixer (token
     ids in, next-token cross-entropy out): each block keeps its own activations, so two blocks keep more than one

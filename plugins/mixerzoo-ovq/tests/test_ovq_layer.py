@@ -78,7 +78,6 @@ def test_gradients_fast_equal_reference():
         torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-
 @pytest.mark.parametrize("kind", ["ovq", "vq"])
 def test_state_log_counts_follow_the_counts(kind):
     """The state keeps ``log(counts)`` for the read (taken again at merges only, not per decoded token): after a

@@ -295,10 +295,11 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         return (kp[:, None, :] <= qp[:, :, None]) & ((kp >= max(kpos0, 0)) & (kp < p1))[:, None, :]
 
     Cq = q_pos.shape[1]
-    # longer calls, longer groups: each group makes a few passes over its whole state and keeps one for backward,
-    # while a group's recomputed transient is a shrinking share of what a long call keeps (issue #17, session 16:
-    # groups of 8 at 32k tokens, 4-14% faster a step and a lower one-layer peak)
-    groups = _group_chunks(rows, max_chunks=(spec.checkpoint_chunks or 16) * max(1, n_q // LONG_CALL_CHUNKS))
+    # longer calls, longer recomputed groups: each group makes a few passes over its whole state and keeps one for
+    # backward, while its recomputed transient is a shrinking share of what a long call keeps (issue #17, session
+    # 16: groups of 8 at 32k tokens, 4-14% faster a step and a lower one-layer peak); without recomputation
+    # (checkpoint_chunks 0) groups of 16, as measured
+    groups = _group_chunks(rows, max_chunks=spec.checkpoint_chunks * max(1, n_q // LONG_CALL_CHUNKS) or 16)
 
     def token_span(a: int, b: int) -> tuple[int, int]:
         """Absolute positions ``[start, end)`` of the new tokens in query chunks ``a .. b-1``."""
