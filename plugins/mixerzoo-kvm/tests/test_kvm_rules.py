@@ -99,23 +99,6 @@ def test_routing_equals_its_plain_statement(n_protected, n_append):
     assert torch.equal(route.target, target)
 
 
-@pytest.mark.parametrize("n", [1, 63, 64, 128, 129, 200, 2900])
-def test_blockwise_argmax_is_argmax(n):
-    """The routing's blockwise argmax (block maxima, then inside the first block holding the maximum) returns
-    ``argmax``'s index: the first maximum, with ties inside and across blocks (small integer scores), maxima in
-    the overlapped last block, and rows of ``-inf`` (protected rows masked)."""
-    from mixerzoo_kvm.ops import _argmax
-
-    g = torch.Generator().manual_seed(n)
-    for x in (torch.randint(0, 4, (3, 2, 50, n), generator=g).float(), torch.randn(2, 7, n, generator=g)):
-        assert torch.equal(_argmax(x), x.argmax(-1))
-    x = torch.randn(4, n, generator=g)
-    x[0] = float("-inf")
-    x[1, -1] = 10.0  # the maximum in the last column (the tail block)
-    x[2, max(n - 70, 0)] = x[2, -1] = 10.0  # a tie between the block before the tail and the tail
-    assert torch.equal(_argmax(x), x.argmax(-1))
-
-
 def test_first_argmax_of_two_score_blocks_breaks_ties_as_argmax():
     """The merge target's argmax over [current rows ; appended rows] taken without concatenating them: small
     integer scores make ties within and across the blocks; the first maximum wins, as ``argmax`` of the whole."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mixerzoo.mixers.reductions import max_last
+
 __all__ = ["chunk_attention", "update_dictionary", "new_centroid_count", "random_scores", "vq_merge"]
 
 
@@ -192,7 +194,7 @@ def _choices(dk: torch.Tensor, kc: torch.Tensor, n_new: int, scores: torch.Tenso
         earlier = torch.ones(L, L, dtype=torch.bool, device=kc.device).tril(-1)
         score = sim_prev.masked_fill(~earlier, float("-inf")).amax(dim=-1)  # (B, Hkv, L)
     else:
-        score, best = (kc @ dk.transpose(-1, -2)).max(dim=-1)                # (B, Hkv, L)
+        score, best = max_last(kc @ dk.transpose(-1, -2))                    # (B, Hkv, L)
     if scores is not None:
         score = scores.to(score.dtype).expand(B, Hkv, L)
     new_pos = score.topk(n_new, dim=-1, largest=False).indices.sort(dim=-1).values  # (B, Hkv, n_new)
