@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.mixers.qkv import StreamState
+from mixerzoo.mixers.reductions import max_last
 
 from . import ops, reference
 from .layer import OVQAttention, state_log_counts
@@ -65,7 +66,7 @@ def quantize_keys(k: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor
         codeword's own gradient; ``index (B, H_kv, T)`` long.
     """
     with torch.no_grad():
-        index = torch.einsum("bhtd,hnd->bhtn", k, codebook.to(k.dtype)).argmax(-1)
+        index = max_last(torch.einsum("bhtd,hnd->bhtn", k, codebook.to(k.dtype)))[1]  # argmax, vectorised
     B, Hkv, T, D = k.shape
     picked = codebook.to(k.dtype)[None].expand(B, Hkv, -1, D).gather(2, index[..., None].expand(B, Hkv, T, D))
     return picked + (k - k.detach()), index
@@ -147,7 +148,7 @@ class VQAttention(OVQAttention):
         """Add the complete chunk's values to their codewords' running means (eq. 7-10); the codebook stays
         (``decisions`` is not needed: finding each key's codeword is one product, kept as it is)."""
         merge = reference.vq_merge_reference if self.use_reference else ops.vq_merge
-        index = (kc @ dk.transpose(-1, -2)).argmax(-1)        # kc are codewords: recovers each key's codeword
+        index = max_last(kc @ dk.transpose(-1, -2))[1]  # kc are codewords: recovers each key's codeword
         dv, counts = merge(dv, counts, index, vc)
         return dk, dv, counts
 
