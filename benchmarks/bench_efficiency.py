@@ -22,6 +22,9 @@ mixers their defaults.
   :class:`mixerzoo.model.LanguageModel` builds them), a byte-sized vocabulary (256, so that the logits do not
   dominate) and the next-token cross-entropy as the loss: the peak that a training run of such a model reaches,
   where the one-layer figures only bound it. No decode table (pass ``--decode-contexts`` with no value).
+  ``--activation-checkpointing``: the model recomputes each block in backward
+  (:attr:`mixerzoo.model.LanguageModel.activation_checkpointing`); its peak is then the blocks' inputs plus one
+  block's forward and backward, so the one-layer "live" figure is the one that decides it.
 - **Decode**: a fresh process per mixer; prefill ``T`` tokens without gradient in pieces of 4,096, then the mean
   ms of ``--decode-steps`` single-token steps.
 - ``--profile MIXER T``: a ``torch.profiler`` table of one training step (top ops by self CPU time, and the
@@ -97,9 +100,10 @@ def build(name: str, task: dict):
     d_model = task.get("d_model", D_MODEL)
     n_heads = d_model // task.get("head_dim", D_MODEL // N_HEADS)
     if task.get("layers"):
-        return LanguageModel(dict(vocab_size=MODEL_VOCAB, d_model=d_model, n_layers=task["layers"], n_heads=n_heads,
-                                  layer_types=["mixer"], mixers={"mixer": {"mixer": kind, **options}})
-                             ).to(on(task)[0])
+        model = LanguageModel(dict(vocab_size=MODEL_VOCAB, d_model=d_model, n_layers=task["layers"], n_heads=n_heads,
+                                   layer_types=["mixer"], mixers={"mixer": {"mixer": kind, **options}}))
+        model.activation_checkpointing = bool(task.get("activation_checkpointing"))
+        return model.to(on(task)[0])
     return registry.get(kind)(d_model, n_heads=n_heads, **options).to(on(task)[0])
 
 
@@ -353,7 +357,8 @@ def what_is_measured(task: dict) -> str:
     if not task.get("layers"):
         return "one layer"
     return (f"the model: {task['layers']} blocks of the mixer (pre-norm, SwiGLU MLP), vocabulary {MODEL_VOCAB}, "
-            f"next-token cross-entropy")
+            f"next-token cross-entropy" + (", activation checkpointing (each block recomputed in backward)"
+                                           if task.get("activation_checkpointing") else ""))
 
 
 def describe(task: dict) -> str:
@@ -388,6 +393,9 @@ def main() -> None:
                          "line, and exit")
     ap.add_argument("--model-layers", type=int, default=0, metavar="N",
                     help="the training-step columns for an N-block language model of each mixer (0: one layer)")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="with --model-layers: each block recomputed in backward "
+                         "(LanguageModel.activation_checkpointing)")
     ap.add_argument("--json", help="also write every figure here")
     add_device_args(ap)
     ap.add_argument("--d-model", type=int, default=D_MODEL)
@@ -400,13 +408,16 @@ def main() -> None:
         ap.error(f"--d-model {args.d_model} is not a multiple of --head-dim {args.head_dim}")
     if args.model_layers < 0:
         ap.error(f"--model-layers must be >= 0 (0: one layer alone), got {args.model_layers}")
+    if args.activation_checkpointing and not args.model_layers:
+        ap.error("--activation-checkpointing applies to a model: give --model-layers N")
     if args.model_layers and args.decode_contexts:
         ap.error("--model-layers measures training steps only: add --decode-contexts with no value")
     import torch
 
     check_device(ap, args.device)
     base = {"threads": args.threads, "device": args.device, "dtype": args.dtype, "d_model": args.d_model,
-            "head_dim": args.head_dim, "layers": args.model_layers}
+            "head_dim": args.head_dim, "layers": args.model_layers,
+            "activation_checkpointing": args.activation_checkpointing}
     if args.profile:
         profile(args.profile[0], int(args.profile[1]), base)
         return

@@ -36,6 +36,10 @@ CHECKS: dict[str, tuple[str, str]] = {
                              "(subclass mixerzoo.protocol.MixerState)"),
     "gradients": ("check_gradients", "every trainable parameter must get a finite, non-zero gradient (list "
                                      "parameters that legitimately get none in allow_zero_grad)"),
+    "activation-checkpointing": ("check_activation_checkpointing", "the forward run again in backward (a model "
+                                 "trained with activation_checkpointing) must give the same output and gradients"),
+    "autocast-bf16": ("check_autocast_bf16", "under bf16 autocast the mixer must stay causal, continue and decode "
+                                             "like one pass, and stay close to fp32, with finite gradients"),
     "cuda-bf16": ("check_cuda_bf16", "bf16 on CUDA must stay close to fp32 on CPU"),
 }
 

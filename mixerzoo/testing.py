@@ -25,13 +25,15 @@ import dataclasses
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .protocol import state_nbytes, state_tensors
 
 __all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
-           "check_state", "check_cuda_bf16", "check_autocast_bf16", "check_recomputation", "run_conformance",
+           "check_state", "check_cuda_bf16", "check_autocast_bf16", "check_recomputation",
+           "check_activation_checkpointing", "run_conformance",
            "decode_stepwise", "OperatorCalls",
            "FP32_ATOL", "FP32_RTOL", "AUTOCAST_BF16_ATOL", "AUTOCAST_BF16_RTOL"]
 
@@ -206,6 +208,44 @@ def check_recomputation(lean: nn.Module, keep: nn.Module, x: torch.Tensor, split
                                    f"piece given exactly the inputs of the first forward?\n{err}") from None
 
 
+def check_activation_checkpointing(mixer: nn.Module, d_model: int, seq_len: int = 48, batch: int = 2, seed: int = 0,
+                                   atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    """The mixer's forward run again in backward, as a language model trained with ``activation_checkpointing``
+    runs every block (``torch.utils.checkpoint``, non-reentrant), must give the plain forward's output and the
+    same gradients of the input and of every parameter. Fails for a forward with side effects that the
+    recomputation sees differently: a buffer or cache updated in forward, an unseeded random choice, a decision
+    that depends on how often the forward ran.
+    """
+    x = _inputs(d_model, seq_len, batch, seed)
+    weights = _inputs(d_model, seq_len, batch, seed + 7)
+    results = []
+    for recompute in (False, True):
+        mixer.zero_grad(set_to_none=True)
+        xg = x.detach().clone().requires_grad_(True)
+        try:
+            if recompute:
+                y = torch.utils.checkpoint.checkpoint(lambda t: _call(mixer, t)[0], xg, use_reentrant=False)
+            else:
+                y = _call(mixer, xg)[0]
+            (y * weights).square().sum().backward()
+        except torch.utils.checkpoint.CheckpointError as err:
+            raise ConformanceError(f"activation-checkpointing: the forward run again in backward made different "
+                                   f"tensors than the first run ({str(err).splitlines()[0]}); does forward change a "
+                                   f"buffer, a cache or a random state?") from None
+        results.append([("output", y.detach()), ("input gradient", xg.grad),
+                        *((f"gradient of {n}", p.grad) for n, p in mixer.named_parameters())])
+    for (what, a), (_, b) in zip(*results):
+        if (a is None) != (b is None):
+            raise ConformanceError(f"activation-checkpointing: the {what} exists in one run only")
+        if a is None:
+            continue
+        ok, diff, _ = _compare(a, b, atol, rtol)
+        if not ok:
+            raise ConformanceError(f"activation-checkpointing: the {what} differs when the forward is run again in "
+                                   f"backward (max abs diff {diff:.2e}); does forward change a buffer, a cache or a "
+                                   f"random state?")
+
+
 class OperatorCalls(TorchDispatchMode):
     """Counts the ATen operators run inside it, to test *what work* a fast path does (a recomputation that must
     not run an attention again, a kernel that must be called once per chunk) without timing anything::
@@ -364,7 +404,10 @@ def run_conformance(factory: Callable[[], nn.Module], d_model: int, seq_len: int
     sizes = named("state", check_state, mixer, d_model, (seq_len // 4, seq_len))
     mixer.train()
     named("gradients", check_gradients, mixer, d_model, seq_len, seed=seed, allow_zero=allow_zero_grad)
-    checks = ["causality", "continuation", "decode", "decode-after-prefill", "state", "gradients"]
+    named("activation-checkpointing", check_activation_checkpointing, mixer, d_model, seq_len, seed=seed,
+          atol=atol, rtol=rtol)
+    checks = ["causality", "continuation", "decode", "decode-after-prefill", "state", "gradients",
+              "activation-checkpointing"]
     mixer.zero_grad(set_to_none=True)
     named("autocast-bf16", check_autocast_bf16, mixer, d_model, seq_len, seed=seed, atol=bf16_atol, rtol=bf16_rtol,
           against_fp32=bf16_against_fp32)

@@ -176,3 +176,44 @@ def test_value_residual_mixes_plain_first_layer_values_before_the_shift():
     v_mixed = second.v_proj(x2) + (first.v_proj(x1) - second.v_proj(x2)) * lam
     want, _ = token_shift(v_mixed, second.shift_mu[2], None)
     torch.testing.assert_close(v, want.view(1, 5, 2, 4).transpose(1, 2))
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_keeps_less():
+    """Each block under ``torch.utils.checkpoint`` (``activation_checkpointing``): the same logits and gradients
+    as the plain forward, with the value residual (the first layer publishes its values to the later layers through
+    the per-forward ``shared`` dict, which the recomputation must see as the first run did) and a sliding window;
+    what the forward keeps for backward is smaller (the blocks' inputs, not their saved tensors)."""
+    from mixerzoo.evaluation.cost import LiveTensorBytes
+
+    torch.manual_seed(0)
+    m = tiny(layer_types=["global", "local"], mixers={"global": {"mixer": "attention", "value_residual": True},
+                                                      "local": {"mixer": "swa", "window": 4, "value_residual": True}})
+    ids = torch.randint(0, 97, (2, 33))
+    grads, kept = [], []
+    for on in (False, True):
+        m.activation_checkpointing = on
+        m.zero_grad()
+        with LiveTensorBytes(exclude=list(m.parameters())) as mem:
+            logits, _ = m(ids)
+            kept.append(mem.current)
+        (logits.float().square().mean() + logits[:, -1].sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+        grads[-1]["logits"] = logits.detach()
+    assert grads[0].keys() == grads[1].keys()
+    # every parameter but the first layer's value-residual mix (the first layer's values are its own) has a gradient
+    assert {n for n, _ in m.named_parameters()} - grads[0].keys() == {"blocks.0.mixer.qkv.v_lambda"}
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
+    assert m.blocks[1].mixer.qkv.v_lambda.grad.abs().sum() > 0  # the value residual's path was taken
+    assert kept[1] < 0.6 * kept[0], kept
+    m.eval()  # not in training mode: the plain forward, whatever the flag
+    with LiveTensorBytes(exclude=list(m.parameters())) as mem:
+        logits, _ = m(ids)
+        assert mem.current > 0.9 * kept[0] > kept[1]
+
+
+def test_activation_checkpointing_is_an_lmmodule_option():
+    from mixerzoo.training import LMModule
+
+    module = LMModule(vocab_size=97, d_model=32, n_layers=2, n_heads=2, activation_checkpointing=True)
+    assert module.model.activation_checkpointing and not LMModule(vocab_size=97).model.activation_checkpointing

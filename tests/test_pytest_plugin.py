@@ -5,6 +5,11 @@ import os
 import tomllib
 from pathlib import Path
 
+# pytester's in-process runs remove the modules first imported inside them when they end; the kit's
+# activation-checkpointing check makes torch.utils.checkpoint import torch._dynamo on first use, and torch._dynamo
+# imported a second time in one process aborts it. Imported here, it is in place before any inner run starts.
+import torch._dynamo  # noqa: F401
+
 pytest_plugins = ["pytester"]
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from .channel_mixers import build_channel_mixer
@@ -57,6 +58,15 @@ class LanguageModel(nn.Module):
     Args:
         config: :class:`LMConfig` (or a dict of its fields).
 
+    Attributes:
+        activation_checkpointing: when True, a training forward (module in training mode, gradients enabled) runs
+            each block under ``torch.utils.checkpoint`` (non-reentrant): autograd keeps each block's input, and
+            backward runs the block's forward again before its backward. The step's peak is then the blocks'
+            inputs plus one block's forward and backward, instead of every block's saved tensors, for about one
+            more forward pass of time. Outputs and gradients are those of the plain forward. Set by
+            :class:`mixerzoo.training.LMModule`'s ``activation_checkpointing``; a training concern, so not a
+            field of :class:`LMConfig` (nothing about it is saved with the weights).
+
     Raises:
         ConfigError: a bad field, a layer name without options, or an option a mixer does not take.
         UnknownNameError: a mixer that is not installed (lists the installed ones).
@@ -72,6 +82,7 @@ class LanguageModel(nn.Module):
         self._init_weights()
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
+        self.activation_checkpointing = False
 
     def _init_weights(self) -> None:
         std = self.config.init_std
@@ -129,8 +140,9 @@ class LanguageModel(nn.Module):
         shared: dict[str, Any] = {}
         states = states if states is not None else [None] * len(self.blocks)
         new_states = []
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block, state in zip(self.blocks, states):
-            x, s = block(x, state, shared)
+            x, s = _checkpointed(block, x, state, shared) if recompute else block(x, state, shared)
             new_states.append(s)
         return self.head(self.norm(x)), new_states
 
@@ -138,3 +150,21 @@ class LanguageModel(nn.Module):
         """Parameter count (without the embedding, as in Kaplan et al., if ``non_embedding``)."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if non_embedding else n
+
+
+def _checkpointed(block: Block, x: torch.Tensor, state: tuple | None, shared: dict) -> tuple:
+    """``block(x, state, shared)`` under ``torch.utils.checkpoint`` (non-reentrant). The recomputation in backward
+    must see ``shared`` as the first run saw it: the value residual's first layer stores its values there, and
+    run again with them present it would take the later layers' branch and compute something else. So the block
+    gets a copy of what ``shared`` held before it, and what it adds is published to the real dict on the first run
+    only."""
+    before = dict(shared)
+
+    def run(x: torch.Tensor, state: tuple | None) -> tuple:
+        seen = dict(before)
+        out = block(x, state, seen)
+        for key, value in seen.items():
+            shared.setdefault(key, value)
+        return out
+
+    return torch.utils.checkpoint.checkpoint(run, x, state, use_reentrant=False)

@@ -96,6 +96,10 @@ class LMModule(L.LightningModule):
         lr_schedule: After warmup: ``cosine``, ``linear`` (both down to ``min_lr_ratio * lr``) or ``constant``.
         min_lr_ratio: Final learning rate as a fraction of ``lr`` (0: decay to zero).
         compile: ``torch.compile`` each block (in place, parameter names unchanged).
+        activation_checkpointing: Recompute each block's forward in backward (``torch.utils.checkpoint``,
+            non-reentrant; :attr:`mixerzoo.model.LanguageModel.activation_checkpointing`): a step keeps each block's
+            input instead of its saved tensors, for about one more forward pass of time. The same losses and
+            gradients.
         max_bad_steps: A step with a non-finite loss is skipped and counted; this many in a row stop the run.
         init_from: Start from the weights of another model (any source :func:`mixerzoo.hub.load_model` opens:
             a ``mixerzoo import`` folder, an export, a checkpoint, a ``.gguf``). Its backbone fields are used
@@ -189,6 +193,7 @@ class LMModule(L.LightningModule):
         if getattr(self, "_hparams_initial", None) is not None:
             self._hparams_initial["vocab_size"] = vocab
         self.model = LanguageModel(self.lm_config(vocab))
+        self.model.activation_checkpointing = bool(self.hparams.get("activation_checkpointing", False))
         self.init_report = None
         resuming = self._trainer is not None and getattr(self._trainer, "ckpt_path", None)
         opened = None  # the init_from source, opened once for the weights, the freeze and a same-source teacher
@@ -369,9 +374,9 @@ class LMModule(L.LightningModule):
 
 def _module_options(lr: float = 1e-3, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                     warmup_steps: int = 100, lr_schedule: str = "cosine", min_lr_ratio: float = 0.1,
-                    compile: bool = False, max_bad_steps: int = 10, init_from: str | None = None,
-                    freeze: str = "none", distill_from: str | None = None, distill_weight: float | None = None,
-                    distill_temperature: float = 1.0) -> None:
+                    compile: bool = False, activation_checkpointing: bool = False, max_bad_steps: int = 10,
+                    init_from: str | None = None, freeze: str = "none", distill_from: str | None = None,
+                    distill_weight: float | None = None, distill_temperature: float = 1.0) -> None:
     """LMModule's own arguments (after LMConfig's fields); only its signature is used."""
 
 

@@ -1,8 +1,8 @@
 """OVQ-attention math, fast path: chunk attention over ``[dictionary ; chunk]`` and the dictionary update.
 
 Both functions work on whole batches and heads at once with matrix products, ``topk``, row ``index_select`` /
-``index_add_`` and ``scatter_add`` (no Python loop over tokens, heads or centroids). The plain readable versions they are
-tested against live in :mod:`mixerzoo_ovq.reference`.
+``index_add_`` and ``scatter_add`` (no Python loop over tokens, heads or centroids). The plain readable versions
+they are tested against live in :mod:`mixerzoo_ovq.reference`.
 
 Notation (paper, arXiv 2602.03922): ``B`` batch, ``H`` query heads, ``H_kv`` key/value heads (the
 dictionary is per key/value head), ``D`` head_dim, ``n`` current dictionary size, ``L`` chunk_len.
