@@ -10,6 +10,9 @@ broke and where to look. ``run_conformance`` runs all of them::
 Tolerances (fp32 on CPU): ``atol + rtol * max|reference|`` with ``atol=1e-4``, ``rtol=1e-4`` by default;
 chunked or reordered computations differ from one pass by float rounding only, well inside that.
 
+Recomputation: :func:`check_activation_checkpointing` runs the mixer under ``torch.utils.checkpoint`` as a model
+trained with ``activation_checkpointing`` does, and compares output and gradients with the plain run.
+
 bf16: :func:`check_autocast_bf16` runs on every machine (CPU autocast, and CUDA autocast where available): one
 pass under ``torch.autocast(dtype=torch.bfloat16)`` against the fp32 pass, continuation and token-by-token decode
 against the bf16 one pass, and finite gradients. Its tolerance is ``bf16_atol + bf16_rtol * max|reference|``
@@ -214,7 +217,11 @@ def check_activation_checkpointing(mixer: nn.Module, d_model: int, seq_len: int 
     runs every block (``torch.utils.checkpoint``, non-reentrant), must give the plain forward's output and the
     same gradients of the input and of every parameter. Fails for a forward with side effects that the
     recomputation sees differently: a buffer or cache updated in forward, an unseeded random choice, a decision
-    that depends on how often the forward ran.
+    that depends on how often the forward ran. Inputs ``(batch, seq_len, d_model)``; tolerance as the fp32 checks.
+
+    Raises:
+        ConformanceError: the recomputation made tensors of other shapes (PyTorch's ``CheckpointError``), or the
+            output, the input's gradient or a parameter's gradient differs.
     """
     x = _inputs(d_model, seq_len, batch, seed)
     weights = _inputs(d_model, seq_len, batch, seed + 7)
