@@ -17,9 +17,9 @@ import math
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
+from ..mixers.segments import recomputed_in_backward
 from .channel_mixers import build_channel_mixer
 from .config import ConfigError, LMConfig, build_mixer
 from .norms import build_norm
@@ -140,7 +140,7 @@ class LanguageModel(nn.Module):
         shared: dict[str, Any] = {}
         states = states if states is not None else [None] * len(self.blocks)
         new_states = []
-        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        recompute = self.activation_checkpointing and self.training
         for block, state in zip(self.blocks, states):
             x, s = _checkpointed(block, x, state, shared) if recompute else block(x, state, shared)
             new_states.append(s)
@@ -153,11 +153,11 @@ class LanguageModel(nn.Module):
 
 
 def _checkpointed(block: Block, x: torch.Tensor, state: tuple | None, shared: dict) -> tuple:
-    """``block(x, state, shared)`` under ``torch.utils.checkpoint`` (non-reentrant). The recomputation in backward
-    must see ``shared`` as the first run saw it: the value residual's first layer stores its values there, and
-    run again with them present it would take the later layers' branch and compute something else. So the block
-    gets a copy of what ``shared`` held before it, and what it adds is published to the real dict on the first run
-    only."""
+    """``block(x, state, shared)`` under ``torch.utils.checkpoint`` (non-reentrant) when autograd records it
+    (:func:`mixerzoo.mixers.segments.recomputed_in_backward`). The recomputation in backward must see ``shared``
+    as the first run saw it: the value residual's first layer stores its values there, and run again with them
+    present it would take the later layers' branch and compute something else. So the block gets a copy of what
+    ``shared`` held before it, and what it adds is published to the real dict on the first run only."""
     before = dict(shared)
 
     def run(x: torch.Tensor, state: tuple | None) -> tuple:
@@ -167,4 +167,4 @@ def _checkpointed(block: Block, x: torch.Tensor, state: tuple | None, shared: di
             shared.setdefault(key, value)
         return out
 
-    return torch.utils.checkpoint.checkpoint(run, x, state, use_reentrant=False)
+    return recomputed_in_backward(run, x, state, also=tuple(block.parameters()))

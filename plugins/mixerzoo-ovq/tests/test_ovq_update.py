@@ -213,32 +213,12 @@ def test_chunk_attention_by_hand():
         torch.testing.assert_close(o[0, 0, 1], t([(3 * 2 + 9) / 5, (4 + 9) / 5]))
 
 
-def test_rows_are_read_where_they_lie():
-    """``_take_rows`` (the merge's row read on a ``(rows, D)`` view of the tensor's own storage) equals ``gather``
-    for the layouts the training step hands it: contiguous, a chunk that is a slice of the layer's keys, the
-    dictionary's gradient in the flash backward's ``(B, n, H, D)`` order, a broadcast (stride 0) head, and a layout
-    whose rows are not whole ``D``-runs (copied first)."""
-    from mixerzoo_ovq.ops import _take_rows
-
-    g = torch.Generator().manual_seed(0)
-    B, H, n, D = 2, 3, 11, 4
-    layouts = {
-        "contiguous": torch.randn(B, H, n, D, generator=g),
-        "slice of a longer sequence": torch.randn(B, H, 40, D, generator=g)[:, :, 13:13 + n],
-        "(B, n, H, D) order": torch.randn(B, n, H, D, generator=g).transpose(1, 2),
-        "broadcast head": torch.randn(B, 1, n, D, generator=g).expand(B, H, n, D),
-        "rows not whole D-runs": torch.randn(B, H, D, n, generator=g).transpose(2, 3),
-    }
-    idx = torch.randint(0, n, (B, H, 7), generator=g)
-    for name, t in layouts.items():
-        assert torch.equal(_take_rows(t, idx), t.gather(2, idx[..., None].expand(B, H, 7, D))), name
-
-
 @pytest.mark.parametrize("n", [0, 5])
 def test_update_gradients_with_the_layouts_of_a_training_step(n):
     """As :func:`test_update_gradients_equal_reference`, with the layouts a training step gives the merge: the
     chunk's keys and values are slices of the layer's, and the incoming gradient of the new dictionary is in the
-    flash backward's ``(B, n, H, D)`` order (the fast path reads its rows where they lie)."""
+    flash backward's ``(B, n, H, D)`` order (the fast path reads its rows where they lie:
+    ``mixerzoo.mixers.rows.take_rows``)."""
     g = torch.Generator().manual_seed(n + 11)
     dk, dv, counts, kc, vc = random_update(n, g)
     B, H, L, D = kc.shape

@@ -31,8 +31,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from mixerzoo.mixers.rows import flat_rows
+
 from .lean_attention import ChunkRows, detached_leaves, grads_to_leaves
-from .ops import flat_rows, read_values
+from .ops import read_values
 from .refold import refold_reference
 
 __all__ = ["IncrementalRows"]
@@ -74,7 +76,8 @@ class IncrementalRows(ChunkRows):
 
     def fold_rows(self) -> list[torch.Tensor]:
         """Each fold's rows, ``(B H C,)``: token ``i`` of head ``n = b H + h`` into row ``n R + target[b, h, f C +
-        i]`` of the flattened ``(B H R, D)`` state (``R`` the group's largest state; :func:`ops.flat_rows`)."""
+        i]`` of the flattened ``(B H R, D)`` state (``R`` the group's largest state;
+        :func:`mixerzoo.mixers.rows.flat_rows`)."""
         n_folds = self.reads[-1]
         if not n_folds:
             return []

@@ -31,7 +31,7 @@ from torch import nn
 from mixerzoo.mixers.reductions import max_last
 
 __all__ = ["KVMSpec", "KVMParams", "memory_keys", "memory_queries", "joint_queries", "joint_keys", "merge_gate",
-           "flat_rows", "read_values", "state_budget", "Routing", "route_overflow", "fold", "keep_from"]
+           "read_values", "state_budget", "Routing", "route_overflow", "fold", "keep_from"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,14 +161,6 @@ def read_values(s_v: torch.Tensor, rho: torch.Tensor, count: torch.Tensor | None
     return out.to(s_v.dtype)
 
 
-def flat_rows(target: torch.Tensor, stride: int) -> torch.Tensor:
-    """The flat row indices ``(B H n,)`` of ``target (B, H, n)`` (rows of each head) in a state flattened to
-    ``(B H stride, D)``: row ``r`` of head ``(b, h)`` at ``(b H + h) stride + r``, in the order batch, head, then
-    the target's last axis (the fold tokens' order, for ``index_add_`` / ``index_select`` of their additions)."""
-    B, H = target.shape[:2]
-    return (target + torch.arange(B * H, device=target.device).view(B, H, 1) * stride).reshape(-1)
-
-
 def state_budget(m: int, schedule: Callable[[int], int], tokens_seen: int, chunk_len: int) -> int:
     """State rows after folding one overflow block: ``M* = max(m, min(B(e), m + |Omega|))``.
 
@@ -274,9 +266,8 @@ def _first_argmax(a: torch.Tensor, b: torch.Tensor, offset: int) -> torch.Tensor
         return max_last(a)[1]
     if a.shape[-1] == 0:
         return max_last(b)[1] + offset
-    ia, ib = max_last(a)[1][..., None], max_last(b)[1][..., None]
-    later = b.gather(-1, ib) > a.gather(-1, ia)  # a tie goes to the earlier row, as argmax over the whole
-    return torch.where(later, ib + offset, ia).squeeze(-1)
+    (va, ia), (vb, ib) = max_last(a), max_last(b)
+    return torch.where(vb > va, ib + offset, ia)  # a tie goes to the earlier row, as argmax over the whole
 
 
 def keep_from(next_pos: int, chunk_len: int, n_bswa_chunks: int) -> int:

@@ -35,11 +35,12 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from mixerzoo.mixers.rows import flat_rows
 from mixerzoo.mixers.segments import training
 
 from .incremental_rows import IncrementalRows
 from .lean_attention import memory_window_attention, shared_mask
-from .ops import (KVMParams, KVMSpec, Routing, flat_rows, fold, joint_keys, joint_queries, keep_from, memory_keys,
+from .ops import (KVMParams, KVMSpec, Routing, fold, joint_keys, joint_queries, keep_from, memory_keys,
                   read_values, route_overflow, state_budget)
 from .refold import refold
 from .state import KVMState

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mixerzoo.mixers.reductions import max_last
+from mixerzoo.mixers.rows import flat_rows, take_rows
 
 __all__ = ["chunk_attention", "update_dictionary", "new_centroid_count", "random_scores", "vq_merge"]
 
@@ -225,14 +226,14 @@ class _MergeChunk(torch.autograd.Function):
         # merged tokens go to existing centroids, except in the first chunk, where every centroid is new; a new
         # token's eta is 0, so the base row read for it does not matter (clamped into range)
         old = assign if n == 0 else assign.clamp(max=n - 1)
-        to_ext = _flat_rows(assign, n + new_pos.shape[-1])
+        to_ext = flat_rows(assign, n + new_pos.shape[-1])
         w = eta[..., None]
         outs = []
         for d, x in ((dk, kc), (dv, vc)):
-            new = _take_rows(x, new_pos)
+            new = take_rows(x, new_pos)
             # mu' = mu + sum_i eta_i (x_i - mu), added in place into the extended dictionary: one dictionary-sized
             # tensor per update (the concatenation)
-            base = _take_rows(new if n == 0 else d, old)
+            base = take_rows(new if n == 0 else d, old)
             ext = torch.cat([d, new], dim=2)
             ext.view(-1, D).index_add_(0, to_ext, (w * (x - base)).view(B * Hkv * L, D))
             outs.append(ext)
@@ -247,41 +248,17 @@ class _MergeChunk(torch.autograd.Function):
         B, Hkv, L = assign.shape
         keep = 1 - torch.zeros(B, Hkv, n + new_pos.shape[-1], dtype=eta.dtype, device=eta.device).scatter_add(
             -1, assign, eta)                                                     # 1 - S_r
-        to_chunk = _flat_rows(new_pos, L)
+        to_chunk = flat_rows(new_pos, L)
         grads = []
         for g in (g_dk, g_dv):
             if g is None:
                 grads += [None, None]
                 continue
             D = g.shape[-1]
-            g_x = eta[..., None] * _take_rows(g, assign)
+            g_x = eta[..., None] * take_rows(g, assign)
             g_x.view(B * Hkv * L, D).index_add_(0, to_chunk, (g[:, :, n:] * keep[:, :, n:, None]).reshape(-1, D))
             grads += [g[:, :, :n] * keep[:, :, :n, None], g_x]
         return grads[0], grads[2], grads[1], grads[3], None, None, None
-
-
-def _flat_rows(idx: torch.Tensor, n: int) -> torch.Tensor:
-    """Rows ``idx (B, H, m)`` of a contiguous ``(B, H, n, D)`` tensor as rows of its ``(B H n, D)`` view:
-    ``(B H m,)``."""
-    B, H, _ = idx.shape
-    return (idx + n * torch.arange(B * H, device=idx.device).view(B, H, 1)).reshape(-1)
-
-
-def _take_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``t.gather(2, idx[..., None].expand(..., D))`` for ``t (B, H, n, D)`` and ``idx (B, H, m)``: ``(B, H, m,
-    D)``, as one row ``index_select`` (about a fifth of the element-wise gather's time at a 2,048-row dictionary
-    and a 128-token chunk; issue #17). ``t`` is read where it lies: the dictionary's gradient arrives from the
-    flash backward in ``(B, n, H, D)`` order and a chunk's keys are a view of the layer's, and copying either
-    costs more than the gather saves; any tensor whose rows are whole ``D``-runs is viewed as rows instead."""
-    B, H, n, D = t.shape
-    sb, sh, sn, sd = t.stride()
-    if sd != 1 or sb % D or sh % D or sn % D:
-        t = t.contiguous()
-        sb, sh, sn, _ = t.stride()
-    span = ((B - 1) * sb + (H - 1) * sh + (n - 1) * sn) // D + 1
-    rows = (torch.arange(B, device=idx.device).view(B, 1, 1) * (sb // D)
-            + torch.arange(H, device=idx.device).view(1, H, 1) * (sh // D) + idx * (sn // D))
-    return t.as_strided((span, D), (D, 1)).index_select(0, rows.reshape(-1)).view(B, H, idx.shape[-1], D)
 
 
 def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
