@@ -25,8 +25,11 @@ mixers their defaults.
   ``--activation-checkpointing``: the model recomputes each block in backward
   (:attr:`mixerzoo.model.LanguageModel.activation_checkpointing`); its peak is then the blocks' inputs plus one
   block's forward and backward, so the one-layer "live" figure is the one that decides it.
-- **Decode**: a fresh process per mixer; prefill ``T`` tokens without gradient in pieces of 4,096, then the mean
-  ms of ``--decode-steps`` single-token steps.
+- **Decode**: a fresh process per mixer; every context of ``--decode-contexts`` prefilled without gradient (in
+  pieces of 4,096), then ``--decode-rounds`` rounds of ``--decode-steps`` single-token steps from each context's
+  state, the contexts in turn (rotated each round); the table gives the median ms/token and the median of the
+  per-round ratios of the longest context to the shortest (a mean of one run per context in its own process moved
+  by 30% between runs on a shared VM, session 17).
 - ``--profile MIXER T``: a ``torch.profiler`` table of one training step (top ops by self CPU time, and the
   tracked tensor memory), to commit beside the results.
 - ``--op-lines MIXER T``: the time of every operator of one training step summed per line of mixerzoo code that
@@ -193,27 +196,47 @@ def worker(task: dict) -> dict:
             loss_of(y, x, task).backward()
         return {"peak_mib": rss, "live_mib": live.peak / 2**20, "kept_mib": kept / 2**20}
     if task["what"] == "decode":
-        return {"ms_per_token": decode_ms_per_token(layer, task["T"], task["steps"], d_model, task)}
+        times = decode_rounds(layer, task["contexts"], task["steps"], task["rounds"], d_model, task)
+        return {"ms_per_token_rounds": {str(c): v for c, v in times.items()}}
     raise ValueError(task)
 
 
-def decode_ms_per_token(layer, T: int, steps: int, d_model: int = D_MODEL, task: dict | None = None) -> float:
-    """Mean ms of ``steps`` single-token calls after a no-grad prefill of ``T`` tokens in pieces of 4,096."""
+def decode_rounds(layer, contexts: list[int], steps: int, rounds: int, d_model: int = D_MODEL,
+                  task: dict | None = None) -> dict[int, list[float]]:
+    """ms per token of ``steps`` single-token calls after a no-grad prefill of each of ``contexts`` tokens (in
+    pieces of 4,096), ``rounds`` times: every round runs each context's steps from its prefilled state, the
+    contexts in an order rotated by one each round, so that a slow minute of a shared machine falls on all of them
+    alike (the mixers' states are values: a step returns a new state and leaves the prefilled one as it was).
+    Returns ``{context: [ms per token of each round]}``."""
     import torch
 
     device, dtype = on(task or {})
     layer.eval()
-    x = torch.randn(1, T + steps, d_model, device=device)
+    x = torch.randn(1, max(contexts) + steps, d_model, device=device)
+    times: dict[int, list[float]] = {c: [] for c in contexts}
     with torch.no_grad(), autocast(device, dtype):
-        state = None
-        for a in range(0, T, 4096):
-            _, state = layer(x[:, a:min(a + 4096, T)], state)
-        sync(device)
-        t0 = time.perf_counter()
-        for t in range(T, T + steps):
-            _, state = layer(x[:, t:t + 1], state)
-        sync(device)
-    return 1e3 * (time.perf_counter() - t0) / steps
+        states = {}
+        for T in contexts:
+            state = None
+            for a in range(0, T, 4096):
+                _, state = layer(x[:, a:min(a + 4096, T)], state)
+            states[T] = state
+        for r in range(rounds):
+            for T in contexts[r % len(contexts):] + contexts[:r % len(contexts)]:
+                state = states[T]
+                sync(device)
+                t0 = time.perf_counter()
+                for t in range(T, T + steps):
+                    _, state = layer(x[:, t:t + 1], state)
+                sync(device)
+                times[T].append(1e3 * (time.perf_counter() - t0) / steps)
+    return times
+
+
+def decode_ms_per_token(layer, T: int, steps: int, d_model: int = D_MODEL, task: dict | None = None) -> float:
+    """Mean ms of ``steps`` single-token calls after a no-grad prefill of ``T`` tokens in pieces of 4,096 (one
+    round of :func:`decode_rounds`)."""
+    return decode_rounds(layer, [T], steps, 1, d_model, task)[T][0]
 
 
 def run(task: dict) -> dict:
@@ -377,14 +400,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--mixers", nargs="+", default=DEFAULT, choices=list(MIXERS))
-    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 16384, 32768],
+                    help="training lengths; none: skip the training table")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per length (median reported)")
     ap.add_argument("--memory-only", action="store_true", help="peak memory only, no timed rounds")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-len", nargs="*", default=["kvm-sqrt=16384", "ovq=16384"], metavar="MIXER=T",
                     help="longest training length per mixer (a slow cell can be left out)")
     ap.add_argument("--decode-contexts", type=int, nargs="*", default=[1024, 16384], help="none: skip decode")
-    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--decode-steps", type=int, default=64, help="single-token steps per context and round")
+    ap.add_argument("--decode-rounds", type=int, default=7,
+                    help="rounds of --decode-steps per context, the contexts in turn (median reported)")
     ap.add_argument("--profile", nargs=2, metavar=("MIXER", "T"), help="print a profiler table and exit")
     ap.add_argument("--op-lines", nargs=2, metavar=("MIXER", "T"),
                     help="print the operators' time of one training step per calling line, and exit")
@@ -438,11 +464,12 @@ def main() -> None:
     trainable = [m for m in args.mixers if m in TRAINABLE]
     out = {"train": {}, "decode": {}}
     peak = "CUDA memory allocated" if args.device == "cuda" else "resident memory"
-    print(f"\n## Training step (forward + backward), median of {args.repeats} interleaved rounds; peak = extra {peak} "
-          "of one step in a fresh process (after a warm-up step)\n")
-    print("| T | mixer | time s | speed vs attention | peak MiB | memory vs attention | live MiB | live vs attention "
-          "| kept MiB | kept vs attention |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    if args.lengths:
+        print(f"\n## Training step (forward + backward), median of {args.repeats} interleaved rounds; peak = extra "
+              f"{peak} of one step in a fresh process (after a warm-up step)\n")
+        print("| T | mixer | time s | speed vs attention | peak MiB | memory vs attention | live MiB | "
+              "live vs attention | kept MiB | kept vs attention |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     for T in args.lengths:
         mixers = [m for m in trainable if T <= limits.get(m, T)]
         if "attention" not in mixers:
@@ -466,18 +493,22 @@ def main() -> None:
                   f"| {kept / ref.get('kept_mib', float('nan')):.2f}x |", flush=True)
     ctx = args.decode_contexts
     if ctx:
-        print(f"\n## Decode: ms per token after a prefill of T tokens (mean of {args.decode_steps} steps), "
-              "and the ratio of the longest context to the shortest\n")
+        print(f"\n## Decode: ms per token after a prefill of T tokens (median of {args.decode_rounds} rounds of "
+              f"{args.decode_steps} steps, the contexts in turn), and the median of the per-round ratios of the "
+              "longest context to the shortest\n")
         print("| mixer | " + " | ".join(fmt_len(c) for c in ctx) + f" | {fmt_len(ctx[-1])} / {fmt_len(ctx[0])} |")
         print("|---" * (len(ctx) + 2) + "|")
     for m in args.mixers if ctx else []:
-        cells = [run({**base, "what": "decode", "mixer": m, "T": c, "steps": args.decode_steps}) for c in ctx]
-        out["decode"][m] = {c: cell.get("ms_per_token") for c, cell in zip(ctx, cells)}
-        if any("error" in c for c in cells):
-            print(f"| {m} | error: {next(c['error'] for c in cells if 'error' in c)} |", flush=True)
+        cell = run({**base, "what": "decode", "mixer": m, "contexts": ctx, "steps": args.decode_steps,
+                    "rounds": args.decode_rounds})
+        if "error" in cell:
+            print(f"| {m} | error: {cell['error']} |", flush=True)
             continue
-        ms = [c["ms_per_token"] for c in cells]
-        print(f"| {m} | " + " | ".join(f"{v:.2f}" for v in ms) + f" | {ms[-1] / ms[0]:.2f}x |", flush=True)
+        rounds = {c: cell["ms_per_token_rounds"][str(c)] for c in ctx}
+        ms = [statistics.median(rounds[c]) for c in ctx]
+        ratio = statistics.median(b / a for a, b in zip(rounds[ctx[0]], rounds[ctx[-1]]))
+        out["decode"][m] = {c: {"ms_per_token": v, "rounds": rounds[c]} for c, v in zip(ctx, ms)}
+        print(f"| {m} | " + " | ".join(f"{v:.2f}" for v in ms) + f" | {ratio:.2f}x |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

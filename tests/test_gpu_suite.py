@@ -100,6 +100,27 @@ def test_model_layers_measure_a_language_model_of_the_mixer(benchmark_script):
     assert run.returncode != 0 and "add --decode-contexts with no value" in run.stderr
 
 
+def test_decode_rounds_take_the_contexts_in_turn_from_their_prefilled_states(benchmark_script):
+    """bench_efficiency's decode table: each context is prefilled once; every round starts each context's steps
+    from its prefilled state, the contexts in an order rotated by one each round, and gives one ms/token per
+    context and round."""
+    bench = benchmark_script("bench_efficiency")
+    calls = []
+
+    class Counting(torch.nn.Module):  # state: tokens seen; records (tokens in the call, tokens seen before it)
+        def forward(self, x, state=None):
+            seen = state or 0
+            calls.append((x.shape[1], seen))
+            return x, seen + x.shape[1]
+
+    times = bench.decode_rounds(Counting(), [3, 5000], steps=2, rounds=3, d_model=4)
+    assert set(times) == {3, 5000} and all(len(v) == 3 and min(v) > 0 for v in times.values())
+    prefill = [(3, 0), (4096, 0), (904, 4096)]
+    assert calls[:3] == prefill
+    starts = [seen for n, seen in calls[3:] if n == 1][::2]  # the first step of each context's run
+    assert starts == [3, 5000, 5000, 3, 3, 5000]
+
+
 def test_op_lines_charge_operators_to_the_lines_that_called_them(capsys, benchmark_script):
     """bench_efficiency --op-lines: one row per calling line of mixerzoo code, sorted by time; KVM's read and its
     routing are found where they are, and a training step's backward has rows of autograd's own nodes."""
