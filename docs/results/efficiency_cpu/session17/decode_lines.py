@@ -1,11 +1,11 @@
-"""Decode (OVQ by default; any mixer of bench_efficiency.py as the first argument): ms/token at 1k and 16k contexts alternating in one process (1 thread), and the per-line operator
+"""Decode (OVQ by default; any mixer of bench_efficiency.py as the first argument): ms/token at 1k and 16k contexts alternating in one process (1 thread; THREADS=n from the environment), and the per-line operator
 time of 200 decode steps at each unless --no-lines (session 17)."""
 import collections, os, sys, time, statistics as st
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../../../benchmarks"))
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 import bench_efficiency as b
-torch.set_num_threads(1)
+torch.set_num_threads(int(os.environ.get("THREADS", "1")))  # session 18: THREADS=2
 name = sys.argv[1] if len(sys.argv) > 1 else "ovq"
 lines = "--no-lines" not in sys.argv
 task = {"threads": 1}
