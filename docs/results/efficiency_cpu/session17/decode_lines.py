@@ -1,5 +1,6 @@
-"""Decode (OVQ by default; any mixer of bench_efficiency.py as the first argument): ms/token at 1k and 16k contexts alternating in one process (1 thread; THREADS=n from the environment), and the per-line operator
-time of 200 decode steps at each unless --no-lines (session 17)."""
+"""Decode (OVQ by default; any mixer of bench_efficiency.py as the first argument): ms/token at 1k and 16k contexts
+alternating in one process (1 thread; THREADS=n from the environment), and the per-line operator time of 200 decode
+steps at each unless --no-lines (session 17)."""
 import collections, os, sys, time, statistics as st
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../../../benchmarks"))
 import torch
