@@ -29,7 +29,7 @@ class RunningMean(nn.Module):
 
     def forward(self, x, state=None):
         v = self.u(x)  # bf16 under autocast
-        acc = v.float() if self.fp32_state else v
+        acc = v.to(torch.promote_types(v.dtype, torch.float32)) if self.fp32_state else v  # float64 stays
         prev = None if state is None else state.total.to(acc.dtype)
         if self.fp32_state:
             sums = torch.cumsum(acc, dim=1) + (0 if prev is None else prev[:, None])

@@ -32,11 +32,11 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .protocol import state_nbytes, state_tensors
+from ..protocol import state_nbytes, state_tensors
 
 __all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
            "check_state", "check_cuda_bf16", "check_autocast_bf16", "check_recomputation",
-           "check_activation_checkpointing", "run_conformance",
+           "check_activation_checkpointing", "check_cuda_autocast_emulated", "check_float64", "run_conformance",
            "decode_stepwise", "OperatorCalls",
            "FP32_ATOL", "FP32_RTOL", "AUTOCAST_BF16_ATOL", "AUTOCAST_BF16_RTOL"]
 
@@ -375,6 +375,103 @@ def check_autocast_bf16(mixer: nn.Module, d_model: int, seq_len: int = 48, split
     mixer.cpu()
 
 
+def check_cuda_autocast_emulated(mixer: nn.Module, d_model: int, seq_len: int = 48, split: int | None = None,
+                                 batch: int = 2, seed: int = 0) -> None:
+    """The mixer's ops under CUDA autocast's dtype rules, on the CPU (:mod:`mixerzoo.testing.cuda_autocast`).
+
+    Runs one pass, a continuation at ``split`` and a few decode steps under the emulated
+    ``torch.autocast("cuda", dtype=torch.bfloat16)``, then a training forward with its backward, as a bf16-mixed
+    training step on a GPU does. An op whose floating inputs mix dtypes where a CUDA kernel refuses them (a bf16
+    input with an fp32 LayerNorm weight, ``index_add_`` of an fp32 source into bf16) fails the check with the op
+    and the line; so does a non-finite output or gradient.
+
+    Raises:
+        ConformanceError: names the op and the line (forward), or the backward node and its forward line.
+    """
+    from .cuda_autocast import MixedDtypeError, emulate_cuda_autocast
+
+    x = _inputs(d_model, seq_len, batch, seed)
+    split = split if split is not None else seq_len // 2 + 1
+    was_training = mixer.training
+    try:
+        with emulate_cuda_autocast():
+            mixer.eval()
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                y, _ = _call(mixer, x)
+                _, s = _call(mixer, x[:, :split])
+                _, s = _call(mixer, x[:, split:split + 2], s)
+                decode_stepwise(lambda xt, st: _call(mixer, xt, st), x[:, split + 2:split + 5], state=s)
+            mixer.train()
+            mixer.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out, _ = _call(mixer, x.clone().requires_grad_(True))
+            (out.float() * _inputs(d_model, seq_len, batch, seed + 99)).sum().backward()
+    except MixedDtypeError as e:
+        raise ConformanceError(f"cuda-autocast: {e}") from e
+    finally:
+        mixer.train(was_training)
+    if not torch.isfinite(y.float()).all():
+        raise ConformanceError("cuda-autocast: non-finite output under CUDA autocast's rules")
+    for name, p in mixer.named_parameters():
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            raise ConformanceError(f"cuda-autocast: parameter {name!r} has a non-finite gradient")
+    mixer.zero_grad(set_to_none=True)
+
+
+def check_float64(mixer: nn.Module, d_model: int, seq_len: int = 48, split: int | None = None, batch: int = 2,
+                  seed: int = 0, atol: float = FP32_ATOL, rtol: float = FP32_RTOL,
+                  against_fp32: bool = True) -> None:
+    """The mixer in float64 (as references and gradient checks run it): one pass, continuation and decode give
+    float64 outputs and states equal to the fp32 pass within the fp32 tolerance, and backward gives float64
+    gradients. A state or buffer hard-wired to float32 fails here. ``mixer`` is returned to fp32.
+
+    Raises:
+        ConformanceError: names the step, the dtype found, or the difference.
+    """
+    x = _inputs(d_model, seq_len, batch, seed)
+    split = split if split is not None else seq_len // 2 + 1
+    was_training = mixer.training
+    mixer.eval()
+    try:
+        with torch.no_grad():
+            y32, _ = _call(mixer, x)
+            mixer.double()
+            x64 = x.double()
+            y, state = _call(mixer, x64)
+            y1, s = _call(mixer, x64[:, :split])
+            y2, s = _call(mixer, x64[:, split:], s)
+        for what, t in (("one pass", y), ("continuation", y2)):
+            if t.dtype != torch.float64:
+                raise ConformanceError(f"float64: the {what} returned {t.dtype} for float64 input and weights")
+        wrong = sorted({str(t.dtype) for t in state_tensors(state) if t.is_floating_point()} - {"torch.float64"})
+        if wrong:
+            raise ConformanceError(f"float64: the state holds {', '.join(wrong)} tensors; keep states in the input's "
+                                   f"dtype when it is float64")
+        ok, err, first = _compare(y, torch.cat([y1, y2], dim=1), atol, rtol)
+        if not ok:
+            raise ConformanceError(f"float64: continuation differs from the one pass at position {first} "
+                                   f"(max abs diff {err:.3g})")
+        ok, err, first = _compare(y32.double(), y, atol, rtol) if against_fp32 else (True, 0.0, -1)
+        if not ok:
+            raise ConformanceError(f"float64: the float64 pass differs from fp32 from position {first} on (max abs "
+                                   f"diff {err:.3g}); a computation that drops to float32 loses precision there")
+        mixer.train()
+        mixer.zero_grad(set_to_none=True)
+        xg = x64.clone().requires_grad_(True)
+        out, _ = _call(mixer, xg)
+        (out * _inputs(d_model, seq_len, batch, seed + 99).double()).sum().backward()
+        for name, p in [("input", xg), *mixer.named_parameters()]:
+            if p.grad is not None and (p.grad.dtype != torch.float64 or not torch.isfinite(p.grad).all()):
+                raise ConformanceError(f"float64: {name!r} got a {p.grad.dtype} gradient"
+                                       f"{'' if torch.isfinite(p.grad).all() else ' with non-finite values'}")
+    except RuntimeError as e:
+        raise ConformanceError(f"float64: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    finally:
+        mixer.zero_grad(set_to_none=True)
+        mixer.float()
+        mixer.train(was_training)
+
+
 @dataclasses.dataclass
 class ConformanceReport:
     checks: list[str]
@@ -419,6 +516,10 @@ def run_conformance(factory: Callable[[], nn.Module], d_model: int, seq_len: int
     named("autocast-bf16", check_autocast_bf16, mixer, d_model, seq_len, seed=seed, atol=bf16_atol, rtol=bf16_rtol,
           against_fp32=bf16_against_fp32)
     checks.append("autocast-bf16")
+    named("cuda-autocast", check_cuda_autocast_emulated, mixer, d_model, seq_len, seed=seed)
+    named("float64", check_float64, mixer, d_model, seq_len, seed=seed, atol=atol, rtol=rtol,
+          against_fp32=bf16_against_fp32)
+    checks += ["cuda-autocast", "float64"]
     if torch.cuda.is_available():
         named("autocast-bf16", check_autocast_bf16, mixer, d_model, seq_len, seed=seed, device="cuda",
               atol=bf16_atol, rtol=bf16_rtol, against_fp32=bf16_against_fp32)
