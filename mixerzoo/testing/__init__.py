@@ -24,6 +24,7 @@ bf16 CUDA check (weights cast to bf16, run only when CUDA is available) uses ``a
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from typing import Any, Callable, Iterable
 
@@ -36,7 +37,7 @@ from ..protocol import state_nbytes, state_tensors
 
 __all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
            "check_state", "check_cuda_bf16", "check_autocast_bf16", "check_recomputation",
-           "check_activation_checkpointing", "check_cuda_autocast_emulated", "check_float64", "run_conformance",
+           "check_activation_checkpointing", "check_cuda_autocast_emulated", "check_float64", "check_bf16_weights", "run_conformance",
            "decode_stepwise", "OperatorCalls",
            "FP32_ATOL", "FP32_RTOL", "AUTOCAST_BF16_ATOL", "AUTOCAST_BF16_RTOL"]
 
@@ -293,23 +294,49 @@ def check_state(mixer: nn.Module, d_model: int, lengths: Iterable[int] = (8, 32)
     return sizes
 
 
-def check_cuda_bf16(factory: Callable[[], nn.Module], d_model: int, seq_len: int = 64, batch: int = 2,
-                    seed: int = 0) -> bool:
-    """On CUDA in bf16: one pass vs the fp32 CPU pass and decode vs one pass. Returns False (skipped) without CUDA."""
-    if not torch.cuda.is_available():
-        return False
+def check_bf16_weights(factory: Callable[[], nn.Module], d_model: int, seq_len: int = 64, batch: int = 2,
+                       seed: int = 0, device: str = "cpu") -> None:
+    """Weights and inputs in bf16 (Lightning's ``precision: bf16-true``): the one pass stays close to the fp32 CPU
+    pass (``atol=3e-2``, ``rtol=0.3``) and a backward gives finite gradients. On the CPU every op runs under the
+    mixed-dtype check of :mod:`mixerzoo.testing.cuda_autocast`, so an internal fp32 tensor meeting a bf16 weight in
+    an op a CUDA kernel refuses (a convolution, a LayerNorm) fails here as it would on a GPU.
+
+    Raises:
+        ConformanceError: names the op and line, the first position that differs, or the parameter.
+    """
+    from .cuda_autocast import MixedDtypeError, emulate_cuda_autocast
+
     torch.manual_seed(seed)
     cpu = factory().eval()
-    gpu = factory().eval()
-    gpu.load_state_dict(cpu.state_dict())
-    gpu = gpu.cuda().to(torch.bfloat16)
+    low = factory().eval()
+    low.load_state_dict(cpu.state_dict())
+    low = low.to(device=device, dtype=torch.bfloat16)
     x = _inputs(d_model, seq_len, batch, seed)
-    with torch.no_grad():
-        y_ref, _ = _call(cpu, x)
-        y, _ = _call(gpu, x.cuda().to(torch.bfloat16))
+    try:
+        with emulate_cuda_autocast() if device == "cpu" else contextlib.nullcontext():
+            with torch.no_grad():
+                y_ref, _ = _call(cpu, x)
+                y, _ = _call(low, x.to(device=device, dtype=torch.bfloat16))
+            low.train()
+            out, _ = _call(low, x.to(device=device, dtype=torch.bfloat16).requires_grad_(True))
+            out.float().sum().backward()
+    except MixedDtypeError as e:
+        raise ConformanceError(f"bf16-weights: {e}") from e
     ok, err, first = _compare(y_ref, y.cpu(), BF16_ATOL, BF16_RTOL * 10)
     if not ok:
-        raise ConformanceError(f"bf16 CUDA differs from fp32 CPU at position {first}: max abs diff {err:.3g}")
+        raise ConformanceError(f"bf16-weights: bf16 on {device} differs from fp32 on CPU at position {first}: max "
+                               f"abs diff {err:.3g}")
+    for name, p in low.named_parameters():
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            raise ConformanceError(f"bf16-weights: parameter {name!r} has a non-finite gradient with bf16 weights")
+
+
+def check_cuda_bf16(factory: Callable[[], nn.Module], d_model: int, seq_len: int = 64, batch: int = 2,
+                    seed: int = 0) -> bool:
+    """:func:`check_bf16_weights` on CUDA. Returns False (skipped) without CUDA."""
+    if not torch.cuda.is_available():
+        return False
+    check_bf16_weights(factory, d_model, seq_len, batch, seed, device="cuda")
     return True
 
 
@@ -519,7 +546,8 @@ def run_conformance(factory: Callable[[], nn.Module], d_model: int, seq_len: int
     named("cuda-autocast", check_cuda_autocast_emulated, mixer, d_model, seq_len, seed=seed)
     named("float64", check_float64, mixer, d_model, seq_len, seed=seed, atol=atol, rtol=rtol,
           against_fp32=bf16_against_fp32)
-    checks += ["cuda-autocast", "float64"]
+    named("bf16-weights", check_bf16_weights, factory, d_model, seq_len)
+    checks += ["cuda-autocast", "float64", "bf16-weights"]
     if torch.cuda.is_available():
         named("autocast-bf16", check_autocast_bf16, mixer, d_model, seq_len, seed=seed, device="cuda",
               atol=bf16_atol, rtol=bf16_rtol, against_fp32=bf16_against_fp32)

@@ -16,7 +16,7 @@ CPU and CUDA autocast differ in the two ways that hide GPU-only dtype bugs from 
 - ``torch.autocast`` / ``torch.amp.autocast`` with ``device_type`` ``"cuda"`` or ``"cpu"`` switch that emulated
   CUDA autocast on and off (so ``torch.amp.custom_fwd`` / ``custom_bwd`` and fp32 regions written
   ``torch.autocast(x.device.type, enabled=False)`` behave as on a GPU), and ``custom_fwd(cast_inputs=...)`` casts
-  CPU tensors as it would CUDA ones;
+  CPU tensors as it would CUDA ones; ``torch.utils.checkpoint`` recomputes a forward under the emulated state;
 - a :class:`~torch.utils._python_dispatch.TorchDispatchMode` (below autograd, so it sees the backward too) raises
   :class:`MixedDtypeError` for every ATen op whose floating tensor inputs mix dtypes, unless the op promotes
   (pointwise ops other than ``lerp``, ``cat``, copies and casts), naming the op and the mixer's line (for a
@@ -44,10 +44,12 @@ import contextlib
 import functools
 import os
 import traceback
+import warnings
 from typing import Any, Iterator
 
 import torch
 import torch.amp.autocast_mode as _amp
+import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
@@ -157,6 +159,12 @@ class _CudaPolicy(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _function_modes() -> list:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return _get_current_function_mode_stack()
+
+
 class _Autocast:
     """``torch.autocast`` inside the emulation: ``cuda`` and ``cpu`` regions switch the emulated CUDA autocast."""
 
@@ -176,9 +184,17 @@ class _Autocast:
         self._prev = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
         torch.set_autocast_enabled("cuda", self.enabled)
         torch.set_autocast_dtype("cuda", self.dtype)
+        # autograd runs backward without the caller's torch-function modes: a region entered there (a forward
+        # recomputed by torch.utils.checkpoint, a custom_bwd) brings the policy with it
+        self._policy = None
+        if self.enabled and not any(isinstance(m, _CudaPolicy) for m in _function_modes()):
+            self._policy = _CudaPolicy()
+            self._policy.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if self._policy is not None:
+            self._policy.__exit__(*exc)
         torch.set_autocast_enabled("cuda", self._prev[0])
         torch.set_autocast_dtype("cuda", self._prev[1])
         return False
@@ -198,6 +214,14 @@ def _cast_as_cuda(value, device_type, dtype):
 _real_cast = _amp._cast
 
 
+def _checkpoint_autocast_kwargs(device_type="cuda"):
+    """``torch.utils.checkpoint``'s record of the autocast state, taken from the emulated CUDA autocast, so that a
+    forward recomputed in backward runs under the dtypes of the first run (as on a GPU)."""
+    kwargs = {"enabled": torch.is_autocast_enabled("cuda"), "dtype": torch.get_autocast_dtype("cuda"),
+              "cache_enabled": torch.is_autocast_cache_enabled()}
+    return dict(kwargs), dict(kwargs)
+
+
 @contextlib.contextmanager
 def emulate_cuda_autocast(check_mixed_dtypes: bool = True) -> Iterator[None]:
     """Run the block as if its CPU tensors were CUDA tensors under CUDA autocast's rules (module docstring).
@@ -213,15 +237,19 @@ def emulate_cuda_autocast(check_mixed_dtypes: bool = True) -> Iterator[None]:
         MixedDtypeError: from the first refused op (forward or backward).
     """
     patched = [(torch, "autocast"), (torch.amp, "autocast"), (_amp, "autocast")]
+    patched.append((torch.utils.checkpoint, "_get_autocast_kwargs"))
+    replacements = [_Autocast] * 3 + [_checkpoint_autocast_kwargs]
     saved = [getattr(m, n) for m, n in patched] + [_amp._cast]
     prev = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
     try:
-        for m, n in patched:
-            setattr(m, n, _Autocast)
+        for (m, n), v in zip(patched, replacements):
+            setattr(m, n, v)
         _amp._cast = _cast_as_cuda
         torch.set_autocast_dtype("cuda", torch.bfloat16)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.autograd.detect_anomaly(check_nan=False))
+            with warnings.catch_warnings():  # its "enabled" warning is ours to know, not the user's
+                warnings.simplefilter("ignore", UserWarning)
+                stack.enter_context(torch.autograd.detect_anomaly(check_nan=False))
             if check_mixed_dtypes:
                 stack.enter_context(_MixedDtypeCheck())
             stack.enter_context(_CudaPolicy())
