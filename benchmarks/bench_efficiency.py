@@ -43,25 +43,40 @@ mixers their defaults.
 - ``--device cuda --dtype bf16 --d-model 1024 --head-dim 128`` (issue #21's GPU table): the same tables on a GPU
   under bf16 autocast (weights fp32, as in ``bf16-mixed`` training); time is taken after ``cuda.synchronize``
   and peak memory is ``torch.cuda.max_memory_allocated`` of the step minus what was allocated before it.
+- ``--processes shared`` (the default on CUDA; ``per-cell`` is the CPU's default, as above): every cell (one
+  mixer's training step at one length, or its decode table) runs in one worker process, mixer after mixer: per
+  length one untimed step (on CUDA), ``--repeats`` timed steps, then one step for the memory columns in the same
+  process (CUDA: ``torch.cuda.reset_peak_memory_stats`` / ``max_memory_allocated``, "kept" is what is still
+  allocated when the forward ends; CPU: the live tensor storages); "speed vs attention" is then the ratio of the
+  medians. A mixer that raises fills its own cells with its error, no other; each cell is bounded by
+  ``--cell-timeout`` seconds (the worker is killed, the mixer's remaining cells are skipped, a fresh worker goes
+  on with the next mixer), and ``--budget`` bounds the whole table (cells not reached are marked so). A worker
+  start costs about 20 s on a GPU machine (imports, CUDA, Triton), which a fresh process per cell paid each time.
+  In either mode a mixer's error (the layer's message, its traceback on stderr) is confined to its own cells.
 
     python benchmarks/bench_efficiency.py --threads 2 | tee docs/results/efficiency_cpu.md
     python benchmarks/bench_efficiency.py --lengths 4096 --mixers attention kvm-256 --repeats 1     # quick look
     python benchmarks/bench_efficiency.py --profile kvm-256 8192 > docs/results/efficiency_profile_kvm.txt
     python benchmarks/bench_efficiency.py --device cuda --dtype bf16 --d-model 1024 --head-dim 128 \
-        --lengths 2048 8192 32768 --decode-contexts 1024 16384 65536          # on a GPU (benchmarks/gpu_suite.py)
+        --lengths 8192 32768 --max-len --decode-contexts 1024 16384 --budget 200   # on a GPU (gpu_suite.py)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import queue
 import resource
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -91,15 +106,16 @@ TRAINABLE = [m for m in MIXERS if not m.startswith("tova")]  # TOVA is an infere
 DEFAULT = [m for m in MIXERS if not m.endswith("/keep")]  # "/keep": checkpoint_chunks 0 (no recomputation)
 
 
-def build(name: str, task: dict):
-    """The layer ``name`` of :data:`MIXERS` at the task's width, on its device (weights fp32); with
-    ``task["layers"]`` (``--model-layers``) a :class:`mixerzoo.model.LanguageModel` of that many blocks of it."""
+def build(name: str, task: dict, spec: tuple[str, dict] | None = None):
+    """The layer ``name`` of :data:`MIXERS` (or ``spec``: its registry name and options) at the task's width, on
+    its device (weights fp32); with ``task["layers"]`` (``--model-layers``) a :class:`mixerzoo.model.LanguageModel`
+    of that many blocks of it."""
     import torch
     from mixerzoo import registry
     from mixerzoo.model import LanguageModel
 
     torch.manual_seed(0)
-    kind, options = MIXERS[name]
+    kind, options = spec or MIXERS[name]
     d_model = task.get("d_model", D_MODEL)
     n_heads = d_model // task.get("head_dim", D_MODEL // N_HEADS)
     if task.get("layers"):
@@ -153,19 +169,29 @@ def worker(task: dict) -> dict:
 
     torch.set_num_threads(task["threads"])
     device, d_model = on(task)[0], task.get("d_model", D_MODEL)
-    if task["what"] == "time":
-        layers = {name: build(name, task) for name in task["mixers"]}
+    if task["what"] == "time":  # a mixer that raises gets {"error": ...} and leaves the rounds; the others go on
+        times, layers = {}, {}
         x = inputs(task, task["T"])
-        for layer in layers.values():  # warm-up (lazy initialisation, kernel autotuning) outside the timed rounds
-            step(layer, x[:, :1024], task)
-        times = {name: [] for name in layers}
+        for name in task["mixers"]:  # warm-up (lazy initialisation, kernel autotuning) outside the timed rounds
+            try:
+                layers[name] = build(name, task)
+                step(layers[name], x[:, :1024], task)
+                times[name] = []
+            except Exception as e:
+                times[name] = {"error": error_text(e)}
+                layers.pop(name, None)
+            x.grad = None
         for _ in range(task["repeats"]):
-            for name, layer in layers.items():
-                sync(device)
-                t0 = time.perf_counter()
-                step(layer, x, task)
-                sync(device)
-                times[name].append(time.perf_counter() - t0)
+            for name, layer in list(layers.items()):
+                try:
+                    sync(device)
+                    t0 = time.perf_counter()
+                    step(layer, x, task)
+                    sync(device)
+                    times[name].append(time.perf_counter() - t0)
+                except Exception as e:
+                    times[name] = {"error": error_text(e)}
+                    del layers[name]
                 x.grad = None
         return times
     layer = build(task["mixer"], task)
@@ -239,14 +265,241 @@ def decode_ms_per_token(layer, T: int, steps: int, d_model: int = D_MODEL, task:
     return decode_rounds(layer, [T], steps, 1, d_model, task)[T][0]
 
 
-def run(task: dict) -> dict:
+def error_text(e: BaseException) -> str:
+    """A cell's error in one line (type and the message's first line); the traceback goes to stderr."""
+    traceback.print_exception(e, limit=-12, file=sys.stderr)
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:400] if lines else ''}".rstrip(": ")
+
+
+def run(task: dict, timeout: float | None = None) -> dict:
+    """One ``--worker`` task in a fresh process; ``{"error": ...}`` for a failed or timed-out one."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(task)]
     env = {**os.environ, "OMP_NUM_THREADS": str(task["threads"])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
     if proc.returncode:
         lines = proc.stderr.strip().splitlines()
         return {"error": lines[-1] if lines else f"exit code {proc.returncode}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --processes shared: every cell in one worker process, each bounded by a timeout -------------------------------
+
+CELL = "@@cell "  # a worker's stdout line: CELL + {"id": ..., "start": true} before a cell, {"id", "result"} after
+
+
+def memory_of_step(layer, x, task: dict) -> dict:
+    """The memory columns of one training step, in the process that timed it. CUDA: ``peak_mib`` (the allocator's
+    high-water mark of the step above what was allocated before it, after ``reset_peak_memory_stats``) and
+    ``kept_mib`` (still allocated when the forward ends); CPU: ``live_mib`` and ``kept_mib`` from the live tensor
+    storages (:class:`mixerzoo.evaluation.cost.LiveTensorBytes`; a resident-set peak needs a fresh process)."""
+    import torch
+
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    if on(task)[0] == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with autocast(*on(task)):
+            y, _ = layer(x)
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - base
+        loss_of(y, x, task).backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del y
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        return {"peak_mib": peak / 2**20, "kept_mib": kept / 2**20}
+    from mixerzoo.evaluation.cost import LiveTensorBytes
+
+    with LiveTensorBytes(exclude=[*layer.parameters(), x]) as live:
+        with autocast(*on(task)):
+            y, _ = layer(x)
+        kept = live.current
+        loss_of(y, x, task).backward()
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    return {"live_mib": live.peak / 2**20, "kept_mib": kept / 2**20}
+
+
+def run_cell(cell: dict, task: dict, held: dict) -> dict:
+    """One cell of ``--processes shared``: ``train`` (an untimed step at T on CUDA, ``repeats`` timed steps, then
+    :func:`memory_of_step`) or ``decode`` (:func:`decode_rounds`). ``held`` keeps the current mixer's layer (built
+    and warmed up at 1,024 tokens on its first cell) so that its cells share one build; ``sleep`` is for tests."""
+    import torch
+
+    if cell["what"] == "sleep":  # the tests of the cell timeout
+        time.sleep(cell["seconds"])
+        return {}
+    device = on(task)[0]
+    if held.get("name") != cell["mixer"]:
+        held.clear()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        layer = build(cell["mixer"], task, tuple(cell["spec"]))
+        held.update(name=cell["mixer"], layer=layer, warm=False)
+    layer = held["layer"]
+    if cell["what"] == "decode":
+        times = decode_rounds(layer, cell["contexts"], task["steps"], task["rounds"], task.get("d_model", D_MODEL),
+                              task)
+        return {"ms_per_token_rounds": {str(c): v for c, v in times.items()}}
+    layer.train()
+    x = inputs(task, cell["T"])
+    if not held["warm"]:  # lazy initialisation, thread pools, first kernel compilations
+        step(layer, x[:, :1024], task)
+        held["warm"] = True
+    if device == "cuda":  # kernels autotuned or compiled for this length
+        step(layer, x, task)
+    times = []
+    for _ in range(task["repeats"]):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        sync(device)
+        t0 = time.perf_counter()
+        step(layer, x, task)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return {"times_s": times, **memory_of_step(layer, x, task)}
+
+
+def device_ok(device: str) -> bool:
+    """False when the device cannot go on after an error (a CUDA error is sticky: every later call raises)."""
+    if device != "cuda":
+        return True
+    try:
+        import torch
+
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").add_(1).item()
+        return True
+    except Exception:
+        return False
+
+
+def cells_worker(payload: dict) -> None:
+    """``--cells``: run the cells in order, one :data:`CELL` line before and after each; an exception fills only
+    its own cell; exits with code 3 when the device cannot go on (the parent starts a fresh worker)."""
+    import torch
+
+    task = payload["task"]
+    torch.set_num_threads(task["threads"])
+    from mixerzoo import registry
+
+    for kind in dict.fromkeys(c["spec"][0] for c in payload["cells"] if "spec" in c):
+        try:  # plugin imports (fla, Triton) are the worker's start-up, not its first cell's time
+            registry.get(kind)
+        except Exception:
+            pass  # the cell reports it
+    if on(task)[0] == "cuda":
+        torch.zeros(1, device="cuda")  # the CUDA context
+    else:
+        import mixerzoo.evaluation.cost  # noqa: F401 - memory_of_step's, which imports Lightning (seconds)
+    held: dict = {}
+    for cell in payload["cells"]:
+        print(CELL + json.dumps({"id": cell["id"], "start": True}), flush=True)
+        try:
+            result = run_cell(cell, task, held)
+        except Exception as e:
+            result = {"error": error_text(e)}
+            held.clear()
+            if not device_ok(on(task)[0]):
+                print(CELL + json.dumps({"id": cell["id"], "result": result}), flush=True)
+                sys.exit(3)
+        print(CELL + json.dumps({"id": cell["id"], "result": result}), flush=True)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill a worker and whatever it started (its own process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def run_cells(task: dict, cells: list[dict], cell_timeout: float = 60, budget: float = math.inf,
+              start_timeout: float = 180, log=sys.stderr) -> dict[str, dict]:
+    """Run ``cells`` (dicts with a unique ``id``, ``what``, ``mixer``, ``spec``, ``T`` or ``contexts``, optionally
+    their own ``timeout``) in as few worker processes as possible: one, unless a cell times out (after its
+    ``timeout`` or ``cell_timeout`` seconds: the worker is killed, the mixer's later cells are skipped) or the
+    device cannot go on; a fresh worker then takes the cells left. A worker must start its first cell within
+    ``start_timeout`` s. No cell starts after ``budget`` seconds; those left are marked. Returns ``{id: result}``
+    for every cell (``{"error": ...}`` where there is none); each finished cell is logged to ``log`` as it comes."""
+    results: dict[str, dict] = {}
+    deadline = time.monotonic() + budget
+    env = {**os.environ, "OMP_NUM_THREADS": str(task["threads"])}
+
+    def record(cid: str, result: dict) -> None:
+        results[cid] = result
+        rounds = result.get("ms_per_token_rounds", {})
+        what = result.get("error") or ", ".join(
+            [f"{k} {statistics.median(v) if isinstance(v, list) else v:.4g}" for k, v in result.items()
+             if isinstance(v, (int, float, list)) and v]
+            + [f"{c}: {statistics.median(v):.4g} ms/token" for c, v in rounds.items()])
+        print(f"[cell] {cid}: {what}", file=log, flush=True)
+
+    while True:
+        pending = [c for c in cells if c["id"] not in results]
+        if not pending:
+            return results
+        if time.monotonic() >= deadline:
+            for c in pending:
+                record(c["id"], {"error": f"not run: the --budget of {budget:.0f} s was spent"})
+            return results
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--cells",
+                                 json.dumps({"task": task, "cells": pending})],
+                                stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        lines: queue.Queue = queue.Queue()
+
+        def pump(stream=proc.stdout, q=lines):
+            for line in stream:
+                q.put(line)
+            q.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        current, since, limit = None, time.monotonic(), start_timeout
+        while True:
+            wait = min(since + limit, deadline) - time.monotonic()
+            try:
+                line = lines.get(timeout=max(wait, 0.01))
+            except queue.Empty:
+                _kill(proc)
+                if current is None:  # the worker never started a cell
+                    for c in pending:
+                        record(c["id"], {"error": f"the worker did not start within {limit:.0f} s"})
+                    break
+                over = time.monotonic() >= deadline
+                record(current["id"], {"error": f"timed out after {time.monotonic() - since:.0f} s" +
+                                       (" (the --budget ran out)" if over else "")})
+                for c in pending:  # the same mixer's other cells would likely hang too
+                    if c["id"] not in results and c.get("mixer") == current.get("mixer"):
+                        record(c["id"], {"error": f"skipped: its cell {current['id']} timed out"})
+                break
+            if line is None:  # the worker exited
+                rc = proc.wait()
+                if current is not None:
+                    record(current["id"], {"error": f"the worker died (exit code {rc})"})
+                elif not any(c["id"] in results for c in pending):
+                    for c in pending:
+                        record(c["id"], {"error": f"the worker failed before its first cell (exit code {rc})"})
+                break
+            if not line.startswith(CELL):
+                print(line, end="", file=log, flush=True)  # whatever else the worker printed
+                continue
+            msg = json.loads(line[len(CELL):])
+            if msg.get("start"):
+                current = next(c for c in pending if c["id"] == msg["id"])
+                since, limit = time.monotonic(), current.get("timeout", cell_timeout)
+            else:
+                record(msg["id"], msg["result"])
+                current, since = None, time.monotonic()
+        if proc.poll() is None:
+            _kill(proc)
 
 
 def warmed_up(name: str, T: int, task: dict):
@@ -279,15 +532,37 @@ def profile(name: str, T: int, task: dict, rows: int = 25) -> None:
                                     row_limit=rows))
 
 
+_OUR_PACKAGES: tuple[str, ...] | None = None
+
+
+def our_packages() -> tuple[str, ...]:
+    """The top-level packages whose code counts as "ours" for :func:`calling_line`: ``mixerzoo`` and every package
+    that registers a mixer (the bundled plugins' ``mixerzoo_*``, and any third-party plugin's own name)."""
+    global _OUR_PACKAGES
+    if _OUR_PACKAGES is None:
+        from importlib.metadata import entry_points
+
+        names = {"mixerzoo"} | {ep.value.split(":")[0].split(".")[0] for ep in entry_points(group="mixerzoo.mixers")}
+        _OUR_PACKAGES = tuple(sorted(names))
+    return _OUR_PACKAGES
+
+
+def is_ours(module: str) -> bool:
+    """Whether a frame's module (its ``__name__`` global) belongs to :func:`our_packages`; by name, not by file
+    path, so that a checkout or virtual environment in a folder named ``mixerzoo`` does not make torch's own
+    frames ours."""
+    return any(module == p or module.startswith(p + ".") for p in our_packages())
+
+
 def calling_line(depth: int = 2) -> str:
     """Where the operator being dispatched was called from: the innermost line of mixerzoo code (the package or a
-    plugin) above the ``depth`` frames of the caller and its ``__torch_dispatch__``, as ``file:line function``;
-    "" for the operators autograd's engine runs in backward (no Python frame of ours calls them)."""
+    plugin, by the frame's module name: :func:`is_ours`) above the ``depth`` frames of the caller and its
+    ``__torch_dispatch__``, as ``file:line function``; "" for the operators autograd's engine runs in backward (no
+    Python frame of ours calls them)."""
     frame = sys._getframe(depth)
     while frame is not None:
-        path = frame.f_code.co_filename
-        if "mixerzoo" in path and "_python_dispatch" not in path:
-            return f"{os.path.basename(path)}:{frame.f_lineno} {frame.f_code.co_name}"
+        if is_ours(frame.f_globals.get("__name__", "")):
+            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return ""
 
@@ -399,6 +674,7 @@ def fmt_len(n: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--cells", help=argparse.SUPPRESS)
     ap.add_argument("--mixers", nargs="+", default=DEFAULT, choices=list(MIXERS))
     ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 16384, 32768],
                     help="training lengths; none: skip the training table")
@@ -423,12 +699,24 @@ def main() -> None:
                     help="with --model-layers: each block recomputed in backward "
                          "(LanguageModel.activation_checkpointing)")
     ap.add_argument("--json", help="also write every figure here")
+    ap.add_argument("--processes", choices=["shared", "per-cell"],
+                    help="shared: every cell in one worker process, memory measured where it is timed (default on "
+                         "CUDA); per-cell: the timed rounds of a length in one process, each memory and decode cell "
+                         "in a fresh one (default on the CPU: its resident-set peak needs a fresh process)")
+    ap.add_argument("--cell-timeout", type=float, default=None,
+                    help="seconds a cell may take (a worker process killed after it); default: 60 with --processes "
+                         "shared, none per cell")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="--processes shared: seconds for the whole table; no cell starts after them")
     add_device_args(ap)
     ap.add_argument("--d-model", type=int, default=D_MODEL)
     ap.add_argument("--head-dim", type=int, default=D_MODEL // N_HEADS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
+        return
+    if args.cells:
+        cells_worker(json.loads(args.cells))
         return
     if args.d_model % args.head_dim:
         ap.error(f"--d-model {args.d_model} is not a multiple of --head-dim {args.head_dim}")
@@ -459,49 +747,60 @@ def main() -> None:
     print(f"# {cpu}{gpu}, {os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f} at start; "
           f"torch {torch.__version__} {platform.machine()}")
     print(f"# {describe(base)}; options: "
-          + "; ".join(f"{n}: {MIXERS[n][0]} {MIXERS[n][1]}" for n in args.mixers))
+          + "; ".join(f"{n}: {MIXERS[n][0]} {MIXERS[n][1]}" for n in args.mixers), flush=True)
     limits = {m: int(t) for m, t in (s.split("=") for s in args.max_len)}
     trainable = [m for m in args.mixers if m in TRAINABLE]
-    out = {"train": {}, "decode": {}}
-    peak = "CUDA memory allocated" if args.device == "cuda" else "resident memory"
+    shared = (args.processes or ("shared" if args.device == "cuda" else "per-cell")) == "shared"
+    out = {"train": {}, "decode": {}, "errors": {}}
+    ctx = args.decode_contexts
+    train_mixers = {T: ["attention"] * ("attention" not in trainable) + [m for m in trainable if T <= limits.get(m, T)]
+                    for T in args.lengths}
+    if shared:
+        cells = shared_cells(args, train_mixers)
+        task = {**base, "repeats": 0 if args.memory_only else args.repeats, "steps": args.decode_steps,
+                "rounds": args.decode_rounds}
+        results = run_cells(task, cells, args.cell_timeout or 60, args.budget or math.inf)
     if args.lengths:
-        print(f"\n## Training step (forward + backward), median of {args.repeats} interleaved rounds; peak = extra "
-              f"{peak} of one step in a fresh process (after a warm-up step)\n")
+        if shared:
+            memory = ("peak = the CUDA memory allocated at the peak of one step above what was allocated before it "
+                      "(torch.cuda.reset_peak_memory_stats / max_memory_allocated), kept = allocated when its "
+                      "forward ends" if args.device == "cuda" else "live and kept tensor storages (no resident-set "
+                      "peak: that needs a fresh process, --processes per-cell)")
+            memory += "; one step after the timed ones, in the same process (--processes shared)"
+        else:
+            memory = (f"peak = extra {'CUDA memory allocated' if args.device == 'cuda' else 'resident memory'} of "
+                      "one step in a fresh process (after a warm-up step)")
+        print(f"\n## Training step (forward + backward), median of {args.repeats} "
+              f"{'steps' if shared else 'interleaved rounds'}; {memory}\n")
         print("| T | mixer | time s | speed vs attention | peak MiB | memory vs attention | live MiB | "
               "live vs attention | kept MiB | kept vs attention |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for T in args.lengths:
-        mixers = [m for m in trainable if T <= limits.get(m, T)]
-        if "attention" not in mixers:
-            mixers.insert(0, "attention")
+        mixers = train_mixers[T]
+        if shared:
+            for m in mixers:
+                train_row(out, m, T, results[f"train/{m}/{T}"], args.memory_only, shared)
+            continue
         times = ({m: [float("nan")] for m in mixers} if args.memory_only else
-                 run({**base, "what": "time", "T": T, "mixers": mixers, "repeats": args.repeats}))
+                 run({**base, "what": "time", "T": T, "mixers": mixers, "repeats": args.repeats}, args.cell_timeout))
         for m in mixers:
-            mem = run({**base, "what": "memory", "mixer": m, "T": T})
-            if "error" in times or "error" in mem:
-                print(f"| {fmt_len(T)} | {m} | error: {times.get('error') or mem.get('error')} | | | | | | | |",
-                      flush=True)
-                continue
-            out["train"].setdefault(m, {})[T] = {"times_s": times[m], **mem}
-            ratio = statistics.median(a / b for a, b in zip(times["attention"], times[m]))
-            ref = out["train"].get("attention", {}).get(T, {})
-            live, kept = mem.get("live_mib", float("nan")), mem.get("kept_mib", float("nan"))
-            speed = "- | -" if args.memory_only else f"{statistics.median(times[m]):.2f} | {ratio:.2f}x"
-            print(f"| {fmt_len(T)} | {m} | {speed} | {mem['peak_mib']:.0f} "
-                  f"| {mem['peak_mib'] / ref.get('peak_mib', float('nan')):.2f}x | {live:.0f} "
-                  f"| {live / ref.get('live_mib', float('nan')):.2f}x | {kept:.0f} "
-                  f"| {kept / ref.get('kept_mib', float('nan')):.2f}x |", flush=True)
-    ctx = args.decode_contexts
+            failed = times.get("error") or (times[m].get("error") if isinstance(times.get(m), dict) else None)
+            mem = ({"error": "skipped: its timed steps failed"} if failed else
+                   run({**base, "what": "memory", "mixer": m, "T": T}, args.cell_timeout))
+            cell = {"error": failed} if failed else mem if "error" in mem else {"times_s": times[m], **mem}
+            train_row(out, m, T, cell, args.memory_only, shared)
     if ctx:
         print(f"\n## Decode: ms per token after a prefill of T tokens (median of {args.decode_rounds} rounds of "
               f"{args.decode_steps} steps, the contexts in turn), and the median of the per-round ratios of the "
               "longest context to the shortest\n")
         print("| mixer | " + " | ".join(fmt_len(c) for c in ctx) + f" | {fmt_len(ctx[-1])} / {fmt_len(ctx[0])} |")
-        print("|---" * (len(ctx) + 2) + "|")
+        print("|---" * (len(ctx) + 2) + "|", flush=True)
     for m in args.mixers if ctx else []:
-        cell = run({**base, "what": "decode", "mixer": m, "contexts": ctx, "steps": args.decode_steps,
-                    "rounds": args.decode_rounds})
+        cell = (results[f"decode/{m}"] if shared else
+                run({**base, "what": "decode", "mixer": m, "contexts": ctx, "steps": args.decode_steps,
+                     "rounds": args.decode_rounds}, args.cell_timeout))
         if "error" in cell:
+            out["errors"][f"decode/{m}"] = cell["error"]
             print(f"| {m} | error: {cell['error']} |", flush=True)
             continue
         rounds = {c: cell["ms_per_token_rounds"][str(c)] for c in ctx}
@@ -513,6 +812,52 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
 
+
+def shared_cells(args: argparse.Namespace, train_mixers: dict[int, list[str]]) -> list[dict]:
+    """The cells of ``--processes shared``, mixer after mixer (attention first: every ratio needs it): its
+    training step at each length it is measured at, then its decode table."""
+    order = list(dict.fromkeys([m for T in args.lengths for m in train_mixers[T]] + list(args.mixers)))
+    order.sort(key=lambda m: m != "attention")
+    cells = []
+    for m in order:
+        cells += [{"id": f"train/{m}/{T}", "what": "train", "mixer": m, "spec": MIXERS[m], "T": T}
+                  for T in args.lengths if m in train_mixers[T]]
+        if args.decode_contexts and m in args.mixers:
+            cells.append({"id": f"decode/{m}", "what": "decode", "mixer": m, "spec": MIXERS[m],
+                          "contexts": args.decode_contexts})
+    return cells
+
+
+def train_row(out: dict, m: str, T: int, cell: dict, memory_only: bool, shared: bool) -> None:
+    """Record one training cell in ``out`` and print its row; its error fills this row only. "speed vs attention":
+    the median of the per-round ratios (interleaved rounds, ``per-cell``) or the ratio of the medians
+    (``shared``); a ratio to an attention cell that failed is blank."""
+    if "error" in cell:
+        out["errors"][f"train/{m}/{T}"] = cell["error"]
+        print(f"| {fmt_len(T)} | {m} | error: {cell['error']} | | | | | | | |", flush=True)
+        return
+    out["train"].setdefault(m, {})[T] = cell
+    ref = out["train"].get("attention", {}).get(T, {})
+    nan = float("nan")
+
+    def vs(key: str) -> str:
+        ours, theirs = cell.get(key, nan), ref.get(key, nan)
+        return f"{ours / theirs:.2f}x" if theirs and not math.isnan(ours / theirs) else "-"
+
+    times, ref_times = cell.get("times_s") or [], ref.get("times_s") or []
+    if memory_only or not times or any(math.isnan(t) for t in times):
+        speed = "- | -"
+    else:
+        if not ref_times:
+            ratio = "-"
+        elif shared or len(ref_times) != len(times):
+            ratio = f"{statistics.median(ref_times) / statistics.median(times):.2f}x"
+        else:
+            ratio = f"{statistics.median(a / b for a, b in zip(ref_times, times)):.2f}x"
+        speed = f"{statistics.median(times):.3g} | {ratio}"
+    cols = " | ".join(f"{cell[k]:.0f} | {vs(k)}" if k in cell else "- | -" for k in ("peak_mib", "live_mib",
+                                                                                      "kept_mib"))
+    print(f"| {fmt_len(T)} | {m} | {speed} | {cols} |", flush=True)
 
 if __name__ == "__main__":
     main()
