@@ -1,14 +1,27 @@
-"""fla's Triton kernels against mixerzoo's PyTorch chunked forms on a GPU (issue #21, part B).
+"""fla's Triton kernels against mixerzoo's PyTorch chunked forms on a GPU.
 
 Skipped unless CUDA and flash-linear-attention are both present (``benchmarks/gpu_suite.py`` runs it on a GPU
 machine). One layer is built twice with the same weights, ``backend: fla`` and ``backend: torch``, both on CUDA;
 forward outputs, final states, the input gradient and every parameter gradient must agree, in fp32 and under bf16
-autocast (weights fp32, as in ``bf16-mixed`` training). Tolerances: fp32 differences come from the kernels'
-different summation order (TF32 is switched off here); bf16 compares each tensor's largest error with its own
-scale, since both paths round their matmul inputs to bf16 at different places.
+autocast (weights fp32, as in ``bf16-mixed`` training). Tolerances compare each tensor's largest error with its own
+scale: in fp32, torch's matmuls are exact fp32 here (TF32 off) while Triton's ``tl.dot`` rounds fp32 inputs to
+TF32 (its default; fla sets no precision; measured on an H100: output errors 4e-4 to 1.1e-3; ``ieee`` dots would
+allow 2e-4 but make the fp32 tests compile for up to 80 s); in bf16 both paths round their matmul inputs to bf16 at
+different places.
+
+Where fla refuses GDN's backward (:func:`mixerzoo_fla.backend.fla_backward_refused`: a Hopper GPU, Triton in
+[3.4.0, 3.7.1), no usable TileLang), the GDN comparisons check the forward and skip the gradients with fla's
+reason, and :func:`test_gdn_trains_where_fla_refuses_its_backward` checks the ``auto`` fallback instead.
+
+Time: ``conftest.py`` makes Triton's autotuner keep one configuration per fla kernel. Unbounded, fla compiles and
+benchmarks every configuration of each kernel on first use: GDN's inference forward alone tuned 7 kernels, 75
+configurations, in 80 s on a cold H100 (Triton 3.6.0). Bounded, each test took at most 25 s there (the whole file
+69-85 s, cold Triton cache).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -26,16 +39,25 @@ LAYERS = {
     "gdn-gva": lambda backend: GatedDeltaNet(D, n_heads=2, n_v_heads=4, backend=backend),
     "gsa": lambda backend: GatedSlotAttention(D, n_heads=4, num_slots=64, use_short_conv=True, backend=backend),
 }
-TOLERANCE = {"fp32": 2e-4, "bf16": 3e-2}  # largest |a - b| / largest |b|, per tensor
+TOLERANCE = {"fp32": 5e-3, "bf16": 3e-2}  # largest |a - b| / largest |b|, per tensor (fp32: TF32 in fla's dots)
 
 
-def _run(layer, x, dtype: str):
-    x = x.clone().requires_grad_()
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+def _refused(name: str) -> str | None:
+    """fla's reason for refusing this layer's backward on this machine (GDN only), or None."""
+    return fla_backend.fla_backward_refused(torch.device("cuda")) if name.startswith("gdn") else None
+
+
+def _run(layer, x, dtype: str, train: bool = True):
+    """Output, state tensors, and with ``train`` the input gradient and parameter gradients (else None, {})."""
+    x = x.clone().requires_grad_(train)
+    with torch.set_grad_enabled(train), torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
         y, state = layer(x)
+    states = [s.float() for s in state_tensors(state)]
+    if not train:
+        return y.float(), states, None, {}
     (y.float() * torch.linspace(-1, 1, y.shape[-1], device=y.device)).sum().backward()
     grads = {name: p.grad.float() for name, p in layer.named_parameters() if p.grad is not None}
-    return y.float(), [s.float() for s in state_tensors(state)], x.grad.float(), grads
+    return y.float(), states, x.grad.float(), grads
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float, what: str) -> None:
@@ -53,13 +75,16 @@ def test_fla_kernels_match_the_chunked_forms(name, dtype):
     theirs = LAYERS[name]("fla").cuda()
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn(2, T, D, device="cuda")
-    y_ref, s_ref, dx_ref, g_ref = _run(ours, x, dtype)
-    y, s, dx, g = _run(theirs, x, dtype)
+    refused = _refused(name)
+    y_ref, s_ref, dx_ref, g_ref = _run(ours, x, dtype, train=not refused)
+    y, s, dx, g = _run(theirs, x, dtype, train=not refused)
     tol = TOLERANCE[dtype]
     _close(y, y_ref, tol, "output")
     assert len(s) == len(s_ref)
     for i, (a, b) in enumerate(zip(s, s_ref)):
         _close(a, b, tol, f"state tensor {i}")
+    if refused:
+        pytest.skip(f"forward and states match; gradients not compared: {refused}")
     _close(dx, dx_ref, tol, "input gradient")
     assert g.keys() == g_ref.keys()
     for key in g_ref:
@@ -80,3 +105,27 @@ def test_fla_decode_continues_the_chunked_prefill(name):
             y, state = layer(x[:, t:t + 1], state)
             steps.append(y)
     _close(torch.cat(steps, 1).float(), full.float(), TOLERANCE["bf16"], "decode vs parallel")
+
+
+def test_gdn_trains_where_fla_refuses_its_backward():
+    """``auto`` on a machine where fla refuses: training runs the PyTorch form (one warning with the fix, the same
+    gradients as ``backend: torch``), inference keeps fla's kernels and agrees with the training forward."""
+    if _refused("gdn") is None:
+        pytest.skip("fla runs GDN's backward on this machine (no refusal to work around)")
+    torch.manual_seed(0)
+    auto, ours = LAYERS["gdn"]("auto").cuda(), LAYERS["gdn"]("torch").cuda()
+    ours.load_state_dict(auto.state_dict())
+    x = torch.randn(2, T, D, device="cuda")
+    fla_backend._warn_refused.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y, _, dx, g = _run(auto, x, "bf16")
+        _run(auto.zero_grad() or auto, x, "bf16")
+    messages = [str(w.message) for w in caught if "mixerzoo-fla" in str(w.message)]
+    assert len(messages) == 1 and "pip install tilelang" in messages[0], messages
+    y_ref, _, dx_ref, g_ref = _run(ours, x, "bf16")
+    _close(dx, dx_ref, 1e-5, "input gradient")                     # the same computation (atomics aside)
+    for key in g_ref:
+        _close(g[key], g_ref[key], 1e-5, f"gradient of {key}")
+    y_inference, _, _, _ = _run(auto, x, "bf16", train=False)      # fla's forward kernels
+    _close(y_inference, y, TOLERANCE["bf16"], "fla inference vs PyTorch training forward")

@@ -9,6 +9,7 @@ fla's ``chunk`` / ``fused_recurrent`` functions as fla's own layers do.
 
 from __future__ import annotations
 
+import warnings
 
 import pytest
 import torch
@@ -120,7 +121,8 @@ def fake_fla(monkeypatch):
 
 def _as_fla(module, monkeypatch):
     """Make ``module`` take its fla branch on CPU tensors (as it would on CUDA)."""
-    monkeypatch.setattr(fla_backend, "resolve_backend", lambda backend, device: "fla" if backend == "fla" else "torch")
+    monkeypatch.setattr(fla_backend, "resolve_backend",
+                        lambda backend, device, **_: "fla" if backend == "fla" else "torch")
     module.backend = "fla"
     return module
 
@@ -163,3 +165,177 @@ def test_fla_branch_matches_torch_branch(factory, fake_fla, monkeypatch):
         theirs(x[:, :5])
         assert [c for c in fake_fla.calls if c != "causal_conv1d"] == [chunk]
 
+
+
+# ---- fla's refusal of the gated chunk backward (Hopper + Triton in [3.4.0, 3.7.1) + no usable TileLang) ----------
+# Simulated on CPU by setting the flags that fla's own check reads (fla/ops/common/chunk_o.py, chunk_bwd_dqkwg) and
+# the availability of its TileLang backend.
+
+REFUSAL = "produces incorrect results for gated chunk_bwd_dqkwg"
+
+
+@pytest.fixture
+def fla_flags(monkeypatch):
+    """``set(hopper, triton, tilelang)``: make fla's refusal check see a Hopper GPU or not, a Triton version, and
+    TileLang ``"absent"`` (not importable), ``"no-nvcc"``, ``"usable"`` or ``"off"`` (``FLA_TILELANG=0``)."""
+    pytest.importorskip("triton")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fla.ops.common import chunk_o
+        from fla.ops.common.backends.tilelang import CommonTileLangBackend
+    from packaging.version import Version
+
+    def set_flags(hopper: bool, triton: str, tilelang: str) -> None:
+        monkeypatch.setattr(chunk_o, "IS_NVIDIA_HOPPER", hopper)
+        monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_4_0", Version(triton) >= Version("3.4.0"))
+        monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", Version(triton) >= Version("3.7.1"))
+        monkeypatch.setattr("triton.__version__", triton)
+        # fla computes default_enable at import from the same flags: on a Hopper with Triton >= 3.4, TileLang is on
+        monkeypatch.setattr(CommonTileLangBackend, "default_enable", hopper and Version(triton) >= Version("3.4.0"))
+        monkeypatch.setattr(CommonTileLangBackend, "is_available",
+                            classmethod(lambda cls: tilelang in ("usable", "off")))
+        monkeypatch.setattr("fla.utils.find_spec_cached", lambda name: None if tilelang == "absent" else object())
+        if tilelang == "off":
+            monkeypatch.setenv("FLA_TILELANG", "0")
+        else:
+            monkeypatch.delenv("FLA_TILELANG", raising=False)
+
+    return set_flags
+
+
+def _fla_refuses(monkeypatch) -> bool:
+    """Whether fla's own ``chunk_bwd_dqkwg`` raises its refusal for a gated call (CPU tensors: past the check, the
+    Triton launch fails for lack of a GPU, and a TileLang dispatch is caught by a stand-in before it compiles)."""
+    from fla.ops.common import chunk_o
+    from fla.ops.common.backends.tilelang import CommonTileLangBackend
+
+    def tilelang(self, **kwargs):
+        raise LookupError("dispatched to TileLang")
+    monkeypatch.setattr(CommonTileLangBackend, "chunk_bwd_dqkwg", tilelang)
+    B, T, H, K, V = 1, 64, 2, 16, 16
+    q, k, w = (torch.randn(B, T, H, K) for _ in range(3))
+    v, do = torch.randn(B, T, H, V), torch.randn(B, T, H, V)
+    h, dh = torch.randn(B, 1, H, K, V), torch.randn(B, 1, H, K, V)
+    try:
+        chunk_o.chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, w=w, g=torch.randn(B, T, H), dv=v, scale=1.0)
+    except RuntimeError as error:
+        return REFUSAL in str(error)
+    except LookupError:
+        return False
+    raise AssertionError("fla's chunk_bwd_dqkwg ran on CPU tensors")
+
+
+@pytest.mark.parametrize("hopper", [True, False], ids=["sm90", "other-gpu"])
+@pytest.mark.parametrize("triton", ["3.3.1", "3.4.0", "3.6.0", "3.7.0", "3.7.1", "3.9.0"])
+@pytest.mark.parametrize("tilelang", ["absent", "no-nvcc", "usable", "off"])
+def test_refusal_predicate_agrees_with_fla(hopper, triton, tilelang, fla_flags, monkeypatch):
+    fla_flags(hopper, triton, tilelang)
+    reason = fla_backend.fla_backward_refused(CUDA)
+    expected = hopper and "3.4.0" <= triton < "3.7.1" and tilelang != "usable"
+    assert (reason is not None) == expected
+    assert _fla_refuses(monkeypatch) == expected                  # fla itself, on the same flags
+    assert fla_backend.fla_backward_refused(CPU) is None           # fla's kernels never run on CPU tensors
+    if expected:
+        assert f"Triton {triton}" in reason
+        assert {"absent": "TileLang is not installed", "no-nvcc": "no nvcc",
+                "off": "FLA_TILELANG=0"}[tilelang] in reason
+
+
+def test_refusal_predicate_sees_dispatch_turned_off(fla_flags, monkeypatch):
+    fla_flags(True, "3.6.0", "usable")
+    assert fla_backend.fla_backward_refused(CUDA) is None
+    monkeypatch.setattr("fla.backends._DISPATCH_DISABLED", True)   # FLA_DISABLE_BACKEND_DISPATCH=1 at fla's import
+    assert "FLA_DISABLE_BACKEND_DISPATCH=1" in fla_backend.fla_backward_refused(CUDA)
+
+
+def test_fla_gsa_backward_does_not_reach_the_refused_kernel():
+    """The refusal guards GDN only: fla's GSA backward (chunk_gsa_bwd, via chunk_gla_bwd) never calls
+    chunk_bwd_dqkwg, while GDN's does (a newer fla that changes this fails here)."""
+    import importlib
+    pytest.importorskip("triton")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        modules = {name: importlib.import_module(f"fla.ops.{name}") for name in
+                   ("gsa.chunk", "gsa.chunk_bwd", "gla.chunk", "common.chunk_h", "gated_delta_rule.chunk")}
+    assert "chunk_bwd_dqkwg" in vars(modules.pop("gated_delta_rule.chunk"))
+    for name, module in modules.items():
+        assert "chunk_bwd_dqkwg" not in vars(module), name
+
+
+@pytest.fixture
+def refused_on_cuda(fla_flags, fake_fla, monkeypatch):
+    """Layers see CUDA with fla installed (fla's kernels are ``fake_fla``'s stand-ins, run on CPU tensors);
+    ``set(refused)`` simulates a Hopper with Triton 3.6.0 and no TileLang (refused) or Triton 3.7.1."""
+    real = fla_backend.resolve_backend
+    monkeypatch.setattr(fla_backend, "fla_installed", lambda: True)
+    monkeypatch.setattr(fla_backend, "resolve_backend", lambda backend, device, **kw: real(backend, CUDA, **kw))
+    forget_warning = getattr(fla_backend._warn_refused, "cache_clear", lambda: None)   # the once-only memory
+    forget_warning()
+    yield lambda refused: fla_flags(True, "3.6.0" if refused else "3.7.1", "absent")
+    forget_warning()
+
+
+def _train(layer, x):
+    """Output, input gradient and parameter gradients of one forward/backward of ``layer`` on ``x``."""
+    x = x.clone().requires_grad_()
+    y, _ = layer(x)
+    (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+    return y.detach(), x.grad, {name: p.grad for name, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("options", [dict(), dict(n_v_heads=4, use_decay=False)], ids=["gdn", "deltanet-gva"])
+def test_gdn_trains_with_the_torch_form_where_fla_refuses(options, refused_on_cuda, fake_fla):
+    torch.manual_seed(0)
+    normal, fallback = (GatedDeltaNet(D, n_heads=2, chunk_len=8, **options) for _ in range(2))
+    fallback.load_state_dict(normal.state_dict())
+    x = torch.randn(2, 70, D)
+
+    refused_on_cuda(False)                       # Triton 3.7.1: fla's kernels train
+    y_ref, dx_ref, grads_ref = _train(normal, x)
+    assert [c for c in fake_fla.calls if c != "causal_conv1d"] == ["chunk_gated_delta_rule"]
+
+    refused_on_cuda(True)                        # Triton 3.6.0 on Hopper, no TileLang: fla would raise in backward
+    fake_fla.calls.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")          # the plugin's own once-only rule is what is tested
+        for _ in range(3):
+            y, dx, grads = _train(fallback.zero_grad() or fallback, x)
+    assert fake_fla.calls == []                  # no fla kernel at all: the whole layer ran in PyTorch
+    messages = [str(w.message) for w in caught if "mixerzoo-fla" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "pip install tilelang" in messages[0] and "Triton >= 3.7.1" in messages[0] and "Triton 3.6.0" in messages[0]
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(dx, dx_ref, atol=1e-5, rtol=1e-4)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+
+    # inference is not affected: fla's forward kernels still run, without a warning
+    fake_fla.calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            y_inf, _ = fallback(x)
+    assert "chunk_gated_delta_rule" in fake_fla.calls
+    torch.testing.assert_close(y_inf, y_ref, atol=1e-5, rtol=1e-4)
+
+
+def test_explicit_fla_backend_refuses_to_train_where_fla_refuses(refused_on_cuda, fake_fla):
+    refused_on_cuda(True)
+    layer = GatedDeltaNet(D, n_heads=2, backend="fla")
+    x = torch.randn(1, 70, D)
+    with pytest.raises(RuntimeError, match="pip install tilelang.*backend='auto'"):
+        layer(x)
+    assert fake_fla.calls == []                  # refused before any work, not in backward
+    with torch.no_grad():
+        layer(x)                                 # inference on fla's kernels is fine
+    assert "chunk_gated_delta_rule" in fake_fla.calls
+
+
+def test_gsa_keeps_fla_kernels_where_gdn_is_refused(refused_on_cuda, fake_fla):
+    refused_on_cuda(True)
+    layer = GatedSlotAttention(D, n_heads=2, num_slots=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(layer, torch.randn(1, 70, D))
+    assert fake_fla.calls == ["chunk_gsa"]

@@ -9,7 +9,11 @@ Backends (the ``backend`` option of both mixers):
 - ``"auto"`` (default): ``fla`` kernels for CUDA tensors when ``fla`` and ``triton`` are importable, else
   ``torch``.
 - ``"torch"``: the chunked PyTorch forms of :mod:`mixerzoo_fla.ops` on every device (a reference on CUDA).
-- ``"fla"``: the ``fla`` kernels, and an error if they cannot run (CPU tensors, ``fla`` not installed).
+- ``"fla"``: the ``fla`` kernels, and an error if they cannot run (CPU tensors, ``fla`` not installed, fla
+  refusing the backward that a GDN training call needs).
+
+fla refuses one backward on some machines: :func:`fla_backward_refused` predicts it without running a kernel, and
+``auto`` then trains GDN with the PyTorch form (one warning says how to get the kernels back).
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ import warnings
 
 import torch
 
-__all__ = ["BACKENDS", "fla_installed", "resolve_backend", "fla_kernels"]
+__all__ = ["BACKENDS", "fla_installed", "fla_backward_refused", "resolve_backend", "fla_kernels"]
 
 BACKENDS = ("auto", "torch", "fla")
 
 INSTALL_HINT = "pip install flash-linear-attention==0.6.0 fla-core==0.6.0 triton einops"
+REFUSAL_FIX = ("pip install tilelang (its JIT compiler needs nvcc: a CUDA toolkit, or the nvidia-cuda-nvcc wheel), "
+               "or Triton >= 3.7.1 with a torch built for it")
 
 
 def fla_installed() -> bool:
@@ -40,13 +46,19 @@ def check_backend(backend: str) -> None:
                          f"(auto: fla kernels on CUDA, torch elsewhere)")
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, device: torch.device, delta_rule_backward: bool = False) -> str:
     """The implementation to run for tensors on ``device``: ``"fla"`` or ``"torch"``.
+
+    ``delta_rule_backward``: the call will run backward through fla's chunked gated delta rule (a GDN forward
+    with autograd recording). Where fla refuses that backward (:func:`fla_backward_refused`), ``auto`` answers
+    ``"torch"`` and warns once with the fix; inference calls keep fla's kernels, whose forward is not affected.
 
     Raises:
         ValueError: unknown ``backend``, or ``backend="fla"`` for non-CUDA tensors (fla's Triton kernels
             need a GPU; use ``auto`` or ``torch``).
         ImportError: ``backend="fla"`` but ``fla``/``triton`` are not installed (the message says what to install).
+        RuntimeError: ``backend="fla"`` with ``delta_rule_backward`` where fla refuses that backward (the message
+            gives fla's condition and the fix; ``auto`` trains with the PyTorch form instead).
     """
     check_backend(backend)
     if backend == "torch":
@@ -56,18 +68,85 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             raise ValueError(f"backend='fla' runs flash-linear-attention's Triton kernels, which need CUDA tensors; "
                              f"got tensors on {device.type}. Use backend='auto' (or 'torch') on CPU")
         return "torch"
-    if fla_installed():
+    if not fla_installed():
+        if backend == "fla":
+            raise ImportError(f"backend='fla' needs flash-linear-attention and triton: {INSTALL_HINT}")
+        _warn_fallback()
+        return "torch"
+    refused = fla_backward_refused(device) if delta_rule_backward else None
+    if refused is None:
         return "fla"
     if backend == "fla":
-        raise ImportError(f"backend='fla' needs flash-linear-attention and triton: {INSTALL_HINT}")
-    _warn_fallback()
+        raise RuntimeError(f"backend='fla' cannot train here: {refused}. Fix: {REFUSAL_FIX}; or use backend='auto', "
+                           f"which trains with the PyTorch chunked form where fla refuses")
+    _warn_refused(refused)
     return "torch"
+
+
+def fla_backward_refused(device: torch.device) -> str | None:
+    """Why flash-linear-attention would raise in the backward of its chunked gated delta rule on ``device``, or
+    None where that backward runs. Nothing is launched on the GPU; ``fla`` is imported (only for CUDA devices).
+
+    fla-core 0.6.0 refuses in ``fla/ops/common/chunk_o.py``, ``chunk_bwd_dqkwg`` (line 727, reached from
+    ``chunk_gated_delta_rule_bwd``), with ``RuntimeError: Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces
+    incorrect results for gated chunk_bwd_dqkwg``, when all of these hold:
+
+    - ``g is not None``: always for GDN (DeltaNet passes a zero log decay, which is not None);
+    - ``IS_NVIDIA_HOPPER``: fla's import-time flag, GPU 0's name contains "NVIDIA H" or its capability is 9.x
+      (fla checks GPU 0 whatever ``device`` is, and so does this function);
+    - ``TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1``: the installed Triton is in ``[3.4.0, 3.7.1)``
+      (stock torch 2.10/2.11 pin 3.6.0, 2.12 pins 3.7.0);
+    - and fla's backend dispatch does not send the call to its TileLang kernel first
+      (``fla.ops.common.backends.tilelang.CommonTileLangBackend``): dispatch is off
+      (``FLA_DISABLE_BACKEND_DISPATCH=1`` at import), or ``tilelang`` is not importable, or fla finds no nvcc
+      for TileLang's JIT (``fla.utils.has_usable_nvcc``), or ``FLA_TILELANG=0``. (TileLang's verifier accepts
+      every GDN call: ``g`` given, no ``g_gamma``, value heads a multiple of key heads, ``h`` in ``q``'s dtype.)
+
+    The flags are read from fla's own modules, so this answer and fla's behaviour cannot drift apart.
+    fla's GSA backward (``chunk_gsa_bwd`` -> ``chunk_gla_bwd``) does not call ``chunk_bwd_dqkwg``: GSA is
+    not refused.
+
+    Args:
+        device: where the tensors live; anything but CUDA gives None (fla's kernels do not run there).
+
+    Returns:
+        None, or one sentence naming fla's condition as it holds here (Triton version, what blocks TileLang).
+    """
+    if device.type != "cuda" or not fla_installed():
+        return None
+    from fla import backends
+    from fla.ops.common import chunk_o
+    from fla.ops.common.backends.tilelang import CommonTileLangBackend
+    from fla.utils import find_spec_cached
+
+    if not (chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1):
+        return None
+    if backends._DISPATCH_DISABLED:
+        blocked = "FLA_DISABLE_BACKEND_DISPATCH=1 turns fla's TileLang dispatch off"
+    elif not CommonTileLangBackend.is_available():
+        blocked = ("TileLang is not installed" if find_spec_cached("tilelang") is None else
+                   "TileLang is installed but fla finds no nvcc for its JIT")
+    elif not CommonTileLangBackend().is_enabled():
+        blocked = "FLA_TILELANG=0 turns fla's TileLang backend off"
+    else:
+        return None
+    import triton
+
+    return (f"flash-linear-attention refuses the backward of its chunked gated delta rule (chunk_bwd_dqkwg) on "
+            f"Hopper GPUs with Triton {triton.__version__} (wrong gradients with Triton >= 3.4.0 and < 3.7.1), "
+            f"and {blocked}")
 
 
 @functools.cache
 def _warn_fallback() -> None:
     warnings.warn(f"mixerzoo-fla: CUDA tensors but flash-linear-attention/triton are not importable; running the "
                   f"PyTorch chunked forms instead (slower). Install them: {INSTALL_HINT}", stacklevel=3)
+
+
+@functools.cache
+def _warn_refused(reason: str) -> None:
+    warnings.warn(f"mixerzoo-fla: {reason}; gdn trains with its PyTorch chunked form instead (slower; inference "
+                  f"keeps fla's kernels, whose forward is not affected). Fix: {REFUSAL_FIX}", stacklevel=4)
 
 
 @functools.cache

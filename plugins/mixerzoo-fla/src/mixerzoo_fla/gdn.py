@@ -4,7 +4,8 @@ Yang, Kautz & Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Ru
 (arXiv:2412.06464). The layer mirrors flash-linear-attention 0.6.0's ``fla.layers.GatedDeltaNet``:
 same parameters (names and shapes, so fla state dicts load), same definitions, same defaults for the
 mechanism's options. On CUDA it calls fla's Triton kernels; elsewhere the chunked PyTorch form of
-:func:`mixerzoo_fla.ops.chunk_gated_delta_rule`.
+:func:`mixerzoo_fla.ops.chunk_gated_delta_rule`, which also trains on CUDA where fla refuses its backward
+(:func:`mixerzoo_fla.backend.fla_backward_refused`).
 """
 
 from __future__ import annotations
@@ -75,14 +76,16 @@ class GatedDeltaNet(Mixer):
         checkpoint_chunks: training memory of the CPU/PyTorch path: segments of this many chunks are recomputed
             in backward (:func:`mixerzoo_fla.ops.chunk_gated_delta_rule`); 0 keeps everything (faster, more
             memory). The fla kernels have their own backward and ignore it.
-        backend: ``auto`` (fla kernels on CUDA, PyTorch elsewhere), ``torch`` or ``fla``
-            (see :mod:`mixerzoo_fla.backend`).
+        backend: ``auto`` (fla kernels on CUDA, PyTorch elsewhere, and PyTorch for training calls where fla
+            refuses its backward: Hopper, Triton in [3.4.0, 3.7.1), no usable TileLang; one warning), ``torch``
+            or ``fla`` (see :mod:`mixerzoo_fla.backend`).
 
     State: :class:`GDNState`; ``n_v_heads * d_k * d_v * 4`` bytes per sequence plus the conv caches.
 
     Raises:
         ValueError: a width that does not divide, non-integer value width, bad head grouping, unknown
             activation or backend (the message names the option).
+        RuntimeError: (forward) ``backend="fla"`` on a training call where fla refuses its backward.
     """
 
     positional_encodings = ()
@@ -161,13 +164,17 @@ class GatedDeltaNet(Mixer):
         """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given."""
         B = x.shape[0]
         conv = None if state is None else state.conv
-        if _backend.resolve_backend(self.backend, x.device) == "fla":
+        # fla refuses its chunked backward on some machines (Hopper, Triton 3.4.0-3.7.0, no TileLang): there the
+        # resolver answers "torch" for calls that record autograd, while inference keeps fla's kernels
+        records_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        if _backend.resolve_backend(self.backend, x.device, delta_rule_backward=records_grad) == "fla":
             q, k, v, a, b, conv = self._inputs(x, conv, use_fla=True)
             o, s = self._fla_delta_rule(q, k, v, a, b, None if state is None else state.recurrent)
             return self._output(o.to(x.dtype), x), GDNState(recurrent=s, conv=conv)
-        # CPU: one pass, or in training segments of checkpoint_chunks chunks recomputed in backward, each running
-        # the whole layer from its slice of x (issue #17): autograd keeps x, the state entering each segment and
-        # the output, not the projections, convolutions, gates and output path (value-width tensors, twice
+        # PyTorch form (CPU; CUDA training where fla refuses its backward; backend "torch"), the whole layer so that
+        # its memory stays bounded: one pass, or in training segments of checkpoint_chunks chunks recomputed in
+        # backward, each running the whole layer from its slice of x: autograd keeps x, the state entering each
+        # segment and the output, not the projections, convolutions, gates and output path (value-width tensors, twice
         # attention's width with expand_v 2), and backward's gradients of q, k, v exist one segment at a time
         s0 = (x.new_zeros(B, self.n_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
               if state is None else state.recurrent.float())

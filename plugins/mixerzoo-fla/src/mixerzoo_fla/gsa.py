@@ -216,7 +216,9 @@ class GatedSlotAttention(Mixer):
                 initial_state = tuple(t.repeat_interleave(group, dim=1) for t in initial_state)
         kernels = _backend.fla_kernels()
         fn = kernels.fused_recurrent_gsa if q.shape[1] <= 64 else kernels.chunk_gsa
-        o, (hk, hv) = fn(q=q, k=k, v=v, s=s, g=g, scale=self.scale, initial_state=initial_state,
+        # the slot weights s are the "values" of the key memory: fla's chunk_fwd_h multiplies k and s in one tl.dot,
+        # which needs one dtype (under autocast the gates come out of exp in fp32 while k is bf16)
+        o, (hk, hv) = fn(q=q, k=k, v=v, s=s.to(k.dtype), g=g, scale=self.scale, initial_state=initial_state,
                          output_final_state=True)
         return o, (hk[:, ::group].float(), hv[:, ::group].float())
 
