@@ -93,6 +93,18 @@ CASES = {
     # checkpoints
     "half_written_checkpoint": (FIT + ["--ckpt_path", "half.ckpt"], r"half\.ckpt' cannot be read as a checkpoint"),
     "missing_checkpoint": (FIT + ["--ckpt_path", "gone.ckpt"], r"gone\.ckpt'.*no such file"),
+    # options for a layer name the model does not have (issue 43: they were silently ignored)
+    "override_unknown_layer": (FIT + ["--model.mixers.atention.window", "4"],
+                               r"(?m)^mixerzoo: error: model\.mixers\.atention: no layer is named 'atention' \(the "
+                               r"model's layer names: swa, attention\), so these options would be ignored; did you "
+                               r"mean 'attention'\?\n\Z"),
+    "override_unknown_layer_no_close_name": (
+        FIT + ["--model.mixers.kvm.n_heads", "4"],
+        r"(?m)^mixerzoo: error: model\.mixers\.kvm: no layer is named 'kvm' \(the model's layer names: swa, "
+        r"attention\), so these options would be ignored; use one of the layer names, or add 'kvm' to "
+        r"model\.layer_types\n\Z"),
+    "recipe_unknown_layer": (FIT + ["--model.mixers", "{swa: {window: 8}, attention: {}, atention: {}}"],
+                             r"model\.mixers\.atention: no layer is named 'atention'.*did you mean 'attention'\?"),
 }
 
 
@@ -133,6 +145,60 @@ def test_hostile_input_gets_one_clear_error(case, hostile_dir, monkeypatch, caps
     assert "Traceback" not in err, err[-2000:]
     assert re.search(match, err, re.S), err[-2000:]
     assert not list(hostile_dir.glob("runs/**/*.ckpt")), "nothing may be trained on hostile input"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A checkpoint of ``RECIPE`` (one step), written outside the hostile folder."""
+    root = tmp_path_factory.mktemp("trained")
+    (root / "ok.yaml").write_text(RECIPE)
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        assert main(["fit", "--config", "ok.yaml", "--trainer.default_root_dir", str(root / "run")]) == 0
+    finally:
+        os.chdir(cwd)
+    (ckpt,) = (root / "run").glob("**/last.ckpt")
+    return ckpt
+
+
+UNKNOWN_LAYER = (r"(?m)^mixerzoo: error: model\.mixers\.atention: no layer is named 'atention' \(the model's layer "
+                 r"names: swa, attention\), so these options would be ignored; did you mean 'attention'\?\n\Z")
+
+
+def test_generate_override_of_an_unknown_layer_is_refused(trained, capsys):
+    import re
+
+    code = main(["generate", str(trained), "--prompt", "1 2 3", "--max-new-tokens", "2",
+                 "--model.mixers.atention.mixer", "tova"])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert re.search(UNKNOWN_LAYER, err), err[-2000:]
+
+
+def test_evaluate_override_of_an_unknown_layer_is_refused(trained, tmp_path, capsys):
+    import re
+
+    code = main(["evaluate", "--ckpt", str(trained), "--names", "tova", "--out", str(tmp_path / "eval"),
+                 "--tasks", "cost", "--mixers", "{atention: {mixer: tova, multi_state: 8}}"])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert re.search(UNKNOWN_LAYER, err), err[-2000:]
+    assert not (tmp_path / "eval").exists()
+
+
+def test_lm_config_refuses_options_for_an_unknown_layer():
+    from mixerzoo.model import LMConfig
+    from mixerzoo.model.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model\.mixers\.atention: no layer is named 'atention' .*did you mean "
+                                          r"'attention'\?"):
+        LMConfig(vocab_size=16, layer_types=["attention"], mixers={"attention": {}, "atention": {"window": 3}})
+    # a saved model's leftovers (written before the check) are dropped when it is read, so it stays loadable
+    from mixerzoo.model.config import drop_unused_mixers
+
+    fields = drop_unused_mixers({"vocab_size": 16, "layer_types": ["swa"], "mixers": {"swa": {}, "attention": {}}})
+    assert LMConfig(**fields).mixers == {"swa": {}}
 
 
 def test_non_utf8_text_is_read_with_a_warning(hostile_dir, monkeypatch, capsys):

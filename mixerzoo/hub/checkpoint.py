@@ -17,7 +17,7 @@ import torch
 
 from ..data.tokenizers import id_tokenizer  # noqa: F401 - kept importable from here
 from ..model import LanguageModel, LMConfig
-from ..model.config import ConfigError
+from ..model.config import ConfigError, drop_unused_mixers
 
 __all__ = ["TrainedModel", "read_checkpoint", "load_checkpoint", "load_weights", "load_matching_weights",
            "match_weights", "id_tokenizer", "TOKENIZER_KEY"]
@@ -263,7 +263,7 @@ def read_checkpoint(path: str | os.PathLike, tokenizer: str | None = None) -> Tr
     if not hparams.get("vocab_size") or not {"d_model", "layer_types"} <= set(hparams):
         raise ConfigError(f"{path!r} is not a mixerzoo LMModule checkpoint (its hyper-parameters lack vocab_size, "
                           f"d_model or layer_types)")
-    config = LMConfig(**{k: _plain(v) for k, v in hparams.items() if k in fields})
+    config = LMConfig(**drop_unused_mixers({k: _plain(v) for k, v in hparams.items() if k in fields}))
     state = {k[len(_MODEL_PREFIX):]: v for k, v in ckpt["state_dict"].items() if k.startswith(_MODEL_PREFIX)}
     data_hparams = dict(ckpt.get("datamodule_hyper_parameters") or {})
     data_hparams.pop("_instantiator", None)

@@ -18,6 +18,7 @@ import torch
 
 from .. import registry
 from ..model import LanguageModel, LMConfig
+from ..model.config import drop_unused_mixers
 from ..errors import ConfigError, UserError
 from ..registry import UnknownNameError
 from .checkpoint import load_weights
@@ -99,7 +100,7 @@ def read_config(folder: str | os.PathLike) -> tuple[LMConfig, dict]:
     if unknown:
         raise ConfigError(f"{path}: lm_config has fields this mixerzoo does not know ({unknown}); it was exported "
                           f"by a newer mixerzoo ({cfg.get('mixerzoo', {}).get('version')}); upgrade mixerzoo")
-    return LMConfig(**cfg["lm_config"]), dict(cfg.get("mixerzoo") or {})
+    return LMConfig(**drop_unused_mixers(cfg["lm_config"])), dict(cfg.get("mixerzoo") or {})
 
 
 def _named_components(config: LMConfig) -> list[tuple[str, str]]:

@@ -113,16 +113,19 @@ def with_mixers(config: LMConfig, mixers: dict | None, layer_types: list[str] | 
     set to null in ``mixers`` to leave them out (e.g. ``{mixer: gdn, n_kv_heads: null, positional: null}``).
 
     Raises:
-        ConfigError: an inherited option the new mixer does not take (names the layer, the option and the fix).
+        ConfigError: options for a layer name the (new) pattern does not have (lists the layer names, "did you
+            mean"), or an inherited option the new mixer does not take (names the layer, the option and the fix).
     """
     if not mixers and layer_types is None:
         return config
-    from ..model.config import ConfigError, accepted_parameters
+    from ..model.config import ConfigError, accepted_parameters, check_layer_names
     from ..registry import get
 
     source = config.layer_specs()
-    merged = {name: dict(opts or {}) for name, opts in config.mixers.items()}
     types = list(layer_types) if layer_types is not None else list(config.layer_types)
+    check_layer_names(mixers or {}, types)
+    # options of the source's layer names that the new pattern no longer uses are left out (they build nothing)
+    merged = {name: dict(opts or {}) for name, opts in config.mixers.items() if name in types}
     for i in range(config.n_layers):
         name = types[i % len(types)]
         if name not in merged:  # a new layer name: inherit the source layer's options at that position

@@ -20,7 +20,8 @@ from typing import Any
 from .. import registry
 from ..errors import ConfigError
 
-__all__ = ["LMConfig", "LayerSpec", "ConfigError", "split_mixer_overrides", "apply_mixer_overrides"]
+__all__ = ["LMConfig", "LayerSpec", "ConfigError", "split_mixer_overrides", "apply_mixer_overrides",
+           "check_layer_names", "did_you_mean", "drop_unused_mixers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,7 @@ class LMConfig:
             raise ConfigError(f"model.layer_types has {len(self.layer_types)} entries for n_layers={self.n_layers}; "
                               f"give at most n_layers names (they are cycled)")
         self.mixers = {k: dict(v or {}) for k, v in (self.mixers or {}).items()}
+        check_layer_names(self.mixers, self.layer_types)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -122,6 +124,43 @@ class LMConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def did_you_mean(name: str, choices) -> str:
+    """``"; did you mean 'x'?"`` for the choice closest to ``name`` (difflib), or ``""`` when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(name, [str(c) for c in choices], n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_layer_names(names, layer_types, where: str = "model.mixers") -> None:
+    """Refuse options for a layer name that no layer of ``layer_types`` has: they would be silently ignored (a typo
+    such as ``--model.mixers.atention.mixer tova`` would leave every layer as it was). This is the one check every
+    path that merges options into the layer map meets: ``LMConfig`` itself, ``fit``'s ``--model.mixers.NAME.KEY``
+    overrides, ``model.init_from`` and the ``mixers=`` of ``load_model`` (``generate``, ``evaluate --mixers``).
+
+    Raises:
+        ConfigError: names the first unknown layer name, the model's layer names and the closest one.
+    """
+    layers = list(dict.fromkeys(str(t) for t in layer_types))
+    for name in names:
+        if name not in layers:
+            hint = did_you_mean(str(name), layers) or (f"; use one of the layer names, or add {name!r} to "
+                                                        f"model.layer_types")
+            raise ConfigError(f"{where}.{name}: no layer is named {name!r} (the model's layer names: "
+                              f"{', '.join(layers)}), so these options would be ignored{hint}")
+
+
+def drop_unused_mixers(fields: dict) -> dict:
+    """``fields`` (LMConfig keyword arguments read from a saved model) without ``mixers`` entries that no layer of
+    ``layer_types`` uses: a model saved before :func:`check_layer_names` existed may carry such leftovers, which
+    never built anything; a saved model stays loadable."""
+    types, mixers = fields.get("layer_types"), fields.get("mixers")
+    if not isinstance(mixers, dict) or not types:
+        return fields
+    used = {str(t) for t in ([types] if isinstance(types, str) else types)}
+    return {**fields, "mixers": {k: v for k, v in mixers.items() if k in used}}
 
 
 def accepted_parameters(factory: Any) -> tuple[set[str], bool]:
