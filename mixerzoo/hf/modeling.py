@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -31,6 +32,11 @@ from ..protocol import map_state_tensors, state_nbytes
 from .configuration import MixerzooConfig
 
 __all__ = ["MixerzooForCausalLM", "MixerzooCache"]
+
+# The output field generate reads the state from: ``cache`` from transformers 5.x on (which also renames the
+# argument it hands to prepare_inputs_for_generation), ``past_key_values`` in 4.x.
+_CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+_TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
 
 
 class MixerzooCache:
@@ -97,6 +103,16 @@ class MixerzooForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module) -> None:
         """The LanguageModel initialises itself (documented in :mod:`mixerzoo.model.lm`); nothing to add."""
 
+    def init_weights(self) -> None:
+        """transformers 4.x initialises by ``self.apply(...)``, ``nn.Module.apply`` recursing through every
+        submodule, and mixerzoo's positional encodings have their own ``apply(x, positions)`` (the protocol's),
+        so that walk fails on any model with RoPE. The LanguageModel initialises and ties itself; 4.x only gets
+        ``tie_weights``. transformers 5 walks the modules without ``apply`` and is left as it is."""
+        if _TRANSFORMERS_4:
+            self.tie_weights()
+        else:
+            super().init_weights()
+
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:  # generate must not create a DynamicCache for us
         return False
@@ -116,39 +132,49 @@ class MixerzooForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 past_key_values: MixerzooCache | None = None, inputs_embeds: torch.Tensor | None = None,
                 labels: torch.LongTensor | None = None, use_cache: bool | None = None,
-                return_dict: bool | None = None, **kwargs: Any):
+                return_dict: bool | None = None, cache: MixerzooCache | None = None, **kwargs: Any):
         if inputs_embeds is not None:
             raise ValueError("MixerzooForCausalLM takes input_ids, not inputs_embeds")
         if input_ids is None:
             raise ValueError("input_ids is required")
-        if past_key_values is not None and not isinstance(past_key_values, MixerzooCache):
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("give the state as cache= (transformers >= 5) or past_key_values=, not both")
+        past = cache if cache is not None else past_key_values
+        if past is not None and not isinstance(past, MixerzooCache):
             raise TypeError(f"past_key_values must be a MixerzooCache (returned by this model), got "
-                            f"{type(past_key_values).__name__}")
+                            f"{type(past).__name__}")
         _check_padding(attention_mask)
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        states = past_key_values.states if past_key_values is not None else None
+        states = past.states if past is not None else None
         logits, new_states = self.model(input_ids, states)
         logits = logits[..., : self.config.vocab_size]
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),
                                    ignore_index=-100)
-        cache = None
+        new_cache = None
         if use_cache:
-            seen = past_key_values.seen_tokens if past_key_values is not None else 0
-            cache = MixerzooCache(new_states, seen + input_ids.shape[1])
+            seen = past.seen_tokens if past is not None else 0
+            new_cache = MixerzooCache(new_states, seen + input_ids.shape[1])
         if return_dict is False:
-            return tuple(v for v in (loss, logits, cache) if v is not None)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+            return tuple(v for v in (loss, logits, new_cache) if v is not None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_NAME: new_cache})
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, past_key_values: MixerzooCache | None = None,
                                       attention_mask: torch.Tensor | None = None, use_cache: bool | None = None,
-                                      **kwargs: Any) -> dict:
-        """Only the tokens not yet folded into the states (all of them at the first step)."""
-        if isinstance(past_key_values, MixerzooCache):
-            input_ids = input_ids[:, past_key_values.seen_tokens:]
-        inputs = {"input_ids": input_ids.contiguous(), "past_key_values": past_key_values,
-                  "attention_mask": attention_mask, "use_cache": use_cache}
+                                      cache: MixerzooCache | None = None, **kwargs: Any) -> dict:
+        """Only the tokens not yet folded into the states: the whole prompt at the first step, then the one new
+        token. ``generate`` hands the state over as ``cache=`` (transformers >= 5) or ``past_key_values=``
+        (4.x); it goes back to :meth:`forward` under the same name. The tokens to feed are counted from the
+        cache's own ``seen_tokens`` (transformers' ``next_sequence_length`` hint, absent in 4.x, is not needed)."""
+        name, past = ("cache", cache) if cache is not None else ("past_key_values", past_key_values)
+        if isinstance(past, MixerzooCache):
+            if past.seen_tokens >= input_ids.shape[1]:
+                raise ValueError(f"the cache already holds {past.seen_tokens} tokens and input_ids has "
+                                 f"{input_ids.shape[1]}: give the whole sequence (prompt and generated tokens)")
+            input_ids = input_ids[:, past.seen_tokens:]
+        inputs = {"input_ids": input_ids.contiguous(), name: past, "attention_mask": attention_mask,
+                  "use_cache": use_cache}
         if input_ids.device != self.device:
             inputs["input_ids"] = inputs["input_ids"].to(self.device)
         return inputs
