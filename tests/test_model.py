@@ -8,6 +8,7 @@ import torch
 from mixerzoo.model import LanguageModel, LMConfig, generate, generate_many
 from mixerzoo.model.config import ConfigError
 from mixerzoo.model.generation import sample_next
+from mixerzoo.protocol import map_state_tensors, state_nbytes
 from mixerzoo.registry import UnknownNameError
 from mixerzoo.testing import decode_stepwise
 
@@ -37,8 +38,24 @@ def test_lm_decode_equals_parallel_and_state_bytes():
     ids = torch.randint(0, 97, (2, 19))
     with torch.no_grad():
         full, states = m(ids)
-        stepped, _ = decode_stepwise(m, ids)
+        stepped, stepped_states = decode_stepwise(m, ids)
     torch.testing.assert_close(stepped, full, atol=1e-5, rtol=1e-5)
+    # the state's bytes, from what each layer must keep (fp32, B=2, T=19, d_model=32): the swa layers (window 4)
+    # keys and values of the last window - 1 = 3 tokens, the attention layers of all 19, and each of the 4 channel
+    # mixers' token shift the last token's input
+    B, T, D, fp32 = 2, 19, 32, 4
+    kv = lambda kept: 2 * B * kept * D * fp32  # noqa: E731
+    expected = 2 * kv(4 - 1) + 2 * kv(T) + 4 * B * D * fp32
+    assert state_nbytes(states) == expected
+    assert state_nbytes(stepped_states) == expected  # decoding one token at a time keeps no more
+    for a, b in zip(_tensors(stepped_states), _tensors(states), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _tensors(state) -> list:
+    out = []
+    map_state_tensors(state, lambda t: out.append(t) or t)
+    return out
 
 
 def test_value_residual_and_zero_init():
@@ -49,10 +66,17 @@ def test_value_residual_and_zero_init():
         assert b.mixer.o_proj.weight.abs().max() == 0
         assert b.channel.down_proj.weight.abs().max() == 0
     ids = torch.randint(0, 97, (2, 9))
+    # with o_proj zero (out_init zero) nothing a mixer computes reaches the logits and every v_lambda gradient is
+    # 0: give the output projections weights so the value path is live
+    with torch.no_grad():
+        for b in m.blocks:
+            b.mixer.o_proj.weight.normal_(0, 0.1)
     logits, _ = m(ids)
     logits.sum().backward()
-    # layers after the first one mix in the first layer's values, so their lambda gets a gradient path
-    assert m.blocks[1].mixer.qkv.v_lambda.grad is not None
+    # the first layer has no earlier values to mix in; later layers mix in the first layer's values, so their
+    # lambda gets a non-zero gradient
+    grad = m.blocks[1].mixer.qkv.v_lambda.grad
+    assert grad is not None and grad.abs().max() > 1e-6, grad
 
 
 def test_scaled_init_std():
