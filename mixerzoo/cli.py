@@ -131,11 +131,134 @@ def _check_config_files(argv: list[str]) -> None:
                               f"such as recipes/quickstart.yaml")
 
 
+# Every parser LightningCLI makes (the main one and each subcommand's): no abbreviated options (argparse would
+# take `--trainer.max_step 2` as max_steps), and errors raised as jsonargparse's ArgumentError instead of a usage
+# dump and exit, so that `main` prints them as one line (:func:`parser_error_message`).
+_PARSER_OPTIONS = {"allow_abbrev": False, "exit_on_error": False}
+PARSER_KWARGS = {**_PARSER_OPTIONS, **{sub: dict(_PARSER_OPTIONS) for sub in LIGHTNING_COMMANDS}}
+
+
+def _config_files(argv: list[str]) -> list[str]:
+    """The ``--config`` files named in ``argv``, in order."""
+    return [argv[i + 1] if a == "--config" else a[len("--config="):] for i, a in enumerate(argv)
+            if (a == "--config" and i + 1 < len(argv)) or a.startswith("--config=")]
+
+
+def _has_key(data, key: str) -> bool:
+    for part in key.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+def _parser_keys(parser) -> list[str]:
+    """Every option key of a (sub)command parser, e.g. ``trainer.max_steps``, ``model.d_model``."""
+    return sorted({a.dest for a in getattr(parser, "_actions", []) if a.dest and a.dest not in ("help", "==SUPPRESS==")})
+
+
+def parser_error_message(message: str, argv: list[str], parser=None) -> str:
+    """One line for a jsonargparse error (raised, not printed, since the parsers have ``exit_on_error=False``): the
+    key or file at fault, the closest valid key (``did you mean``) from ``parser``'s options, and where the full
+    list is (``--help``). ``argv`` is the command line (its ``--config`` files are searched for a key at fault)."""
+    import difflib
+    import re
+
+    import yaml
+
+    from .model.config import did_you_mean
+
+    sub = argv[0] if argv and argv[0] in LIGHTNING_COMMANDS else "fit"
+    help_hint = f"`mixerzoo {sub} --help` lists every option"
+    keys = _parser_keys(parser) if parser is not None else []
+    configs = _config_files(argv)
+    m = re.search(r"unrecognized arguments: (\S+)", message)
+    if m:
+        given = m.group(1).split("=", 1)[0]
+        close = difflib.get_close_matches(given.lstrip("-"), keys, n=1, cutoff=0.6)
+        return f"{given}: no such option{f'; did you mean --{close[0]}?' if close else ''} ({help_hint})"
+    m = re.search(r"does not accept (?:nested )?(?:option|key) '([^']+)'", message)
+    if m:
+        key = m.group(1)
+        where = next((f for f in configs if _has_key(_safe_yaml(f), key)), None)
+        close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+        return (f"{where + ': ' if where else ''}{key} is not an option{f'; did you mean {close[0]}?' if close else ''}"
+                f" ({help_hint})")
+    m = re.search(r"Problem with given class_path '([^']+)':\s*(?:- )?(.*?)(?:\s+- Expected a <class 'NoneType'>.*)?$",
+                  message, re.S)
+    if m:
+        class_path, inner = m.group(1), " ".join(m.group(2).split())
+        bad = re.match(r"Option '([^']+)' is not accepted", inner)
+        if bad:
+            key = f"{_parser_key_of(message) or 'data'}.init_args.{bad.group(1)}"
+            where = next((f for f in configs if _has_key(_safe_yaml(f), key)), None)
+            return (f"{where + ': ' if where else ''}{key}: {class_path.rsplit('.', 1)[-1]} takes no option "
+                    f"{bad.group(1)!r}{did_you_mean(bad.group(1), _init_parameters(class_path))} ({help_hint})")
+        outer = _parser_key_of(message) or "data"
+        if _parser_key_of(inner):  # a field of the class: "--data.init_args.seq_len: expected int, got 'abc'"
+            return f"--{outer}.init_args.{parser_error_message(inner, argv)[2:]}"
+        return f"--{outer} ({class_path}): {inner}"
+    m = re.search(r'Parser key "config":\s*File does not exist: (.*)', message)
+    if m:
+        missing = next((f for f in configs if not os.path.exists(f)), m.group(1).strip())
+        return f"--config {missing}: no such file; give a recipe such as recipes/quickstart.yaml"
+    if "Problems parsing config" in message:
+        for f in configs:
+            try:
+                with open(f, encoding="utf-8") as fh:
+                    yaml.safe_load(fh)
+            except yaml.YAMLError as e:
+                mark = getattr(e, "problem_mark", None)
+                at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+                return f"--config {f}: not valid YAML ({getattr(e, 'problem', None) or e}{at}); fix its syntax"
+            except OSError:
+                continue
+    m = re.match(r'\s*Parser key "([^"]+)":\s*(.*)', message, re.S)
+    if m:
+        key, rest = m.group(1), " ".join(m.group(2).split())
+        typed = re.fullmatch(r"Expected a <class '(\w+)'>\. Got value: (.*)", rest)
+        if typed:
+            rest = f"expected {typed.group(1)}, got {typed.group(2)!r}"
+        return f"--{key}: {rest}"
+    return " ".join(message.split())
+
+
+def _parser_key_of(message: str) -> str | None:
+    import re
+
+    m = re.match(r'\s*Parser key "([^"]+)"', message)
+    return m.group(1) if m else None
+
+
+def _init_parameters(class_path: str) -> list[str]:
+    """The keyword names ``class_path``'s constructor takes ([] when it cannot be imported)."""
+    import importlib
+
+    from .model.config import accepted_parameters
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        return sorted(accepted_parameters(getattr(importlib.import_module(module), name))[0])
+    except (ImportError, AttributeError, ValueError):
+        return []
+
+
+def _safe_yaml(path: str):
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+
+
 def _lightning_cli(args: list[str] | None):
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, Timer
     from lightning.pytorch.cli import LightningCLI
 
     from .data import LMDataModule
+    from .errors import ConfigError
     from .model.config import apply_mixer_overrides, split_mixer_overrides
     from .training import LMModule, ThroughputLogger
     from .training.module import explicit_fields
@@ -155,6 +278,19 @@ def _lightning_cli(args: list[str] | None):
                                  "checkpoint.filename": "step{step}-val_loss{val/loss:.3f}",
                                  "checkpoint.auto_insert_metric_name": False})
             parser.add_lightning_class_args(ThroughputLogger, "throughput")
+
+        def parse_arguments(self, parser, args) -> None:
+            # The parsers raise their errors (exit_on_error=False): turn each into one line naming the key, the
+            # file and the closest valid key, instead of argparse's usage dump.
+            from argparse import ArgumentError
+
+            try:
+                super().parse_arguments(parser, args)
+            except ArgumentError as e:
+                argv = list(sys.argv[1:] if args is None else args)
+                sub = argv[0] if argv else None
+                subparser = getattr(self, "_subcommand_parsers", {}).get(sub, parser)
+                raise ConfigError(parser_error_message(str(e), argv, subparser)) from None
 
         def instantiate_classes(self) -> None:
             try:
@@ -224,7 +360,8 @@ def _lightning_cli(args: list[str] | None):
     }
     def run(cli_args: list[str] | None):
         return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
-                           save_config_kwargs={"overwrite": True}, args=cli_args, auto_configure_optimizers=False)
+                           save_config_kwargs={"overwrite": True}, args=cli_args, auto_configure_optimizers=False,
+                           parser_kwargs=PARSER_KWARGS)
 
     if not from_shell:
         return run(args)

@@ -27,6 +27,7 @@ def _files(root):
     (root / "ok.yaml").write_text(RECIPE)
     (root / "bad.yaml").write_text("model: {d_model: 32\n  n_layers: [")
     (root / "list.yaml").write_text("- model\n- data\n")
+    (root / "typo.yaml").write_text(RECIPE.replace("d_model: 32", "d_modle: 32"))
     (root / "binary.yaml").write_bytes(bytes(range(256)) * 3)
     (root / "empty").mkdir()
     (root / "empty" / "a.txt").write_text("")
@@ -55,13 +56,32 @@ def _text(path, tokenizer=None):
 FIT = ["fit", "--config", "ok.yaml"]
 CASES = {
     # recipe files
-    "malformed_yaml": (["fit", "--config", "bad.yaml"], r"config"),
+    "malformed_yaml": (["fit", "--config", "bad.yaml"],
+                       r"(?m)^mixerzoo: error: --config bad\.yaml: not valid YAML \(expected ',' or '}', but got ':' at "
+                       r"line 2, column 11\); fix its syntax\n\Z"),
     "yaml_list_not_mapping": (["fit", "--config", "list.yaml"], r"Unexpected config"),
     "binary_recipe": (["fit", "--config", "binary.yaml"], r"binary\.yaml.*not a YAML text file"),
-    "missing_recipe": (["fit", "--config", "nope.yaml"], r"nope\.yaml"),
+    "missing_recipe": (["fit", "--config", "nope.yaml"],
+                       r"(?m)^mixerzoo: error: --config nope\.yaml: no such file; give a recipe such as "
+                       r"recipes/quickstart\.yaml\n\Z"),
+    # parser errors: one line with the key, the file and the closest valid key (issue 43), no usage dump
+    "yaml_key_typo": (["fit", "--config", "typo.yaml"],
+                      r"(?m)^mixerzoo: error: typo\.yaml: model\.d_modle is not an option; did you mean model\.d_model\? "
+                      r"\(`mixerzoo fit --help` lists every option\)\n\Z"),
+    "flag_typo": (FIT + ["--trainer.max_stesp", "2"],
+                  r"(?m)^mixerzoo: error: --trainer\.max_stesp: no such option; did you mean --trainer\.max_steps\? "
+                  r"\(`mixerzoo fit --help` lists every option\)\n\Z"),
+    "abbreviated_flag": (FIT + ["--trainer.max_step", "2"],  # argparse took it as --trainer.max_steps
+                         r"(?m)^mixerzoo: error: --trainer\.max_step: no such option; did you mean "
+                         r"--trainer\.max_steps\? \(`mixerzoo fit --help` lists every option\)\n\Z"),
+    "data_option_typo": (FIT + ["--data.init_args.seq_lne", "8"],
+                         r"(?m)^mixerzoo: error: data\.init_args\.seq_lne: RecallDataModule takes no option 'seq_lne'; "
+                         r"did you mean 'seq_len'\? \(`mixerzoo fit --help` lists every option\)\n\Z"),
+    "data_option_type": (FIT + ["--data.init_args.seq_len", "long"],
+                         r"(?m)^mixerzoo: error: --data\.init_args\.seq_len: expected int, got 'long'\n\Z"),
     "unknown_field": (FIT + ["--model.dmodel", "3"], r"--model\.dmodel"),
     # wrong types
-    "d_model_abc": (FIT + ["--model.d_model", "abc"], r"model\.d_model"),
+    "d_model_abc": (FIT + ["--model.d_model", "abc"], r"(?m)^mixerzoo: error: --model\.d_model: expected int, got 'abc'\n\Z"),
     "lr_text": (FIT + ["--model.lr", "fast"], r"model\.lr"),
     "max_steps_text": (FIT + ["--trainer.max_steps", "abc"], r"trainer\.max_steps"),
     "layer_types_not_a_list": (FIT + ["--model.layer_types", "{a: 1}"], r"model\.layer_types"),
@@ -143,6 +163,8 @@ def test_hostile_input_gets_one_clear_error(case, hostile_dir, monkeypatch, caps
     err = capsys.readouterr().err
     assert exc.value.code == 2, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
+    assert "usage:" not in err, err[-2000:]  # one line, not argparse's usage dump
+    assert err.count("mixerzoo: error:") == 1 and not err.endswith("\n\n"), err[-2000:]
     assert re.search(match, err, re.S), err[-2000:]
     assert not list(hostile_dir.glob("runs/**/*.ckpt")), "nothing may be trained on hostile input"
 
