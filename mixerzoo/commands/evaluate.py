@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = EvalSettings()  # the defaults
     p = argparse.ArgumentParser(
-        prog="mixerzoo evaluate",
+        prog="mixerzoo evaluate", allow_abbrev=False,
         description="Evaluate checkpoints of any mixer pattern: per-position loss on long documents, recall sweeps "
                     "(MQAR, ICR, needle in a haystack) and measured cost at each context length; writes report.md, "
                     "results.json and PNGs to --out.",

@@ -17,7 +17,7 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="mixerzoo export",
+        prog="mixerzoo export", allow_abbrev=False,
         description="Export a Lightning checkpoint to a Hugging Face Hub folder (config.json, model.safetensors, "
                     "tokenizer.json, generation_config.json, README.md model card, transformers shims), optionally "
                     "pushing it. With a single exported folder and --push, push that folder.")

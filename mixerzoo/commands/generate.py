@@ -81,7 +81,7 @@ def stream_text(model, tokenizer, prompt_ids: list[int], out: IO[str], max_new_t
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="mixerzoo generate",
+        prog="mixerzoo generate", allow_abbrev=False,
         description="Generate text from a checkpoint, an exported folder or a Hub repository id, streaming tokens "
                     "to stdout (each step reuses the mixers' states) and reporting tokens/s on stderr.")
     p.add_argument("source", help="a Lightning .ckpt, a folder made by `mixerzoo export`/`import`, a Hub repo id, "

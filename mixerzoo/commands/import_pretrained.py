@@ -17,7 +17,7 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="mixerzoo import",
+        prog="mixerzoo import", allow_abbrev=False,
         description="Import a pretrained transformers causal LM (llama, mistral, qwen2, qwen3) as a mixerzoo model "
                     "folder (config.json with layer_types, model.safetensors, tokenizer.json with its special "
                     "tokens and chat template). The folder is written atomically; logits equal transformers'.")

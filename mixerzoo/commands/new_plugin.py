@@ -13,7 +13,7 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mixerzoo new-plugin",
+        prog="mixerzoo new-plugin", allow_abbrev=False,
         description="Create a plugin distribution mixerzoo-NAME/ with a working mixer (causal linear attention: "
                     "chunked form + recurrent reference), its tests, a CPU recipe and a README.")
     parser.add_argument("name", metavar="NAME",
