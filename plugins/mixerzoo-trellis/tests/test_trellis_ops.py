@@ -219,3 +219,18 @@ def test_silu_inner_gradient_function_matches_its_autograd_form():
     for x, y in zip(torch.autograd.grad(fast, (z, a), g), torch.autograd.grad(slow, (z, a), g)):
         torch.testing.assert_close(x, y)
     assert torch.autograd.gradcheck(_SiluResidualGrad.apply, (z, a))
+
+
+def test_silu_inner_gradient_function_is_dtype_explicit():
+    """``_SiluResidualGrad`` computes in ``z``'s dtype (the memory's) with a target ``a`` of another dtype, and
+    returns each gradient in its input's dtype (the CUDA kernels refuse mixed-dtype inputs)."""
+    from mixerzoo_trellis.ops import _SiluResidualGrad
+
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 4, 3, generator=gen).requires_grad_()
+    a = torch.randn(2, 4, 3, generator=gen).bfloat16().requires_grad_()
+    u = _SiluResidualGrad.apply(z, a)
+    assert u.dtype == torch.float32
+    gz, ga = torch.autograd.grad(u.sum(), (z, a))
+    assert gz.dtype == torch.float32 and ga.dtype == torch.bfloat16
+    torch.testing.assert_close(u, _SiluResidualGrad.apply(z, a.float()))

@@ -66,7 +66,11 @@ class ShortConv(nn.Module):
         B, T, Cn = x.shape
         prev = x.new_zeros(B, self.kernel_size - 1, Cn) if cache is None else cache.to(x.dtype)
         full = torch.cat([prev, x], dim=1)
-        y = F.conv1d(full.transpose(1, 2), self.conv.weight, groups=Cn).transpose(1, 2)
+        w = self.conv.weight
+        # the convolution runs in the input's dtype (fp32 at least inside the layer): bf16 weights (bf16-true
+        # training) are cast up, since a CUDA kernel refuses an fp32 input with a bf16 weight
+        w = w if w.dtype == x.dtype else w.to(x.dtype)
+        y = F.conv1d(full.transpose(1, 2), w, groups=Cn).transpose(1, 2)
         # a copy: a view would keep the whole padded input alive in the state (and in a training segment's carry)
         return y, full[:, full.shape[1] - (self.kernel_size - 1):].clone()
 

@@ -123,10 +123,16 @@ class _SiluResidualGrad(torch.autograd.Function):
     (:func:`inner_grad` for ``phi = silu``), with its backward written out: ``du/dz = SiLU''(z) (phi - a) + p^2``
     with ``SiLU''(z) = s (1 - s) (2 + z (1 - 2 s))``, and ``du/da = -p``. One autograd node instead of eight: the
     chunk scan runs it once per chunk on ``(C, m)`` tensors, where the engine's per-node cost outweighed the
-    arithmetic (issue #17: elementwise products were a quarter of a Trellis training step at 8k)."""
+    arithmetic (issue #17: elementwise products were a quarter of a Trellis training step at 8k).
+
+    Dtypes are explicit at the boundary: the node computes in ``z``'s dtype (the memory's: fp32, or float64), ``a``
+    is cast to it, and each gradient comes back in its input's own dtype, whatever autocast does around it."""
 
     @staticmethod
     def forward(ctx, z, a):
+        ctx.a_dtype = a.dtype
+        if a.dtype != z.dtype:
+            a = a.to(z.dtype)
         s = torch.sigmoid(z)
         phi = z * s
         p = torch.addcmul(s, phi, 1 - s)
@@ -137,10 +143,12 @@ class _SiluResidualGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         z, s, p, r = ctx.saved_tensors
+        if grad.dtype != z.dtype:
+            grad = grad.to(z.dtype)
         one_minus_s = 1 - s
         second = s * one_minus_s * torch.addcmul(torch.full_like(z, 2.0), z, one_minus_s - s)  # SiLU''(z)
         grad_z = grad * torch.addcmul(p * p, second, r)
-        grad_a = -grad * p if ctx.needs_input_grad[1] else None
+        grad_a = (-grad * p).to(ctx.a_dtype) if ctx.needs_input_grad[1] else None
         return grad_z, grad_a
 
 
