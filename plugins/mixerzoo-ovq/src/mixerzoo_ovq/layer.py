@@ -39,7 +39,9 @@ class OVQState(StreamState):
 
     Attributes:
         dk, dv: key and value dictionaries ``(B, H_kv, n, D)``; ``n`` follows the schedule, at most ``max_size``.
-        counts: ``(B, H_kv, n)`` float32, how many keys each centroid has absorbed.
+        counts: ``(B, H_kv, n)``, how many keys each centroid has absorbed.
+        The dictionary and the counts are float32 at least (float64 for float64 inputs;
+        :func:`~mixerzoo_ovq.ops.accumulation_dtype`), whatever the compute dtype.
         buf_k, buf_v: raw keys (unit norm) and values of the unfinished chunk, ``(B, H_kv, next_pos % L, D)``.
         log_counts: ``log(counts)``, the read's prior (eq. 15), kept beside the counts because they change only at
             merges: a decoding step would otherwise take ``n`` logs per key/value head per token (at 16k tokens
@@ -198,10 +200,11 @@ class OVQAttention(Mixer):
         return F.normalize(q, dim=-1) * scale[None, :, None, None], F.normalize(k, dim=-1)
 
     def empty_state(self, batch: int, device=None, dtype=torch.float32) -> OVQState:
-        """The state at the start of a sequence (empty dictionary, empty chunk)."""
+        """The state at the start of a sequence (empty dictionary, empty chunk), for inputs of ``dtype``."""
         Hkv, D = self.qkv.n_kv_heads, self.qkv.head_dim
-        z = torch.zeros(batch, Hkv, 0, D, device=device, dtype=dtype)
-        return OVQState(dk=z, dv=z, counts=torch.zeros(batch, Hkv, 0, device=device), buf_k=z, buf_v=z,
+        acc = ops.accumulation_dtype(dtype)
+        z = torch.zeros(batch, Hkv, 0, D, device=device, dtype=acc)
+        return OVQState(dk=z, dv=z, counts=torch.zeros(batch, Hkv, 0, device=device, dtype=acc), buf_k=z, buf_v=z,
                         next_pos=0)
 
     def forward(self, x: torch.Tensor, state: OVQState | None = None, shared: dict | None = None
@@ -209,7 +212,8 @@ class OVQAttention(Mixer):
         """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given."""
         B, T, _ = x.shape
         L = self.chunk_len
-        st = state if state is not None else self.empty_state(B, x.device)
+        acc = ops.accumulation_dtype(x.dtype)
+        st = state if state is not None else self.empty_state(B, x.device, acc)
         p0 = st.next_pos
         if st.buf_k.shape[2] != p0 % L:
             raise ValueError(f"{self.mixer_name} state holds {st.buf_k.shape[2]} buffered tokens at position {p0}, "
@@ -220,7 +224,7 @@ class OVQAttention(Mixer):
         # memo: what backward's recomputation of a segment takes from its first run instead of computing again:
         # each chunk's discrete dictionary choices (ops.update_dictionary) and read (ops.chunk_attention)
         span = L * self.checkpoint_chunks
-        carry = self._carry(st)
+        carry = self._carry(st, acc)
         if self.qkv.value_residual and shared is not None:
             # the first layer's values are shared with the later layers for the whole call: project it here
             q, k, v, _, shift = self.qkv.stream(x, st, shared)
@@ -247,12 +251,13 @@ class OVQAttention(Mixer):
         """The heads' reads ``o (B, H, T, D)`` concatenated and projected: ``(B, T, d_model)``."""
         return self.o_proj(o.transpose(1, 2).flatten(2))
 
-    def _carry(self, st: OVQState) -> tuple:
+    def _carry(self, st: OVQState, acc: torch.dtype) -> tuple:
         """What the chunk loop carries: ``(dk, dv, counts, log_counts, buf_k, buf_v)`` (``N_CARRY``). The
-        dictionary and its counts stay float32 under autocast (bf16 running means drift ~1.5% after 8k merges);
-        attention reads them in the compute dtype, and the buffered tokens join the new ones in theirs
-        (:meth:`_segment`)."""
-        return st.dk.float(), st.dv.float(), st.counts, state_log_counts(st), st.buf_k, st.buf_v
+        dictionary and its counts are kept in ``acc`` (:func:`~mixerzoo_ovq.ops.accumulation_dtype`: float32 under
+        autocast, as bf16 running means drift ~1.5% after 8k merges; float64 for float64 inputs); attention reads
+        them in the compute dtype, and the buffered tokens join the new ones in theirs (:meth:`_segment`)."""
+        return (st.dk.to(acc), st.dv.to(acc), st.counts.to(acc), state_log_counts(st).to(acc), st.buf_k,
+                st.buf_v)
 
     def _state(self, carry: tuple, next_pos: int, shift) -> OVQState:
         """The state after the chunk loop (inverse of :meth:`_carry`)."""
@@ -262,9 +267,9 @@ class OVQAttention(Mixer):
 
     def _merge(self, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
                vc: torch.Tensor, decisions: dict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Merge the complete chunk ``chunk_idx`` (keys/values ``(B, H_kv, L, D)``, float32) into the dictionary
-        (eq. 17-19); returns ``dk, dv, counts``. ``decisions``: where the fast path keeps this chunk's discrete
-        choices for the segment's recomputation (None: not recomputed)."""
+        """Merge the complete chunk ``chunk_idx`` (keys/values ``(B, H_kv, L, D)``, in the dictionary's dtype) into
+        the dictionary (eq. 17-19); returns ``dk, dv, counts``. ``decisions``: where the fast path keeps this chunk's
+        discrete choices for the segment's recomputation (None: not recomputed)."""
         B, L = kc.shape[0], self.chunk_len
         n_new = ops.new_centroid_count(self.schedule, chunk_idx, L, dk.shape[2])
         scores = (ops.random_scores(chunk_idx, B, kc.shape[1], L, self.seed, self.layer_idx, kc.device)
@@ -304,7 +309,8 @@ class OVQAttention(Mixer):
             outs.append(attend(qc, dk.to(q.dtype), dv.to(q.dtype), log_counts, kc, vc, reuse=read))
             t += qc.shape[2]
             if kc.shape[2] == L:                          # the chunk is complete: merge it (eq. 17-19)
-                dk, dv, counts = self._merge((pos + t) // L - 1, dk, dv, counts, kc.float(), vc.float(), decisions)
+                dk, dv, counts = self._merge((pos + t) // L - 1, dk, dv, counts, kc.to(dk.dtype), vc.to(dk.dtype),
+                                             decisions)
                 log_counts = counts.log()
                 # new empty tensors, not empty views: a view would keep the whole segment's keys alive in the
                 # state that autograd keeps for the next segment (issue #17)

@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from mixerzoo.mixers.reductions import max_last
 from mixerzoo.mixers.rows import flat_rows, take_rows
 
-__all__ = ["chunk_attention", "update_dictionary", "new_centroid_count", "random_scores", "vq_merge"]
+__all__ = ["accumulation_dtype", "chunk_attention", "update_dictionary", "new_centroid_count", "random_scores",
+           "vq_merge"]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the dictionary, its counts and the merges (eq. 17-19) run in for inputs of ``dtype``: float32 at
+    least (bf16 running means drift ~1.5% after 8k merges), float64 kept float64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def new_centroid_count(schedule, chunk_idx: int, chunk_len: int, size: int) -> int:
@@ -84,7 +91,9 @@ class _LeanChunkAttention(torch.autograd.Function):
     part's flash backward with the *merged* output and log-sum-exp, which gives each part's exact gradients
     (``P = exp(S - lse)`` and ``rowsum(dO * O)`` are those of the whole softmax). Keeps for backward only the
     sources (queries, the dictionary, the chunk's keys and values, which exist anyway), the output and the
-    log-sum-exp. The counts get no gradient (they count assignments)."""
+    log-sum-exp. The counts get no gradient (they count assignments). Dtypes: queries, dictionary and chunk in one
+    dtype, fp32 or float64 (:func:`chunk_attention` takes this path only then), the log-prior cast to it, so the
+    log-sum-exp and every gradient are in that dtype too."""
 
     @staticmethod
     def read(q, dk, dv, log_counts, kc, vc):
@@ -153,9 +162,10 @@ def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_cou
 
     The dictionary rows are visible to every query; the chunk's own raw (never quantized) keys are causal.
     The chunk may have started earlier (decode, continuation): the ``Lq`` queries are the last ``Lq`` of the
-    ``Lk`` chunk positions, so query ``i`` sees chunk keys ``j <= Lk - Lq + i``. On CPU with one dtype throughout
-    it runs on the flash kernels with a backward that rebuilds the concatenated keys (:class:`_LeanChunkAttention`);
-    elsewhere (CUDA, mixed dtypes) through ``scaled_dot_product_attention`` with autograd.
+    ``Lk`` chunk positions, so query ``i`` sees chunk keys ``j <= Lk - Lq + i``. On CPU with one dtype throughout,
+    fp32 or float64, it runs on the flash kernels with a backward that rebuilds the concatenated keys
+    (:class:`_LeanChunkAttention`); elsewhere (CUDA, bf16, mixed dtypes) through ``scaled_dot_product_attention``
+    with autograd.
 
     Args:
         q: ``(B, H, Lq, D)`` queries, already unit-norm and multiplied by the precision ``beta * sqrt(D)``.
@@ -171,8 +181,10 @@ def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_cou
         ``(B, H, Lq, D)``.
     """
     H, Lq, Hkv = q.shape[1], q.shape[2], kc.shape[1]
+    # the lean path's kernels take one dtype throughout: fp32 or float64 (for bf16 the CPU flash kernel keeps the
+    # log-sum-exp in fp32, which its backward would then get beside bf16 tensors)
     lean = (q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-            and all(t.dtype == q.dtype for t in (dk, dv, kc, vc)))
+            and q.dtype in (torch.float32, torch.float64) and all(t.dtype == q.dtype for t in (dk, dv, kc, vc)))
     if lean:
         return _LeanChunkAttention.apply(q, dk, dv, log_counts.detach(), kc, vc, reuse)
     keys, values, mask = _keys_values_mask(dk, dv, log_counts, kc, vc, 1, Lq, q.dtype)

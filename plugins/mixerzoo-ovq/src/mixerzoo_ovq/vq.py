@@ -41,8 +41,10 @@ class VQState(StreamState):
     """State of :class:`VQAttention` after ``next_pos`` tokens.
 
     Attributes:
-        dv: ``(B, H_kv, N, D)`` float32, the mean value of the keys each codeword absorbed (0 where none).
-        counts: ``(B, H_kv, N)`` float32, how many keys each codeword absorbed.
+        dv: ``(B, H_kv, N, D)``, the mean value of the keys each codeword absorbed (0 where none).
+        counts: ``(B, H_kv, N)``, how many keys each codeword absorbed.
+        ``dv`` and ``counts`` are float32 at least (float64 for float64 inputs;
+        :func:`~mixerzoo_ovq.ops.accumulation_dtype`).
         buf_k, buf_v: quantized keys and values of the unfinished chunk, ``(B, H_kv, next_pos % L, D)``.
         log_counts: ``log(counts)`` (see :class:`~mixerzoo_ovq.layer.OVQState`), or None.
     """
@@ -127,16 +129,17 @@ class VQAttention(OVQAttention):
         return q, quantize_keys(k, self.codes())[0]
 
     def empty_state(self, batch: int, device=None, dtype=torch.float32) -> VQState:
-        """The state at the start of a sequence: no key absorbed yet, empty chunk."""
+        """The state at the start of a sequence: no key absorbed yet, empty chunk, for inputs of ``dtype``."""
         Hkv, N, D = self.codebook.shape
-        z = torch.zeros(batch, Hkv, 0, D, device=device, dtype=dtype)
-        return VQState(dv=torch.zeros(batch, Hkv, N, D, device=device),
-                       counts=torch.zeros(batch, Hkv, N, device=device), buf_k=z, buf_v=z, next_pos=0)
+        acc = ops.accumulation_dtype(dtype)
+        z = torch.zeros(batch, Hkv, 0, D, device=device, dtype=acc)
+        return VQState(dv=torch.zeros(batch, Hkv, N, D, device=device, dtype=acc),
+                       counts=torch.zeros(batch, Hkv, N, device=device, dtype=acc), buf_k=z, buf_v=z, next_pos=0)
 
-    def _carry(self, st: VQState) -> tuple:
+    def _carry(self, st: VQState, acc: torch.dtype) -> tuple:
         B = st.dv.shape[0]
-        return (self.codes().float()[None].expand(B, -1, -1, -1), st.dv.float(), st.counts, state_log_counts(st),
-                st.buf_k, st.buf_v)
+        return (self.codes().to(acc)[None].expand(B, -1, -1, -1), st.dv.to(acc), st.counts.to(acc),
+                state_log_counts(st).to(acc), st.buf_k, st.buf_v)
 
     def _state(self, carry: tuple, next_pos: int, shift) -> VQState:
         _, dv, counts, log_counts, buf_k, buf_v = carry
