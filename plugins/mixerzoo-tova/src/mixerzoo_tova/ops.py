@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from mixerzoo.mixers.qkv import StreamState
 
-from .policies import EvictionPolicy
+from .policies import EvictionPolicy, accumulation_dtype
 
 __all__ = ["EvictionCache", "empty_cache", "attend_and_evict", "attend_window_static", "compressed_positions",
            "COMPRESSION_THRESHOLD"]
@@ -33,7 +33,8 @@ class EvictionCache(StreamState):
             ``(B, H_kv, S, D)``, ``S <= multi_state``, ordered by position.
         pos: absolute positions of the kept entries, ``(B, G, S)`` int64; ``G = H_kv`` for per-head policies
             (each KV head keeps its own entries), else 1 (one keep-set for the layer).
-        acc: ``h2o`` only: accumulated attention per entry ``(B, G, S)`` float32; else None.
+        acc: ``h2o`` only: accumulated attention per entry ``(B, G, S)``, float32 at least (float64 for float64
+            inputs; :func:`~mixerzoo_tova.policies.accumulation_dtype`); else None.
         next_pos: tokens seen so far (the position of the next token).
         shift: previous-token projections for the token-shift option, else None.
     """
@@ -55,7 +56,8 @@ def empty_cache(batch: int, n_kv_heads: int, head_dim: int, policy: EvictionPoli
     g = policy.groups(n_kv_heads)
     kv = like.new_zeros(batch, n_kv_heads, 0, head_dim)
     return EvictionCache(k=kv, v=kv.clone(), pos=torch.zeros(batch, g, 0, dtype=torch.long, device=like.device),
-                         acc=like.new_zeros(batch, g, 0, dtype=torch.float32) if policy.uses_accumulated else None,
+                         acc=(like.new_zeros(batch, g, 0, dtype=accumulation_dtype(like.dtype))
+                              if policy.uses_accumulated else None),
                          next_pos=0)
 
 
@@ -118,8 +120,8 @@ def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
             :func:`compressed_positions` (query ``t`` at the compressed position of its own entry). None: off.
 
     Returns:
-        ``o (B, H, C, D)`` (dtype of ``q``; computed in float32) and the new cache (``next_pos`` and ``shift``
-        are left for the caller to set).
+        ``o (B, H, C, D)`` (dtype of ``q``; computed in float32 at least, float64 kept: :func:`accumulation_dtype`)
+        and the new cache (``next_pos`` and ``shift`` are left for the caller to set).
     """
     B, H, C, D = q.shape
     H_kv = k.shape[1]
@@ -137,8 +139,9 @@ def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         K_att = _rerotate(K, delta, rotate)
         q_att = _rerotate(q, delta[..., S - C:], rotate)
     # GQA: the g query heads of a KV head (heads kv*g .. kv*g+g-1) share its keys; one bmm per (batch, KV head)
-    Kf, Vf = K_att.float().reshape(B * H_kv, S, D), V.float().reshape(B * H_kv, S, D)
-    logits = torch.bmm(q_att.float().reshape(B * H_kv, g * C, D), Kf.transpose(1, 2)).view(B, H_kv, g, C, S) * scale
+    work = accumulation_dtype(q.dtype)
+    Kf, Vf = K_att.to(work).reshape(B * H_kv, S, D), V.to(work).reshape(B * H_kv, S, D)
+    logits = torch.bmm(q_att.to(work).reshape(B * H_kv, g * C, D), Kf.transpose(1, 2)).view(B, H_kv, g, C, S) * scale
     if C > 1:  # new queries must not see later new keys; every cached entry is older than every new query
         S0 = S - C
         causal = torch.ones(C, S, dtype=torch.bool, device=q.device).tril(diagonal=S0)
@@ -148,7 +151,7 @@ def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
     acc = None
     if policy.uses_accumulated:
-        acc = torch.cat([cache.acc, cache.acc.new_zeros(B, G, C)], dim=2)
+        acc = torch.cat([cache.acc.to(work), cache.acc.new_zeros(B, G, C, dtype=work)], dim=2)
         acc = policy.accumulate(acc, probs)
     if S > policy.multi_state:
         prio = policy.priority(probs, pos, acc, int(positions[-1]))

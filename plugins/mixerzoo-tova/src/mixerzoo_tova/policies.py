@@ -24,9 +24,15 @@ import re
 
 import torch
 
-__all__ = ["POLICIES", "EvictionPolicy", "parse_policy"]
+__all__ = ["POLICIES", "EvictionPolicy", "parse_policy", "accumulation_dtype"]
 
 POLICIES = ("tova", "window", "h2o")
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention weights, their running sums (``h2o``) and the priorities are computed in for inputs of
+    ``dtype``: float32 at least (under bf16), float64 kept float64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def parse_policy(policy: str, n_sinks: int | None) -> tuple[str, int]:
@@ -143,13 +149,14 @@ class EvictionPolicy:
             newest: absolute position of the newest token (the last query).
 
         Returns:
-            ``(B, G, S)`` float32.
+            ``(B, G, S)``, float32 at least (:func:`accumulation_dtype`; positions: float32).
         """
         if self.name == "tova":
-            last = probs[..., -1, :].float()  # (B, H_kv, g, S)
+            last = probs[..., -1, :]
+            last = last.to(accumulation_dtype(last.dtype))  # (B, H_kv, g, S)
             score = last.mean(dim=2) if self.per_head else last.mean(dim=(1, 2))[:, None]
         elif self.name == "h2o":
-            score = acc.float()
+            score = acc.to(accumulation_dtype(acc.dtype))
         else:
             score = pos.float()
         protected = pos < self.n_sinks
@@ -162,6 +169,6 @@ class EvictionPolicy:
     def accumulate(self, acc: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """H2O's running score: ``acc (B, G, S)`` plus the attention ``probs (B, H_kv, g, C, S)`` summed over
         the ``C`` queries and averaged over the heads of each group."""
-        got = probs.float().sum(dim=3)  # (B, H_kv, g, S)
+        got = probs.sum(dim=3, dtype=acc.dtype)  # (B, H_kv, g, S)
         got = got.mean(dim=2) if self.per_head else got.mean(dim=(1, 2))[:, None]
         return acc + got
