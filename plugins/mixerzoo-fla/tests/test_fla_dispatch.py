@@ -35,6 +35,11 @@ def test_resolve_backend(monkeypatch):
     monkeypatch.setattr(fla_backend, "fla_installed", lambda: True)
     assert fla_backend.resolve_backend("auto", CUDA) == "fla"
     assert fla_backend.resolve_backend("fla", CUDA) == "fla"
+    assert fla_backend.resolve_backend("auto", CUDA, dtype=torch.bfloat16) == "fla"
+    # fla's kernels do not take float64: auto runs the PyTorch forms (float64 states), fla says why it cannot
+    assert fla_backend.resolve_backend("auto", CUDA, dtype=torch.float64) == "torch"
+    with pytest.raises(ValueError, match="do not take float64"):
+        fla_backend.resolve_backend("fla", CUDA, dtype=torch.float64)
     monkeypatch.setattr(fla_backend, "fla_installed", lambda: False)
     with pytest.raises(ImportError, match="flash-linear-attention"):
         fla_backend.resolve_backend("fla", CUDA)
@@ -165,6 +170,27 @@ def test_fla_branch_matches_torch_branch(factory, fake_fla, monkeypatch):
         theirs(x[:, :5])
         assert [c for c in fake_fla.calls if c != "causal_conv1d"] == [chunk]
 
+
+
+@pytest.mark.parametrize("factory", [lambda: GatedDeltaNet(D, n_heads=2, chunk_len=8),
+                                     lambda: GatedSlotAttention(D, n_heads=2, num_slots=6, chunk_len=8)],
+                         ids=["gdn", "gsa"])
+def test_float64_on_cuda_runs_the_torch_form(factory, fake_fla, monkeypatch):
+    """On CUDA with fla installed, float64 inputs run the PyTorch form (fla's kernels do not take float64) and keep
+    float64 states; float32 inputs still take fla's kernels."""
+    real = fla_backend.resolve_backend
+    monkeypatch.setattr(fla_backend, "fla_installed", lambda: True)
+    monkeypatch.setattr(fla_backend, "resolve_backend", lambda backend, device, **kw: real(backend, CUDA, **kw))
+    layer = factory().eval()
+    x = torch.randn(2, 70, D)
+    with torch.no_grad():
+        layer(x)
+        assert fake_fla.calls
+        fake_fla.calls.clear()
+        y, state = layer.double()(x.double())
+    assert fake_fla.calls == []
+    assert y.dtype == torch.float64
+    assert {t.dtype for t in state_tensors(state)} == {torch.float64}
 
 
 # ---- fla's refusal of the gated chunk backward (Hopper + Triton in [3.4.0, 3.7.1) + no usable TileLang) ----------

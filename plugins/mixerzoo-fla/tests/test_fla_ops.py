@@ -196,6 +196,31 @@ def test_gsa_hand_computed_one_slot():
 
 # ---- small definitions ---------------------------------------------------------------------------------------
 
+# ---- accumulation dtype: float32 under bf16, float64 kept ------------------------------------------------------
+
+@pytest.mark.parametrize("form", ["gdn", "gsa"])
+def test_forms_accumulate_in_fp32_and_keep_float64(form):
+    """States and outputs in ``accum_dtype``: float64 inputs give float64 (chunked form equal to the token loop far
+    below fp32 rounding), bf16 inputs give float32."""
+    inputs = gdn_inputs(T=37) if form == "gdn" else gsa_inputs(T=37)
+    chunked, loop = ((ops.chunk_gated_delta_rule, reference.gated_delta_rule_recurrent) if form == "gdn" else
+                     (ops.chunk_gsa, reference.gsa_recurrent))
+    def cast(x, dtype):
+        return tuple(cast(t, dtype) for t in x) if isinstance(x, tuple) else x.to(dtype)
+
+    def flat(o, state):
+        return (o, *(state if isinstance(state, tuple) else (state,)))
+
+    *xs, s0 = cast(tuple(inputs), torch.float64)
+    ours, ref = flat(*chunked(*xs, initial_state=s0, chunk_len=8)), flat(*loop(*xs, initial_state=s0))
+    for a, b in zip(ours, ref, strict=True):
+        assert a.dtype == b.dtype == torch.float64
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    *xs, s0 = cast(tuple(inputs), torch.bfloat16)
+    assert {t.dtype for t in flat(*chunked(*xs, initial_state=s0, chunk_len=8))} == {torch.float32}
+    assert ops.accum_dtype(xs[0]) == torch.float32 and ops.accum_dtype(xs[0].double(), xs[1]) == torch.float64
+
+
 def test_l2_normalize_hand_computed():
     x = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
     torch.testing.assert_close(ops.l2_normalize(x), torch.tensor([[0.6, 0.8], [0.0, 0.0]]), atol=1e-6, rtol=0)

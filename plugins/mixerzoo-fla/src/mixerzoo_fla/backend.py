@@ -7,10 +7,10 @@ drivers"). Building a model and training or decoding on CPU therefore never impo
 Backends (the ``backend`` option of both mixers):
 
 - ``"auto"`` (default): ``fla`` kernels for CUDA tensors when ``fla`` and ``triton`` are importable, else
-  ``torch``.
+  ``torch``; always ``torch`` for float64 inputs (fla's kernels do not take float64).
 - ``"torch"``: the chunked PyTorch forms of :mod:`mixerzoo_fla.ops` on every device (a reference on CUDA).
-- ``"fla"``: the ``fla`` kernels, and an error if they cannot run (CPU tensors, ``fla`` not installed, fla
-  refusing the backward that a GDN training call needs).
+- ``"fla"``: the ``fla`` kernels, and an error if they cannot run (CPU tensors, float64 inputs, ``fla`` not
+  installed, fla refusing the backward that a GDN training call needs).
 
 fla refuses one backward on some machines: :func:`fla_backward_refused` predicts it without running a kernel, and
 ``auto`` then trains GDN with the PyTorch form (one warning says how to get the kernels back).
@@ -46,8 +46,12 @@ def check_backend(backend: str) -> None:
                          f"(auto: fla kernels on CUDA, torch elsewhere)")
 
 
-def resolve_backend(backend: str, device: torch.device, delta_rule_backward: bool = False) -> str:
+def resolve_backend(backend: str, device: torch.device, delta_rule_backward: bool = False,
+                    dtype: torch.dtype | None = None) -> str:
     """The implementation to run for tensors on ``device``: ``"fla"`` or ``"torch"``.
+
+    ``dtype``: the input's dtype, if known. fla's kernels do not take float64, so float64 inputs (references,
+    gradient checks) run the PyTorch forms, which keep float64 states (:func:`mixerzoo_fla.ops.accum_dtype`).
 
     ``delta_rule_backward``: the call will run backward through fla's chunked gated delta rule (a GDN forward
     with autograd recording). Where fla refuses that backward (:func:`fla_backward_refused`), ``auto`` answers
@@ -55,7 +59,7 @@ def resolve_backend(backend: str, device: torch.device, delta_rule_backward: boo
 
     Raises:
         ValueError: unknown ``backend``, or ``backend="fla"`` for non-CUDA tensors (fla's Triton kernels
-            need a GPU; use ``auto`` or ``torch``).
+            need a GPU; use ``auto`` or ``torch``) or for float64 inputs.
         ImportError: ``backend="fla"`` but ``fla``/``triton`` are not installed (the message says what to install).
         RuntimeError: ``backend="fla"`` with ``delta_rule_backward`` where fla refuses that backward (the message
             gives fla's condition and the fix; ``auto`` trains with the PyTorch form instead).
@@ -67,6 +71,11 @@ def resolve_backend(backend: str, device: torch.device, delta_rule_backward: boo
         if backend == "fla":
             raise ValueError(f"backend='fla' runs flash-linear-attention's Triton kernels, which need CUDA tensors; "
                              f"got tensors on {device.type}. Use backend='auto' (or 'torch') on CPU")
+        return "torch"
+    if dtype == torch.float64:
+        if backend == "fla":
+            raise ValueError("backend='fla' runs flash-linear-attention's Triton kernels, which do not take float64 "
+                             "inputs; use backend='auto' (or 'torch'), which runs the PyTorch forms in float64")
         return "torch"
     if not fla_installed():
         if backend == "fla":

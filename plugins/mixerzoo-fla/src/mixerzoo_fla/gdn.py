@@ -23,7 +23,7 @@ from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
 from .modules import GatedRMSNorm, ShortConvolution, short_conv_qkv
-from .ops import check_checkpoint_chunks, chunk_gated_delta_rule, gdn_log_decay
+from .ops import accum_dtype, check_checkpoint_chunks, chunk_gated_delta_rule, gdn_log_decay
 
 __all__ = ["GatedDeltaNet", "GDNState"]
 
@@ -33,8 +33,9 @@ class GDNState(MixerState):
     """Decoding state of :class:`GatedDeltaNet` (constant size in the sequence length).
 
     Attributes:
-        recurrent: the delta-rule memory ``[B, HV, head_k_dim, head_v_dim]``, float32 (``S_t`` of the paper
-            transposed, fla's default ``[K, V]`` layout).
+        recurrent: the delta-rule memory ``[B, HV, head_k_dim, head_v_dim]`` (``S_t`` of the paper transposed,
+            fla's default ``[K, V]`` layout), float32; float64 for float64 inputs
+            (:func:`mixerzoo_fla.ops.accum_dtype`).
         conv: short-convolution caches ``(q [B, key_dim, W], k [B, key_dim, W], v [B, value_dim, W])``
             (the last ``W = conv_size`` projected inputs, most recent last), or None without short convolutions.
     """
@@ -167,7 +168,7 @@ class GatedDeltaNet(Mixer):
         # fla refuses its chunked backward on some machines (Hopper, Triton 3.4.0-3.7.0, no TileLang): there the
         # resolver answers "torch" for calls that record autograd, while inference keeps fla's kernels
         records_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
-        if _backend.resolve_backend(self.backend, x.device, delta_rule_backward=records_grad) == "fla":
+        if _backend.resolve_backend(self.backend, x.device, dtype=x.dtype, delta_rule_backward=records_grad) == "fla":
             q, k, v, a, b, conv = self._inputs(x, conv, use_fla=True)
             o, s = self._fla_delta_rule(q, k, v, a, b, None if state is None else state.recurrent)
             return self._output(o.to(x.dtype), x), GDNState(recurrent=s, conv=conv)
@@ -176,8 +177,9 @@ class GatedDeltaNet(Mixer):
         # backward, each running the whole layer from its slice of x: autograd keeps x, the state entering each
         # segment and the output, not the projections, convolutions, gates and output path (value-width tensors, twice
         # attention's width with expand_v 2), and backward's gradients of q, k, v exist one segment at a time
-        s0 = (x.new_zeros(B, self.n_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
-              if state is None else state.recurrent.float())
+        dtype = accum_dtype(x)  # the state's: float32, float64 kept
+        s0 = (x.new_zeros(B, self.n_v_heads, self.head_k_dim, self.head_v_dim, dtype=dtype)
+              if state is None else state.recurrent.to(dtype))
         y, (s, *caches) = run_segments(self._cpu_layer, (x,), 0, (s0, *optional_carry(conv, self.use_short_conv)),
                                        span=self.chunk_len * self.checkpoint_chunks, dim=1)
         return y, GDNState(recurrent=s, conv=tuple(caches) or None)
@@ -197,11 +199,11 @@ class GatedDeltaNet(Mixer):
 
     def _cpu_layer(self, x: torch.Tensor, _pos: int, s: torch.Tensor, *caches) -> tuple:
         """The CPU form of the layer on ``x [B, t, d_model]`` from the delta-rule state ``s`` and the convolution
-        caches (none without short convolutions): ``(y, s after, *caches after)``."""
+        caches (none without short convolutions): ``(y, s after, *caches after)``; gates and state in ``s``'s dtype."""
         q, k, v, a, b, conv = self._inputs(x, caches, use_fla=False)
-        beta = b.float().sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)
+        beta = b.to(s.dtype).sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)
         g = gdn_log_decay(a, self.A_log, self.dt_bias) if self.use_decay else \
-            b.new_zeros(b.shape, dtype=torch.float32)  # DeltaNet: log alpha = 0
+            b.new_zeros(b.shape, dtype=s.dtype)  # DeltaNet: log alpha = 0
         o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s, chunk_len=self.chunk_len,
                                       use_qk_l2norm=True)
         return (self._output(o.to(x.dtype), x), s, *(conv or ()))

@@ -22,7 +22,7 @@ from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend
 from .modules import ShortConvolution, short_conv_qkv
-from .ops import check_checkpoint_chunks, chunk_gsa
+from .ops import accum_dtype, check_checkpoint_chunks, chunk_gsa
 
 __all__ = ["GatedSlotAttention", "GSAState"]
 
@@ -34,9 +34,10 @@ class GSAState(MixerState):
     """Decoding state of :class:`GatedSlotAttention` (constant size in the sequence length).
 
     Attributes:
-        hk: key memory ``[B, n_kv_heads, head_k_dim, num_slots]``, float32.
-        hv: value memory ``[B, n_kv_heads, num_slots, head_v_dim]``, float32. (One memory per key/value
-            head; with grouped queries the query heads of a group read the same memory.)
+        hk: key memory ``[B, n_kv_heads, head_k_dim, num_slots]``.
+        hv: value memory ``[B, n_kv_heads, num_slots, head_v_dim]``. (One memory per key/value head; with grouped
+            queries the query heads of a group read the same memory.) Both float32; float64 for float64 inputs
+            (:func:`mixerzoo_fla.ops.accum_dtype`).
         conv: short-convolution caches ``(q [B, key_dim, W], k [B, n_kv_heads * head_k_dim, W],
             v [B, n_kv_heads * head_v_dim, W])``, or None without short convolutions.
     """
@@ -152,18 +153,19 @@ class GatedSlotAttention(Mixer):
         """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given."""
         B = x.shape[0]
         conv = None if state is None else state.conv
-        if _backend.resolve_backend(self.backend, x.device) == "fla":
+        if _backend.resolve_backend(self.backend, x.device, dtype=x.dtype) == "fla":
             q, k, v, f, conv = self._inputs(x, conv, use_fla=True)
             o, (hk, hv) = self._fla_gsa(q, k, v, *self._gates(f), None if state is None else (state.hk, state.hv))
             return self._output(o.to(x.dtype).flatten(2)), GSAState(hk=hk, hv=hv, conv=conv)
         # CPU: one pass, or in training segments of checkpoint_chunks chunks recomputed in backward, each running
         # the whole layer from its slice of x (issue #17): autograd keeps x, the two memories entering each
         # segment and the output, not the projections, convolutions, feature maps, gates and output path
+        dtype = accum_dtype(x)  # the memories': float32, float64 kept
         if state is None:
-            hk = x.new_zeros(B, self.n_kv_heads, self.head_k_dim, self.num_slots, dtype=torch.float32)
-            hv = x.new_zeros(B, self.n_kv_heads, self.num_slots, self.head_v_dim, dtype=torch.float32)
+            hk = x.new_zeros(B, self.n_kv_heads, self.head_k_dim, self.num_slots, dtype=dtype)
+            hv = x.new_zeros(B, self.n_kv_heads, self.num_slots, self.head_v_dim, dtype=dtype)
         else:
-            hk, hv = state.hk.float(), state.hv.float()
+            hk, hv = state.hk.to(dtype), state.hv.to(dtype)
         y, (hk, hv, *caches) = run_segments(self._cpu_layer, (x,), 0,
                                             (hk, hv, *optional_carry(conv, self.use_short_conv)),
                                             span=self.chunk_len * self.checkpoint_chunks, dim=1)
@@ -185,7 +187,7 @@ class GatedSlotAttention(Mixer):
         """The CPU form of the layer on ``x [B, t, d_model]`` from the memories ``hk, hv`` and the convolution
         caches (none without short convolutions): ``(y, hk after, hv after, *caches after)``."""
         q, k, v, f, conv = self._inputs(x, caches, use_fla=False)
-        o, (hk, hv) = chunk_gsa(q, k, v, *self._gates(f.float()), scale=self.scale, initial_state=(hk, hv),
+        o, (hk, hv) = chunk_gsa(q, k, v, *self._gates(f.to(hk.dtype)), scale=self.scale, initial_state=(hk, hv),
                                 chunk_len=self.chunk_len)
         return (self._output(o.to(x.dtype).flatten(2)), hk, hv, *(conv or ()))
 

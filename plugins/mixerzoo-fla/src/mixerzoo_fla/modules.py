@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backend as _backend
+from .ops import accum_dtype
 
 __all__ = ["ShortConvolution", "GatedRMSNorm", "short_conv_qkv"]
 
@@ -97,7 +98,8 @@ def short_conv_qkv(layer: nn.Module, x: torch.Tensor, conv_state: tuple | None, 
 class GatedRMSNorm(nn.Module):
     """``RMSNorm(x) * weight * act(gate)`` over the last dimension (fla's ``FusedRMSNormGated``, in PyTorch).
 
-    ``act`` is ``swish``/``silu`` (``g * sigmoid(g)``) or ``sigmoid``. The norm is computed in float32:
+    ``act`` is ``swish``/``silu`` (``g * sigmoid(g)``) or ``sigmoid``. The norm is computed in float32 (float64 for
+    float64 inputs, :func:`mixerzoo_fla.ops.accum_dtype`):
     ``x / sqrt(mean(x^2) + eps)``. Output dtype follows ``x``.
 
     Args:
@@ -118,8 +120,9 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # no recomputation of its own: on CPU, GDN recomputes whole segments of the layer in training (issue #17)
-        xf, gf = x.float(), gate.float()
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        dtype = accum_dtype(x)
+        xf, gf = x.to(dtype), gate.to(dtype)
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.to(dtype)
         y = y * (torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf))
         return y.to(x.dtype)
 

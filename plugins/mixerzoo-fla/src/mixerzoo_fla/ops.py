@@ -7,7 +7,8 @@ to pass the state along, with a few small matrix products per chunk. There is no
 plain token loops in :mod:`mixerzoo_fla.reference` are the definitions these are tested against.
 
 Layouts follow flash-linear-attention (so the CPU and CUDA paths share calling conventions): sequences
-``[B, T, H, D]``, states per head. All arithmetic is float32; outputs are float32.
+``[B, T, H, D]``, states per head. Arithmetic, states and outputs are in :func:`accum_dtype` of the inputs:
+float32 for bf16/fp16/fp32 inputs, float64 for float64 inputs (references, gradient checks).
 
 Decay factors are formed as ``exp(a - b)`` with ``a <= b`` (a later cumulative log decay minus an earlier
 one), so they lie in ``[0, 1]`` whatever the gates; the one exception, GSA's split form, is guarded (see
@@ -24,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from mixerzoo.mixers.segments import run_segments
 
-__all__ = ["l2_normalize", "gdn_log_decay", "chunk_gated_delta_rule", "chunk_gsa", "check_checkpoint_chunks"]
+__all__ = ["accum_dtype", "l2_normalize", "gdn_log_decay", "chunk_gated_delta_rule", "chunk_gsa",
+           "check_checkpoint_chunks"]
 
 # Chunks processed together: their intra-chunk products are batched, and a block's tensors stay small enough
 # to remain in cache while the state walks through it (about 1k tokens at the default chunk lengths).
@@ -38,6 +40,16 @@ GSA_MIN_SPLIT_CHUNK = 4
 GSA_BLOCK_ELEMENTS = 1 << 24
 
 
+def accum_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype the PyTorch forms accumulate and keep their states in: float32, or float64 where an input is
+    float64 (``torch.promote_types(dtype, float32)``). bf16/fp16 inputs (autocast, bf16 weights) get float32 sums;
+    for float32 inputs every cast to it is a no-op. (fla's kernels keep their own float32 states.)"""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 def check_checkpoint_chunks(value, mixer: str) -> int:
     """The layers' ``checkpoint_chunks`` option: an integer >= 0, else ValueError naming the mixer and the fix."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -46,22 +58,25 @@ def check_checkpoint_chunks(value, mixer: str) -> int:
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(sum(x^2) + eps)`` over the last dimension, in float32 (fla's ``l2norm``: eps inside the root)."""
-    x = x.float()
+    """``x / sqrt(sum(x^2) + eps)`` over the last dimension, in :func:`accum_dtype` (fla's ``l2norm``: eps inside
+    the root)."""
+    x = x.to(accum_dtype(x))
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
 def gdn_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
-    """Gated DeltaNet's log forget gate ``log alpha = -exp(A_log) * softplus(a + dt_bias)`` (float32, <= 0).
+    """Gated DeltaNet's log forget gate ``log alpha = -exp(A_log) * softplus(a + dt_bias)`` (<= 0, in
+    :func:`accum_dtype` of ``a``).
 
     The Mamba-2 parameterisation that GDN and fla use: ``exp(A_log)`` is a per-head decay rate,
     ``softplus(a + dt_bias)`` a data-dependent step size. Args: ``a [..., HV]`` (``a_proj(x)``), ``A_log [HV]``,
     ``dt_bias [HV]``.
     """
-    a = a.float()
+    dtype = accum_dtype(a)
+    a = a.to(dtype)
     if dt_bias is not None:
-        a = a + dt_bias.float()
-    return -A_log.float().exp() * F.softplus(a)
+        a = a + dt_bias.to(dtype)
+    return -A_log.to(dtype).exp() * F.softplus(a)
 
 
 def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int) -> torch.Tensor:
@@ -128,11 +143,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             results; more compute). 0: one pass. (The GDN layer instead recomputes whole segments of the layer,
             projections to output projection, and calls this with 0 inside each.)
         use_qk_l2norm: L2-normalise q and k here (fla's ``use_qk_l2norm_in_kernel``): inside each recomputed
-            segment, with the query scale and the float32 chunked copies, so autograd keeps only the inputs as
-            given instead of the normalised, scaled and chunked copies too (issue #17).
+            segment, with the query scale and the chunked copies (in :func:`accum_dtype`), so autograd keeps only the
+            inputs as given instead of the normalised, scaled and chunked copies too (issue #17).
 
     Returns:
-        ``o [B, T, HV, V]`` and the final state ``[B, HV, K, V]``, float32.
+        ``o [B, T, HV, V]`` and the final state ``[B, HV, K, V]``, in :func:`accum_dtype` of ``q, k, v``.
 
     Raises:
         ValueError: ``HV`` not a multiple of ``H``, or ``chunk_len < 1``.
@@ -145,7 +160,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
     scale = K ** -0.5 if scale is None else scale
     C = min(chunk_len, T)
-    S = q.new_zeros(B, HV, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
+    dtype = accum_dtype(q, k, v)
+    S = q.new_zeros(B, HV, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     # segments of whole chunks along time: chunk boundaries are those of one pass
     segment = functools.partial(_delta_rule_segment, chunk=C, scale=scale, group=HV // H, l2norm=use_qk_l2norm)
     o, (S,) = run_segments(segment, (q, k, v, g, beta), 0, (S,), checkpoint_chunks * C, dim=1)
@@ -155,15 +171,17 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 def _delta_rule_segment(q, k, v, g, beta, pos: int, S: torch.Tensor, *, chunk: int, scale: float, group: int,
                         l2norm: bool) -> tuple:
     """Tokens ``[B, t, H, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: the optional q/k L2 norm, the
-    query scale and the float32 chunked layout, then :func:`_delta_rule_chunks`; ``(o [B, t, HV, V], S after)``."""
+    query scale and the chunked layout in ``S``'s dtype, then :func:`_delta_rule_chunks`; ``(o [B, t, HV, V],
+    S after)``."""
     T = q.shape[1]
     N = math.ceil(T / chunk)
     if l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     if group > 1:
         q, k = (x.repeat_interleave(group, dim=2) for x in (q, k))
-    q, k, v = (_to_chunks(x, N, chunk) for x in (q.float() * scale, k.float(), v.float()))  # [B, HV, N, C, D]
-    g, beta = (_to_chunks(x.float()[..., None], N, chunk)[..., 0] for x in (g, beta))      # [B, HV, N, C]
+    dtype = S.dtype                                                                    # accum_dtype
+    q, k, v = (_to_chunks(x, N, chunk) for x in (q.to(dtype) * scale, k.to(dtype), v.to(dtype)))  # [B, HV, N, C, D]
+    g, beta = (_to_chunks(x.to(dtype)[..., None], N, chunk)[..., 0] for x in (g, beta))          # [B, HV, N, C]
     o, S = _delta_rule_chunks(q, k, v, g, beta, S)
     return _from_chunks(o, T), S
 
@@ -171,7 +189,7 @@ def _delta_rule_segment(q, k, v, g, beta, pos: int, S: torch.Tensor, *, chunk: i
 def _delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunks ``[B, HV, n, C, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: ``(o, S after)``."""
     C = q.shape[3]
-    eye = torch.eye(C, device=q.device)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
     outs = []
     for blk in _blocks(q.shape[2], BLOCK_CHUNKS):      # blocks of chunks: batched products, data still in cache
         qb, kb, vb, bb = q[:, :, blk], k[:, :, blk], v[:, :, blk], beta[:, :, blk]
@@ -232,7 +250,7 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
             (The GSA layer instead recomputes whole segments of the layer and calls this with 0 inside each.)
 
     Returns:
-        ``o [B, T, HQ, V]`` and ``(Hk, Hv)``, float32.
+        ``o [B, T, HQ, V]`` and ``(Hk, Hv)``, in :func:`accum_dtype` of ``q, k, v``.
 
     Raises:
         ValueError: ``HQ`` not a multiple of ``H``, or ``chunk_len < 1``.
@@ -242,7 +260,7 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
         raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({H})")
     if chunk_len < 1:
         raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
-    g = g.float()
+    g = g.to(accum_dtype(q, k, v))
     log_gate = g.detach()
     T = q.shape[1]
     C = max(1, min(chunk_len, T))
@@ -257,8 +275,9 @@ def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact, checkpoint_chunks)
     B, T, HQ, K = q.shape
     H, V, M = k.shape[2], v.shape[3], s.shape[3]
     scale = K ** -0.5 if scale is None else scale
-    hk = q.new_zeros(B, H, K, M, dtype=torch.float32) if initial_state is None else initial_state[0].float()
-    hv = q.new_zeros(B, H, M, V, dtype=torch.float32) if initial_state is None else initial_state[1].float()
+    dtype = g.dtype                                                     # accum_dtype (chunk_gsa)
+    hk = q.new_zeros(B, H, K, M, dtype=dtype) if initial_state is None else initial_state[0].to(dtype)
+    hv = q.new_zeros(B, H, M, V, dtype=dtype) if initial_state is None else initial_state[1].to(dtype)
     # segments of whole chunks along time: chunk boundaries are those of one pass
     segment = functools.partial(_gsa_segment, chunk=C, scale=scale, exact=exact)
     o, (hk, hv) = run_segments(segment, (q, k, v, s, g), 0, (hk, hv), checkpoint_chunks * C, dim=1)
@@ -267,13 +286,14 @@ def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact, checkpoint_chunks)
 
 def _gsa_segment(q, k, v, s, g, pos: int, hk: torch.Tensor, hv: torch.Tensor, *, chunk: int, scale: float,
                  exact: bool) -> tuple:
-    """Tokens ``[B, t, heads, .]`` of :func:`chunk_gsa` from the states ``hk, hv``: the query scale and the float32
-    chunked layout, then :func:`_gsa_chunks`; ``(o [B, t, HQ, V], hk, hv)``."""
+    """Tokens ``[B, t, heads, .]`` of :func:`chunk_gsa` from the states ``hk, hv``: the query scale and the chunked
+    layout in the states' dtype, then :func:`_gsa_chunks`; ``(o [B, t, HQ, V], hk, hv)``."""
     T, HQ, H = q.shape[1], q.shape[2], k.shape[2]
     N = math.ceil(T / chunk)
     # queries carry a group axis: [B, H, N, G, C, K]; everything else is per key/value head: [B, H, N, C, *]
-    q = _to_chunks(q.float() * scale, N, chunk).unflatten(1, (H, HQ // H)).transpose(2, 3)
-    k, v, s, g = (_to_chunks(x.float(), N, chunk) for x in (k, v, s, g))
+    dtype = hk.dtype                                                    # accum_dtype
+    q = _to_chunks(q.to(dtype) * scale, N, chunk).unflatten(1, (H, HQ // H)).transpose(2, 3)
+    k, v, s, g = (_to_chunks(x.to(dtype), N, chunk) for x in (k, v, s, g))
     o, hk, hv = _gsa_chunks(q, k, v, s, g, exact, hk, hv)
     return _from_chunks(o.transpose(2, 3).flatten(1, 2), T), hk, hv
 

@@ -2,12 +2,15 @@
 are tested against (and, where ``fla`` is installed, are themselves tested against ``fla.ops.*.naive``).
 
 Layouts follow flash-linear-attention: sequences ``[B, T, H, D]`` (batch, time, heads, channels); states
-per head. Everything is computed in float32. These loops are references, not a training path.
+per head. Everything is computed in :func:`mixerzoo_fla.ops.accum_dtype` of the inputs (float32, or float64 for
+float64 inputs). These loops are references, not a training path.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .ops import accum_dtype
 
 __all__ = ["gated_delta_rule_recurrent", "gsa_recurrent"]
 
@@ -33,15 +36,17 @@ def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         initial_state: ``S_0`` as ``[B, HV, K, V]``; zeros if None.
 
     Returns:
-        ``o [B, T, HV, V]`` (float32) and the final state ``[B, HV, K, V]`` (float32).
+        ``o [B, T, HV, V]`` and the final state ``[B, HV, K, V]``, in :func:`~mixerzoo_fla.ops.accum_dtype` of
+        ``q, k, v``.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     group = HV // H
     scale = K ** -0.5 if scale is None else scale
-    q, k = (x.float().repeat_interleave(group, dim=2) for x in (q, k))
-    v, g, beta = v.float(), g.float(), beta.float()
-    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.float().clone()
+    dtype = accum_dtype(q, k, v)
+    q, k = (x.to(dtype).repeat_interleave(group, dim=2) for x in (q, k))
+    v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
+    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype).clone()
     outs = []
     for t in range(T):
         S = S * g[:, t].exp()[..., None, None]
@@ -73,17 +78,18 @@ def gsa_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Te
         initial_state: ``(Hk [B, H, K, M], Hv [B, H, M, V])``; zeros if None.
 
     Returns:
-        ``o [B, T, HQ, V]`` and the final ``(Hk, Hv)``, all float32.
+        ``o [B, T, HQ, V]`` and the final ``(Hk, Hv)``, all in :func:`~mixerzoo_fla.ops.accum_dtype` of ``q, k, v``.
     """
     B, T, HQ, K = q.shape
     H, V, M = k.shape[2], v.shape[3], s.shape[3]
     group = HQ // H
     scale = K ** -0.5 if scale is None else scale
-    q, k, v, s, g = (x.float() for x in (q, k, v, s, g))
+    dtype = accum_dtype(q, k, v)
+    q, k, v, s, g = (x.to(dtype) for x in (q, k, v, s, g))
     if initial_state is None:
         hk, hv = q.new_zeros(B, H, K, M), q.new_zeros(B, H, M, V)
     else:
-        hk, hv = (x.float().clone() for x in initial_state)
+        hk, hv = (x.to(dtype).clone() for x in initial_state)
     outs = []
     for t in range(T):
         alpha = g[:, t].exp()                                                     # (B, H, M)
