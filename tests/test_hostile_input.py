@@ -223,6 +223,53 @@ def test_lm_config_refuses_options_for_an_unknown_layer():
     assert LMConfig(**fields).mixers == {"swa": {}}
 
 
+class BrokenMixer(torch.nn.Module):
+    """A plugin mixer whose forward breaks the protocol in one way (``mode``)."""
+
+    def __init__(self, d_model: int, mode: str = "time") -> None:
+        super().__init__()
+        self.mode = mode
+        self.proj = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x, state=None):
+        y = self.proj(x)
+        return {"time": (y[:, 1:], state), "channels": (y[..., :-1], state), "tensor": y,
+                "dtype": (y.double(), state)}[self.mode]
+
+
+BROKEN = {
+    "time": r"returned y of shape \(16, 31, 32\) for an input of shape \(16, 32, 32\)",
+    "channels": r"returned y of shape \(16, 32, 31\) for an input of shape \(16, 32, 32\)",
+    "tensor": r"returned a Tensor of shape \(16, 32, 32\) instead of the tuple \(y, state\)",
+    "dtype": r"returned y of dtype torch\.float64 for an input of dtype torch\.float32",
+}
+
+
+@pytest.mark.parametrize("mode", list(BROKEN))
+def test_fit_names_the_layer_whose_mixer_breaks_the_protocol(mode, hostile_dir, monkeypatch, capsys):
+    import re
+
+    from mixerzoo import registry
+
+    monkeypatch.chdir(hostile_dir)
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    registry.register("broken", BrokenMixer)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main(FIT + ["--model.mixers", f"{{swa: {{mixer: broken, mode: {mode}}}, attention: {{}}}}",
+                        "--trainer.logger", "false"])
+    finally:
+        registry._manual["mixer"].pop("broken", None)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert re.search(r"(?m)^mixerzoo: error: layer 0 \(swa: mixer 'broken' \(distribution \(registered in process\) "
+                     r"-\)\) " + BROKEN[mode] + r"; a mixer's forward\(x, state\) must return \(y, state\) with y of "
+                     r"x's shape \(batch, time, d_model\) and dtype: fix that mixer \(mixerzoo\.testing\.run_conformance "
+                     r"finds such bugs\)\n\Z", err), err[-2000:]
+    assert not list(hostile_dir.glob("runs/**/*.ckpt"))
+
+
 def test_non_utf8_text_is_read_with_a_warning(hostile_dir, monkeypatch, capsys):
     monkeypatch.chdir(hostile_dir)
     with pytest.warns(UserWarning, match=r"latin1.a\.txt is not valid UTF-8 \(first bad byte near offset 3\)"):

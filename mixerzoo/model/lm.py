@@ -24,7 +24,68 @@ from .channel_mixers import build_channel_mixer
 from .config import ConfigError, LMConfig, build_mixer
 from .norms import build_norm
 
-__all__ = ["Block", "LanguageModel"]
+__all__ = ["Block", "LanguageModel", "MixerOutputError", "check_mixer_outputs"]
+
+
+class MixerOutputError(ConfigError):
+    """A layer's mixer returned something the protocol does not allow (not ``(y, state)``, ``y`` not shaped like
+    its input, or ``y`` of another dtype); the message names the layer, the mixer and its distribution."""
+
+
+def _mixer_origin(name: str) -> str:
+    """``"mixer 'x' (distribution d 1.0)"`` from the registry's entry for ``name``."""
+    from .. import registry
+
+    entry = registry.entries("mixer").get(name)
+    return f"mixer {name!r}" + ("" if entry is None else f" (distribution {entry.distribution} {entry.version})")
+
+
+def _output_problem(x: torch.Tensor, output: Any) -> str | None:
+    """What is wrong with a mixer's ``output`` for input ``x`` (None when nothing is)."""
+    if not isinstance(output, (tuple, list)) or len(output) != 2:
+        what = f"a {type(output).__name__}" if not isinstance(output, (tuple, list)) else \
+            f"a {type(output).__name__} of {len(output)} items"
+        shape = f" of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else ""
+        return f"returned {what}{shape} instead of the tuple (y, state)"
+    y = output[0]
+    if not isinstance(y, torch.Tensor):
+        return f"returned y of type {type(y).__name__} instead of a tensor"
+    if tuple(y.shape) != tuple(x.shape):
+        return f"returned y of shape {tuple(y.shape)} for an input of shape {tuple(x.shape)}"
+    allowed = {x.dtype}
+    device_type = x.device.type
+    try:
+        if torch.is_autocast_enabled(device_type):
+            allowed |= {torch.get_autocast_dtype(device_type), torch.float32}
+    except TypeError:  # torch before 2.4: no device_type argument
+        pass
+    if y.dtype not in allowed:
+        return f"returned y of dtype {y.dtype} for an input of dtype {x.dtype}"
+    return None
+
+
+def check_mixer_outputs(model: "LanguageModel") -> list:
+    """Check each layer's mixer output once, on its first call (a forward hook that removes itself), so that a
+    plugin whose forward breaks the protocol fails with one line naming the layer, the mixer and its distribution
+    instead of a shape error deep in the residual sum. Returns the hook handles.
+
+    Raises (from the forward):
+        MixerOutputError: not ``(y, state)``, or ``y`` not of the input's shape (batch, time, d_model) or dtype
+            (under autocast, also the autocast dtype or float32).
+    """
+    handles = []
+    for i, block in enumerate(model.blocks):
+        def hook(module, args, output, i=i, block=block):
+            problem = _output_problem(args[0], output) if args and isinstance(args[0], torch.Tensor) else None
+            if problem is not None:
+                raise MixerOutputError(
+                    f"layer {i} ({block.layer_name}: {_mixer_origin(block.mixer_name)}) {problem}; a mixer's "
+                    f"forward(x, state) must return (y, state) with y of x's shape (batch, time, d_model) and dtype: "
+                    f"fix that mixer (mixerzoo.testing.run_conformance finds such bugs)")
+            handles[i].remove()
+
+        handles.append(block.mixer.register_forward_hook(hook))
+    return handles
 
 
 class Block(nn.Module):

@@ -16,6 +16,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ..model import LanguageModel, LMConfig
+from ..model.lm import check_mixer_outputs
 from ..model.config import ConfigError, check_mixer_options
 from .checkpoints import collect_rng_states, set_rng_states
 from .distill import (check_distill_options, converted_layers, distillation_loss, freeze_loaded, freeze_unconverted,
@@ -210,6 +211,8 @@ class LMModule(L.LightningModule):
         seq_len = getattr(dm, "seq_len", None)
         if seq_len is not None:
             self.model.check_seq_len(seq_len)
+        if not self.hparams.compile:  # a compiled block would recompile when the hook removes itself
+            check_mixer_outputs(self.model)
         if self.hparams.compile:
             for block in self.model.blocks:
                 block.compile()
