@@ -234,7 +234,7 @@ class BrokenMixer(torch.nn.Module):
     def forward(self, x, state=None):
         y = self.proj(x)
         return {"time": (y[:, 1:], state), "channels": (y[..., :-1], state), "tensor": y,
-                "dtype": (y.double(), state)}[self.mode]
+                "dtype": (y.double(), state), "nan": (y * float("nan"), state)}[self.mode]
 
 
 BROKEN = {
@@ -242,6 +242,7 @@ BROKEN = {
     "channels": r"returned y of shape \(16, 32, 31\) for an input of shape \(16, 32, 32\)",
     "tensor": r"returned a Tensor of shape \(16, 32, 32\) instead of the tuple \(y, state\)",
     "dtype": r"returned y of dtype torch\.float64 for an input of dtype torch\.float32",
+    "nan": r"returned non-finite values \(nan or inf\) for a finite input",
 }
 
 
@@ -263,11 +264,79 @@ def test_fit_names_the_layer_whose_mixer_breaks_the_protocol(mode, hostile_dir, 
     err = capsys.readouterr().err
     assert exc.value.code == 2, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
+    rule = "" if mode == "nan" else (r"a mixer's forward\(x, state\) must return \(y, state\) with y of x's shape "
+                                     r"\(batch, time, d_model\) and dtype: ")
     assert re.search(r"(?m)^mixerzoo: error: layer 0 \(swa: mixer 'broken' \(distribution \(registered in process\) "
-                     r"-\)\) " + BROKEN[mode] + r"; a mixer's forward\(x, state\) must return \(y, state\) with y of "
-                     r"x's shape \(batch, time, d_model\) and dtype: fix that mixer \(mixerzoo\.testing\.run_conformance "
+                     r"-\)\) " + BROKEN[mode] + "; " + rule + r"fix that mixer \(mixerzoo\.testing\.run_conformance "
                      r"finds such bugs\)\n\Z", err), err[-2000:]
     assert not list(hostile_dir.glob("runs/**/*.ckpt"))
+
+
+class NanLater(torch.nn.Module):
+    """A mixer that is finite on its first ``after`` calls in ``mode`` (train / eval), then returns nan there."""
+
+    def __init__(self, d_model: int, after: int = 1, mode: str = "train") -> None:
+        super().__init__()
+        self.after, self.mode, self.calls = after, mode, 0
+        self.proj = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x, state=None):
+        y = self.proj(x)
+        if self.training == (self.mode == "train"):
+            self.calls += 1
+            if self.calls > self.after:
+                y = y * float("nan")
+        return y, state
+
+
+NAN_FIX = r"lower model\.lr, raise model\.warmup_steps or use fp32/bf16 instead of fp16"
+NAN_CASES = {
+    # every step after the first is skipped; too few to reach max_bad_steps: the run no longer ends as a success
+    "run_ends_in_skipped_steps": (
+        ["--trainer.max_steps", "3"], "train",
+        r"the run ended after 2 consecutive steps with a non-finite loss \(skipped; model\.max_bad_steps=10 would "
+        r"have stopped it\): (?P<ckpt>\S+last\.ckpt) holds the weights before these steps; " + NAN_FIX
+        + r", then resume with --ckpt_path (?P=ckpt)"),
+    # stopped before any checkpoint: no advice to resume from one
+    "max_bad_steps_before_a_checkpoint": (
+        ["--trainer.max_steps", "5", "--model.max_bad_steps", "2"], "train",
+        r"2 consecutive steps had a non-finite loss \(last nan\) up to step 3; stopping: no checkpoint was "
+        r"written; " + NAN_FIX + r" and start again"),
+    # a nan validation loss stops the run before a step4-val_lossnan.ckpt is written
+    "nan_validation_loss": (
+        ["--trainer.max_steps", "4"], "eval",
+        r"the validation loss is nan at step 4: the model's output is not finite; stopping: no checkpoint was "
+        r"written; " + NAN_FIX + r" and start again"),
+}
+
+
+@pytest.mark.parametrize("case", list(NAN_CASES))
+def test_non_finite_loss_stops_with_advice_that_matches_what_was_written(case, tmp_path, monkeypatch, capsys):
+    import re
+
+    from mixerzoo import registry
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    (tmp_path / "ok.yaml").write_text(RECIPE)
+    args, mode, message = NAN_CASES[case]
+    registry.register("nan_later", NanLater)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main(FIT + args + ["--model.mixers", f"{{swa: {{mixer: nan_later, mode: {mode}}}, attention: {{}}}}"])
+    finally:
+        registry._manual["mixer"].pop("nan_later", None)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    found = re.search(r"(?m)^mixerzoo: error: " + message + r"\n\Z", err)
+    assert found, err[-2000:]
+    written = sorted(p.name for p in tmp_path.glob("runs/**/*.ckpt"))
+    assert not any("nan" in name for name in written), written
+    if "ckpt" in found.groupdict():
+        assert os.path.isfile(found["ckpt"])  # the checkpoint the advice names exists
+    else:
+        assert written == []
 
 
 def test_non_utf8_text_is_read_with_a_warning(hostile_dir, monkeypatch, capsys):

@@ -29,7 +29,8 @@ __all__ = ["Block", "LanguageModel", "MixerOutputError", "check_mixer_outputs"]
 
 class MixerOutputError(ConfigError):
     """A layer's mixer returned something the protocol does not allow (not ``(y, state)``, ``y`` not shaped like
-    its input, or ``y`` of another dtype); the message names the layer, the mixer and its distribution."""
+    its input, of another dtype, or not finite for a finite input); the message names the layer, the mixer and its
+    distribution."""
 
 
 def _mixer_origin(name: str) -> str:
@@ -61,6 +62,8 @@ def _output_problem(x: torch.Tensor, output: Any) -> str | None:
         pass
     if y.dtype not in allowed:
         return f"returned y of dtype {y.dtype} for an input of dtype {x.dtype}"
+    if bool(torch.isfinite(x).all()) and not bool(torch.isfinite(y.detach()).all()):
+        return "returned non-finite values (nan or inf) for a finite input"
     return None
 
 
@@ -70,17 +73,19 @@ def check_mixer_outputs(model: "LanguageModel") -> list:
     instead of a shape error deep in the residual sum. Returns the hook handles.
 
     Raises (from the forward):
-        MixerOutputError: not ``(y, state)``, or ``y`` not of the input's shape (batch, time, d_model) or dtype
-            (under autocast, also the autocast dtype or float32).
+        MixerOutputError: not ``(y, state)``, ``y`` not of the input's shape (batch, time, d_model) or dtype
+            (under autocast, also the autocast dtype or float32), or nan/inf in ``y`` for a finite input.
     """
     handles = []
     for i, block in enumerate(model.blocks):
         def hook(module, args, output, i=i, block=block):
             problem = _output_problem(args[0], output) if args and isinstance(args[0], torch.Tensor) else None
             if problem is not None:
+                rule = "" if problem.startswith("returned non-finite") else (
+                    "a mixer's forward(x, state) must return (y, state) with y of x's shape (batch, time, d_model) "
+                    "and dtype: ")
                 raise MixerOutputError(
-                    f"layer {i} ({block.layer_name}: {_mixer_origin(block.mixer_name)}) {problem}; a mixer's "
-                    f"forward(x, state) must return (y, state) with y of x's shape (batch, time, d_model) and dtype: "
+                    f"layer {i} ({block.layer_name}: {_mixer_origin(block.mixer_name)}) {problem}; {rule}"
                     f"fix that mixer (mixerzoo.testing.run_conformance finds such bugs)")
             handles[i].remove()
 

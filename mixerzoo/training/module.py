@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import typing
 from typing import Any
 
@@ -17,6 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ..model import LanguageModel, LMConfig
 from ..model.lm import check_mixer_outputs
+from ..errors import UserError
 from ..model.config import ConfigError, check_mixer_options
 from .checkpoints import collect_rng_states, set_rng_states
 from .distill import (check_distill_options, converted_layers, distillation_loss, freeze_loaded, freeze_unconverted,
@@ -76,8 +78,25 @@ def _load_init_weights(model: LanguageModel, source: str) -> tuple[dict, tuple]:
     return report, opened
 
 
-class NonFiniteLossError(RuntimeError):
-    """Raised after ``max_bad_steps`` consecutive steps with a non-finite loss."""
+class NonFiniteLossError(UserError, RuntimeError):
+    """Raised after ``max_bad_steps`` consecutive steps with a non-finite loss, when a run ends in such steps, or
+    when the validation loss is not finite (before a checkpoint named after it is written); the advice names the
+    checkpoint to resume from only when one was written."""
+
+
+def _resume_advice(trainer) -> str:
+    """The fix for a run stopped by non-finite losses: resume from the newest checkpoint this run wrote (skipped
+    steps leave the weights as they were), or start again when it wrote none."""
+    written = []
+    for cb in getattr(trainer, "checkpoint_callbacks", None) or []:
+        for path in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")):
+            if path and os.path.isfile(path):
+                written.append(path)
+    fix = "lower model.lr, raise model.warmup_steps or use fp32/bf16 instead of fp16"
+    if not written:
+        return f"no checkpoint was written; {fix} and start again"
+    newest = max(written, key=os.path.getmtime)
+    return f"{newest} holds the weights before these steps; {fix}, then resume with --ckpt_path {newest}"
 
 
 class LMModule(L.LightningModule):
@@ -287,9 +306,8 @@ class LMModule(L.LightningModule):
             self.log("train/skipped_steps", float(self._bad_steps))
             if self._bad_steps >= self.hparams.max_bad_steps:
                 raise NonFiniteLossError(
-                    f"{self._bad_steps} consecutive steps had a non-finite loss (last {loss.item()}); stopping. "
-                    f"The last good checkpoint is intact; lower model.lr, raise warmup_steps or use fp32/bf16 "
-                    f"instead of fp16, then resume with --ckpt_path last")
+                    f"{self._bad_steps} consecutive steps had a non-finite loss (last {loss.item()}) up to step "
+                    f"{self.global_step + 1}; stopping: {_resume_advice(self.trainer)}")
             return None  # Lightning skips the backward and optimizer step
         self._bad_steps = 0
         self.train_acc(preds.flatten(), labels.flatten())
@@ -305,6 +323,14 @@ class LMModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
+        if not torch.isfinite(loss) and self._trainer is not None and self.trainer.state.fn == "fit":
+            # raised before the checkpoint callback would save a "val_lossnan" checkpoint
+            self.val_loss.reset()
+            self.acc.reset()
+            when = "before training (sanity check)" if self.trainer.sanity_checking else \
+                f"at step {self.global_step}"
+            raise NonFiniteLossError(f"the validation loss is {loss.item()} {when}: the model's output is not "
+                                     f"finite; stopping: {_resume_advice(self.trainer)}")
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", torch.exp(loss.clamp(max=30)))
         self.log("val/acc", self.acc.compute(), prog_bar=True)
@@ -340,6 +366,15 @@ class LMModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # -- checkpoints ----------------------------------------------------------------------------------------
+    def on_train_end(self) -> None:
+        # Lightning's checkpoint callbacks have run (last.ckpt holds the weights before the skipped steps): a run
+        # whose last steps were all skipped did not do what was asked, so it does not end as a success.
+        if self._bad_steps:
+            raise NonFiniteLossError(
+                f"the run ended after {self._bad_steps} consecutive steps with a non-finite loss (skipped; "
+                f"model.max_bad_steps={self.hparams.max_bad_steps} would have stopped it): "
+                f"{_resume_advice(self.trainer)}")
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Add ``checkpoint["rng_states"]`` (:func:`~mixerzoo.training.checkpoints.collect_rng_states` of the
         process that writes it, rank 0) and the count of consecutive non-finite steps, so a resumed run draws
