@@ -1,5 +1,6 @@
 """Lightning training end to end on tiny models: learning happens, checkpoints resume, bad input is refused."""
 
+import copy
 import glob
 import os
 
@@ -64,11 +65,28 @@ def test_fit_learns_and_resumes(tmp_path):
     assert not glob.glob(str(tmp_path / "ck" / ".tmp-*"))
     state = load_checkpoint(str(ckpt))
     assert state["global_step"] == 6 and state["hyper_parameters"]["vocab_size"] == 64
-    # resume: the step counter continues and training goes on from the saved weights
+    # resume: the step counter continues and training goes on from the saved weights and optimizer state (a
+    # resume that drops either would still give a plausible val/loss, so the tensors themselves are compared)
     module2 = LMModule(lr=3e-3, **TINY)
-    t2 = trainer(tmp_path, max_steps=12)
+    seen = {}
+
+    class AtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["weights"] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            seen["optimizer"] = copy.deepcopy(trainer.optimizers[0].state_dict())
+
+    t2 = trainer(tmp_path, max_steps=12, callbacks=[AtStart()])
     t2.fit(module2, tiny_data(), ckpt_path=str(ckpt))
     assert t2.global_step == 12
+    saved = state["state_dict"]
+    assert seen["weights"].keys() == saved.keys()
+    for name, value in saved.items():
+        assert torch.equal(seen["weights"][name], value), name
+    saved_moments = [s["exp_avg"] for s in state["optimizer_states"][0]["state"].values()]
+    moments = [s["exp_avg"] for s in seen["optimizer"]["state"].values()]
+    assert len(moments) == len(saved_moments) > 0
+    assert all(torch.equal(a, b) for a, b in zip(moments, saved_moments))
+    assert not torch.equal(module2.model.embed.weight, saved["model.embed.weight"])  # and training went on
     assert t2.callback_metrics["val/loss"].item() < first + 0.5
     # loading for inference
     loaded = LMModule.load_from_checkpoint(str(ckpt), weights_only=True)
