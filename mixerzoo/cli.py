@@ -6,7 +6,9 @@
 - ``mixerzoo evaluate --ckpt A.ckpt [B.ckpt ...] --out DIR``: long-context evaluation report
   (:mod:`mixerzoo.commands.evaluate`).
 - ``mixerzoo plugins``: every installed mixer, positional encoding and schedule, with its distribution,
-  version and import path; broken plugins are listed with their error.
+  version and import path; broken plugins are listed with their error. ``mixerzoo plugins NAME``: that one's
+  options with their defaults and meanings.
+- ``mixerzoo --version``.
 - ``mixerzoo new-plugin NAME [--dir PATH]``: generate a plugin distribution (:mod:`mixerzoo.commands.new_plugin`).
 """
 
@@ -16,7 +18,7 @@ import os
 import sys
 import warnings
 
-__all__ = ["main", "MixerzooCLI", "print_plugins"]
+__all__ = ["main", "MixerzooCLI", "print_plugins", "print_plugin"]
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 SUBCOMMANDS = {"evaluate": "evaluate", "export": "export", "generate": "generate", "import": "import_pretrained",
@@ -39,6 +41,56 @@ def print_plugins(stream=None) -> int:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5], file=stream)
     return broken
+
+
+def print_plugin(name: str, stream=None) -> int:
+    """Print one installed mixer's (or positional encoding's, or schedule's) origin, its description and every
+    option it takes with its default and meaning (from the signatures and the ``Args:`` sections of the class
+    docstrings along its MRO). Returns 0.
+
+    Raises:
+        UnknownNameError: no kind has ``name`` (the message lists the installed names).
+        PluginImportError: the plugin providing ``name`` fails to import.
+    """
+    import inspect
+
+    from . import registry
+    from .scaffold.recipe_reference import MIXER_EXTRA, _clean, _value, parse_args_section
+
+    stream = stream or sys.stdout
+    kind = next((k for k in registry.GROUPS if name in registry.entries(k, refresh=True)), "mixer")
+    factory = registry.get(name, kind)  # raises the unknown-name error with the installed names
+    entry = registry.entries(kind)[name]
+    targets = [c for c in inspect.getmro(factory) if "__init__" in vars(c)] if inspect.isclass(factory) else [factory]
+    params, docs = {}, {}
+    for target in targets:
+        fn = target.__init__ if inspect.isclass(target) else target
+        docs = {**parse_args_section(getattr(target, "__doc__", None)), **docs}
+        try:
+            sig = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            break
+        for p in sig:
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
+                params.setdefault(p.name, p.default)
+        if not any(p.kind is p.VAR_KEYWORD for p in sig):
+            break
+    summary = _clean(inspect.cleandoc(factory.__doc__ or "").split("\n\n")[0], limit=400)
+    print(f"{kind} {name}: {entry.value} from {entry.distribution} {entry.version}", file=stream)
+    if summary:
+        print(f"  {summary}", file=stream)
+    set_by_lm = {"d_model": "model.d_model", "n_heads": "model.n_heads", "layer_idx": "the layer's index",
+                 "n_layers": "model.n_layers"}
+    rows = [(n, "from " + set_by_lm[n] if n in set_by_lm else _value(d),
+             docs.get(n) or MIXER_EXTRA.get(n, "")) for n, d in params.items()]
+    if rows:
+        width = [max(len(r[i]) for r in rows + [("option", "default")]) for i in range(2)]
+        where = f"model.mixers.<layer>.<option>" if kind == "mixer" else f"{{name: {name}, <option>: ...}}"
+        print(f"\noptions ({where}):", file=stream)
+        print(f"  {'option'.ljust(width[0])}  {'default'.ljust(width[1])}  meaning", file=stream)
+        for n, d, doc in rows:
+            print(f"  {n.ljust(width[0])}  {d.ljust(width[1])}  {doc}", file=stream)
+    return 0
 
 
 def _find_last_checkpoint(config) -> str | None:
@@ -379,27 +431,56 @@ USAGE = """usage: mixerzoo {fit,validate,test,predict} --config RECIPE.yaml [--f
        mixerzoo export CKPT OUT_DIR [--repo-id NAME --push] [--private] [--native]
        mixerzoo generate MODEL --prompt TEXT [--chat] [--max-new-tokens N --temperature T --top-k K --top-p P --seed S]
        mixerzoo evaluate --ckpt A [B ...] --out DIR [--mixers YAML ...] [--tasks loss,mqar,icr,niah,cost] [--data DOCS ...]
-       mixerzoo plugins
+       mixerzoo plugins [NAME]
        mixerzoo new-plugin NAME [--dir PATH]
+       mixerzoo --version
 
   fit/validate/test/predict  train or evaluate with Lightning (add --help for every field)
   import                     turn a pretrained Llama/Mistral/Qwen2/Qwen3 model into a mixerzoo model folder
   export                     write a Hugging Face Hub folder from a checkpoint (and push it)
   evaluate                   per-position loss, recall sweeps and measured cost of checkpoints (report + JSON + PNGs)
   generate                   stream text from a checkpoint, an exported folder or a Hub repository
-  plugins                    list installed mixers, positional encodings and schedules
+  plugins                    list installed mixers, positional encodings and schedules; with NAME, that one's
+                             options, their defaults and meanings
   new-plugin                 create a working plugin package mixerzoo-NAME/ (mixer, tests, recipe, README)
 """
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``mixerzoo`` console script."""
+    """Entry point of the ``mixerzoo`` console script. Output piped into a reader that stops early (``mixerzoo
+    plugins | head -1``) ends the command quietly, as Python's documentation advises for SIGPIPE."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # a closed pipe raises here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        try:  # the interpreter flushes stdout again at exit: send that to /dev/null
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 0
+
+
+def _main(argv: list[str] | None = None) -> int:
     from_shell = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
+    if argv[0] in ("--version", "-V"):
+        from . import __version__
+
+        print(f"mixerzoo {__version__}")
+        return 0
     if argv[0] == "plugins":
+        if len(argv) > 1:
+            from .errors import user_errors
+
+            status = [0]
+            with user_errors(status):
+                print_plugin(argv[1])
+            return status[0]
         return 1 if print_plugins() else 0
     if argv[0] in SUBCOMMANDS:
         import importlib

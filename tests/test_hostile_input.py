@@ -339,6 +339,42 @@ def test_non_finite_loss_stops_with_advice_that_matches_what_was_written(case, t
         assert written == []
 
 
+def test_plugins_into_a_closed_pipe_ends_quietly():
+    """`mixerzoo plugins | head -1`: the reader is gone before the listing is written (deterministic here: the
+    pipe's read end is closed first). No BrokenPipeError, no 'Exception ignored' at interpreter exit."""
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-c", "import sys; from mixerzoo.cli import main; sys.exit(main())",
+                               "plugins"], stdout=write, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write)
+    assert done.returncode == 0, done.stderr
+    assert "BrokenPipeError" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+
+
+def test_version(capsys):
+    from mixerzoo import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"mixerzoo {__version__}\n"
+
+
+def test_plugins_name_shows_the_options_with_defaults_and_meanings(capsys):
+    assert main(["plugins", "swa"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mixer swa: mixerzoo.mixers.attention:SlidingWindowAttention from mixerzoo ")
+    lines = out.splitlines()
+    assert any(line.split()[:2] == ["window", "128"] and "Tokens a query sees" in line for line in lines), out
+    assert any(line.split()[:3] == ["n_heads", "from", "model.n_heads"] for line in lines), out
+    assert any(line.split()[:2] == ["positional", "rope"] for line in lines), out
+    assert main(["plugins", "swaa"]) == 2
+    assert capsys.readouterr().err.startswith("mixerzoo: error: unknown mixer 'swaa'. Installed mixers: ")
+
+
 def test_non_utf8_text_is_read_with_a_warning(hostile_dir, monkeypatch, capsys):
     monkeypatch.chdir(hostile_dir)
     with pytest.warns(UserWarning, match=r"latin1.a\.txt is not valid UTF-8 \(first bad byte near offset 3\)"):
