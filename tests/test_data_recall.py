@@ -252,3 +252,47 @@ def test_kv_pairs_mixture_splits_evenly_and_shuffles():
 def test_kv_pairs_mixture_bad_input_names_the_field(kv, match):
     with pytest.raises(ConfigError, match=match):
         RecallDataModule(format="zoology", vocab_size=128, seq_len=64, num_kv_pairs=kv)
+
+
+def _query_order(x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
+    """``(n, Q)``: for each query, in the order the query section asks them, the index of its key in the kv
+    section (0 = the first pair written)."""
+    n = x.shape[0]
+    keys = x[:, 0: 2 * k: 2]
+    pos = (y != -100).nonzero()[:, 1].view(n, -1)  # row-major: each row's query positions in increasing order
+    asked = x.gather(1, pos)
+    return (asked[:, :, None] == keys[:, None, :]).long().argmax(-1)
+
+
+def test_mqar_queries_come_in_uniformly_random_order():
+    """Every order of the queried pairs is equally likely, independent of the order they were written in: with
+    K = Q = 4 each of the 24 orders within 5 standard deviations of n/24 (queries always in key-value order put
+    every row in one of them); with K = 5, Q = 2 each of the 20 ordered pairs of distinct pairs the same."""
+    n = 12000
+    x, y = make_mqar(n, 64, 32, 4, 4, _gen(11))
+    counts = Counter(tuple(r) for r in _query_order(x, y, 4).tolist())
+    assert set(counts) == set(itertools.permutations(range(4)))
+    expected, sd = n / 24, (n / 24 * (1 - 1 / 24)) ** 0.5
+    assert all(abs(c - expected) < 5 * sd for c in counts.values()), counts
+    x, y = make_mqar(n, 64, 32, 5, 2, _gen(12))
+    counts = Counter(tuple(r) for r in _query_order(x, y, 5).tolist())
+    assert set(counts) == set(itertools.permutations(range(5), 2))
+    expected, sd = n / 20, (n / 20 * (1 - 1 / 20)) ** 0.5
+    assert all(abs(c - expected) < 5 * sd for c in counts.values()), counts
+
+
+def test_zoology_query_order_follows_sequential_draws():
+    """Zoology draws the query slots one key after another, in kv order, without replacement from the power law
+    (``np.random.choice(..., replace=False, p=p)``), and writes each key at its slot: the first key written is
+    asked first with probability P = sum_i p_i * sum_{j > i} p_j / (1 - p_i), computed here from the law (0.54
+    for 16 slots, a = 0.01). Sorting the slots would make it 1, reversing them 0."""
+    n, k, slots, a = 40000, 2, 16, 0.01
+    x, y = make_mqar_zoology(n, 16, 2 * k + 2 * slots, k, power_a=a, random_non_queries=False,
+                             generator=_gen(4))
+    first_asked_first = (_query_order(x, y, k)[:, 0] == 0).double().mean().item()
+    p = [a * i ** (a - 1) for i in range(1, slots + 1)]
+    p = [v / sum(p) for v in p]
+    expected = sum(p[i] * sum(p[i + 1:]) / (1 - p[i]) for i in range(slots))
+    assert 0.5 < expected < 0.6
+    assert abs(first_asked_first - expected) < 5 * (expected * (1 - expected) / n) ** 0.5, (first_asked_first,
+                                                                                           expected)
