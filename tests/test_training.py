@@ -205,7 +205,7 @@ def test_cli_mixer_option_override_keeps_the_other_options(in_tmp, capsys):
     import yaml
 
     recipe = RECIPE.replace("mixers: {swa: {window: 8}, attention: {}}",
-                            "mixers: {swa: {window: 8, qk_norm: rms}, attention: {}, glob: {mixer: attention}}")
+                            "mixers: {swa: {window: 8, qk_norm: rms}, glob: {mixer: attention}}")
     recipe = recipe.replace("layer_types: [swa, attention]", "layer_types: [swa, glob]")
     (in_tmp / "r.yaml").write_text(recipe)
     with pytest.raises(SystemExit) as exit_info:
@@ -213,7 +213,7 @@ def test_cli_mixer_option_override_keeps_the_other_options(in_tmp, capsys):
               "--print_config"])
     assert exit_info.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["mixers"] == {"swa": {"window": 4, "qk_norm": "rms"}, "attention": {},
+    assert printed["model"]["mixers"] == {"swa": {"window": 4, "qk_norm": "rms"},
                                           "glob": {"mixer": "attention", "token_shift": True}}
     assert main(["fit", "--config", "r.yaml", "--model.mixers.swa.window", "4", "--model.mixers.glob.token_shift=true"]) == 0
     saved = yaml.safe_load(next(in_tmp.glob("runs/mixerzoo/version_*/config.yaml")).read_text())

@@ -95,6 +95,12 @@ class LMConfig:
             raise ConfigError(f"model.layer_types has {len(self.layer_types)} entries for n_layers={self.n_layers}; "
                               f"give at most n_layers names (they are cycled)")
         self.mixers = {k: dict(v or {}) for k, v in (self.mixers or {}).items()}
+        for i, name in enumerate(self.layer_types):  # a layer without options first: the more basic mistake
+            if name not in self.mixers:
+                raise ConfigError(
+                    f"model.layer_types[{i}]={name!r} has no options under model.mixers (which has "
+                    f"{sorted(self.mixers) or 'nothing'}); add `{name}: {{}}` to model.mixers to use the defaults of "
+                    f"mixer {name!r}, or `{name}: {{mixer: <registered name>, ...}}`")
         check_layer_names(self.mixers, self.layer_types)
 
     @property
