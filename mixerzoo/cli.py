@@ -162,6 +162,38 @@ def _reraise_data_error(data) -> None:
     cls(**kwargs)
 
 
+# The pip package a Lightning class needs when its import fails (a logger given without its extra).
+_PIP_NAMES = {"TensorBoardLogger": "tensorboard", "WandbLogger": "wandb", "MLFlowLogger": "mlflow",
+              "CometLogger": "comet-ml", "NeptuneLogger": "neptune"}
+
+
+def _missing_package_message(e: BaseException) -> str | None:
+    """One line for a class given by class_path (``--trainer.logger lightning.pytorch.loggers.WandbLogger``) that
+    could not be created because a package it needs is not installed; None for any other error."""
+    import re
+
+    chain, seen = [], e
+    while seen is not None and len(chain) < 20:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    text = "\n".join(str(x) for x in chain)
+    if not any(isinstance(x, ImportError) for x in chain) and not re.search(r"(?i)not (?:available|installed)|"
+                                                                              r"pip install", text):
+        return None
+    m = re.search(r"Problem with given class_path '([^']+)'", text)
+    if m is None:
+        return None
+    class_path = m.group(1)
+    short = class_path.rsplit(".", 1)[-1]
+    hint = re.search(r"pip install(?: -U)? '?([\w.\-\[\]]+)'?", text)
+    package = _PIP_NAMES.get(short) or (hint.group(1) if hint else None) or next(
+        (x.name for x in chain if isinstance(x, ImportError) and getattr(x, "name", None)), None)
+    if package is None:
+        return None
+    return (f"{class_path} needs the package {package!r}, which is not installed: pip install {package} (or leave "
+            f"that option out)")
+
+
 def _check_config_files(argv: list[str]) -> None:
     """Refuse a ``--config`` file that is not UTF-8 text before jsonargparse reads it (it would fail with a
     bare ``UnicodeDecodeError`` traceback)."""
@@ -352,6 +384,9 @@ def _lightning_cli(args: list[str] | None):
                 # of the Union subtypes" (data is Optional[LMDataModule]): raise the data module's own error.
                 if "Union subtypes" in str(e):
                     _reraise_data_error(self.config[self.subcommand].get("data"))
+                missing = _missing_package_message(e)
+                if missing:
+                    raise ConfigError(missing) from None
                 raise
 
         def _instantiate_trainer(self, config, callbacks):

@@ -339,6 +339,26 @@ def test_non_finite_loss_stops_with_advice_that_matches_what_was_written(case, t
         assert written == []
 
 
+@pytest.mark.parametrize("logger, package", [("TensorBoardLogger", "tensorboard"), ("WandbLogger", "wandb")])
+def test_logger_without_its_package_names_the_pip_install(logger, package, hostile_dir, monkeypatch, capsys):
+    import importlib.util
+    import re
+
+    if importlib.util.find_spec(package) is not None or (package == "tensorboard"
+                                                          and importlib.util.find_spec("tensorboardX") is not None):
+        pytest.skip(f"{package} is installed")
+    monkeypatch.chdir(hostile_dir)
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(FIT + ["--trainer.logger", f"lightning.pytorch.loggers.{logger}"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert re.search(rf"(?m)^mixerzoo: error: lightning\.pytorch\.loggers\.{logger} needs the package '{package}', "
+                     rf"which is not installed: pip install {package} \(or leave that option out\)\n\Z", err), err
+    assert not list(hostile_dir.glob("runs/**/*.ckpt"))
+
+
 def test_plugins_into_a_closed_pipe_ends_quietly():
     """`mixerzoo plugins | head -1`: the reader is gone before the listing is written (deterministic here: the
     pipe's read end is closed first). No BrokenPipeError, no 'Exception ignored' at interpreter exit."""
