@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from mixerzoo.mixers.rows import flat_rows
 
 from .lean_attention import ChunkRows, detached_leaves, grads_to_leaves
-from .ops import read_values
+from .ops import accum_dtype, read_values
 from .refold import refold_reference
 
 __all__ = ["IncrementalRows"]
@@ -89,15 +89,19 @@ class _IncrementalPass:
     ``n R + r``."""
 
     def __init__(self, spec: IncrementalRows, shared: tuple, wants: list[bool] | None) -> None:
-        s_k, s_v, tau, rho, self.weight, self.bias, *self.sources = self.shared = shared
+        s_k, s_v, tau, rho, weight, bias, *self.sources = self.shared = shared
         B, H, m, D = s_k.shape
+        # everything here in the state's dtype (fp32 sums, float64 kept: ops.accum_dtype), LN_s's parameters and
+        # the temperatures cast to it (no-ops in fp32): the backward runs outside any autocast region
+        self.dtype = dtype = accum_dtype(s_k)
+        self.weight, self.bias = weight.to(dtype), bias.to(dtype)
         N, R = B * H, max(spec.n_rows)
         self.n_folds = spec.reads[-1]  # the last chunk reads every fold
         self.spec, self.wants, self.shape, self.R, self.D = spec, wants, (B, H, m, D), R, D
-        self.tau, self.rho = tau.reshape(N), rho.reshape(N * R)
+        self.tau, self.rho = tau.reshape(N).to(dtype), rho.reshape(N * R).to(dtype)
         self.S = []  # the running snapshot's keys and values (N R, D)
         for s in (s_k, s_v):
-            run = s.new_zeros(N, R, D)
+            run = s.new_zeros(N, R, D, dtype=dtype)
             run[:, :m] = s.reshape(N, m, D)
             self.S.append(run.view(N * R, D))
         self.M = None  # the read's buffers for the rows (normalised keys, read-out values), from the first write
@@ -112,14 +116,13 @@ class _IncrementalPass:
             with torch.no_grad():
                 self.made = spec.make(0, self.n_folds, *self.sources)
         if wants is not None:
-            # float32: row gradients summed since the row last changed
-            self.G = [torch.zeros_like(s, dtype=torch.float32) for s in self.S]
+            # row gradients summed since the row last changed
+            self.G = [torch.zeros_like(s) for s in self.S]
             # what the stretch that fold f ends gives its rows before normalisation: (rows, keys', values')
             self.ended = [None] * self.n_folds
-            self.g_tau = torch.zeros(N, dtype=torch.float32, device=s_k.device)
-            self.g_rho = torch.zeros(N * R, dtype=torch.float32, device=s_k.device)
-            self.g_ln = [torch.zeros_like(self.weight, dtype=torch.float32),
-                         torch.zeros_like(self.bias, dtype=torch.float32)]
+            self.g_tau = torch.zeros(N, dtype=dtype, device=s_k.device)
+            self.g_rho = torch.zeros(N * R, dtype=dtype, device=s_k.device)
+            self.g_ln = [torch.zeros_like(self.weight), torch.zeros_like(self.bias)]
 
     def _make_rows(self, u: torch.Tensor | None) -> None:
         """Rows ``u`` (flat, distinct; None: the entering state's ``m`` rows) of the keys and values from the
@@ -140,19 +143,19 @@ class _IncrementalPass:
     def _flush(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the summed row gradients of rows ``u`` (flat, distinct) through ``LN_s`` and the readout at the
         rows' present values, into the parameters' gradients, and start their sums again. Returns what the
-        stretch gives the rows before normalisation, keys' and values' ``(len(u), D)`` float32."""
+        stretch gives the rows before normalisation, keys' and values' ``(len(u), D)`` in the state's dtype."""
         D, eps = self.D, self.spec.eps
         heads = u // self.R
-        sk, gk = self.S[0][u].float(), self.G[0][u]  # in float32, as read_values and autocast's layer_norm
+        sk, gk = self.S[0][u], self.G[0][u]  # in the state's dtype, as read_values and autocast's layer_norm
         out, mean, rstd = torch.native_layer_norm(sk, (D,), self.weight, self.bias, self.spec.ln_eps)
-        self.g_tau.index_add_(0, heads, (gk * out).sum(dim=-1, dtype=torch.float32))
+        self.g_tau.index_add_(0, heads, (gk * out).sum(dim=-1))
         del out
         g_in, g_w, g_b = torch.ops.aten.native_layer_norm_backward(
             gk * self.tau[heads, None], sk, (D,), mean, rstd, self.weight, self.bias, [True, True, True])
         self.g_ln[0] += g_w
         self.g_ln[1] += g_b
         del sk, gk
-        sv, gv = self.S[1][u].float(), self.G[1][u]
+        sv, gv = self.S[1][u], self.G[1][u]
         norm = sv.norm(dim=-1)
         floor = norm.clamp_min(eps)
         r = self.rho[u]
@@ -217,7 +220,7 @@ class _IncrementalPass:
         readout's norm floor has gradients ``1 / eps`` times larger)."""
         B, H, m, D = self.shape
         N = B * H
-        acc = [torch.zeros_like(t, dtype=torch.float32) for t in self.S]  # the stretches after the fold being summed
+        acc = [torch.zeros_like(t) for t in self.S]  # the stretches after the fold being summed
         for block in torch.arange(self.S[0].shape[0], device=self.S[0].device).split(1024):  # small transients
             for t, g in zip(acc, self._flush(block)):
                 t[block] = g

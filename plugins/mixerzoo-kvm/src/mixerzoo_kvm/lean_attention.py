@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .ops import joint_keys
+from .ops import accum_dtype, joint_keys
 
 __all__ = ["memory_window_attention", "memory_window_attention_reference", "ChunkRows", "stacked_rows",
            "shared_mask", "additive_mask"]
@@ -182,7 +182,7 @@ def grads_to_leaves(outputs, grad_outputs, leaves: list[torch.Tensor], wants: li
     gradients with respect to those, ``grad_outputs`` (None: that output is not used), in one
     ``torch.autograd.grad`` call. None for a leaf that is not wanted or that no used output reaches; all None when
     no leaf is wanted or no used output has a graph."""
-    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
+    pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
     wanted = [t for t, w in zip(leaves, wants) if w]
     if not (pairs and wanted):
         return [None] * len(leaves)
@@ -261,7 +261,13 @@ class _MemoryWindowAttention(torch.autograd.Function):
     anyway); the backward rebuilds each chunk's memory rows and key list in turn, so its transient buffers are one
     chunk's (``L + R`` keys), not the group's, adds each chunk's window gradients straight into its blocks'
     gradients, and with ``rows`` hands each chunk's memory-row gradient to the rows' pass, which takes them back to
-    the ``shared`` tensors (:class:`ChunkRows`)."""
+    the ``shared`` tensors (:class:`ChunkRows`).
+
+    Dtypes, explicit at the boundary (it runs in backward outside any autocast region): the kernels run in
+    ``accum_dtype(q)``, fp32 or float64 (the CPU flash kernels return an fp32 log-sum-exp for bf16 queries, which
+    their backward would meet with bf16 tensors): key lists, output, log-sum-exp and the backward's buffers are in
+    it, bf16 queries and their incoming gradient are cast to it (a transient; no copy in fp32 or float64), the
+    output is returned in ``q``'s dtype and every gradient in its input's dtype."""
 
     @staticmethod
     def forward(ctx, q, tau, mem_k, mem_v, mask, L: int, C: int, pre_rope: bool, scale: float, reuse: dict | None,
@@ -269,31 +275,35 @@ class _MemoryWindowAttention(torch.autograd.Function):
         shared, blocks = rest[:n_shared], rest[n_shared:]
         ctx.set_materialize_grads(False)
         state = ()
+        dtype = accum_dtype(q)  # the kernels' dtype (class docstring)
         if reuse:  # the recomputation of a checkpointed group: the read's output is already known
             out, lse = reuse.pop("out"), reuse.pop("lse")
             if with_state:  # (the state's value is not needed: a checkpoint's recomputation discards the outputs)
-                state = tuple(q.new_zeros(()).expand(shape) for shape in reuse.pop("state"))
+                state = tuple(torch.zeros((), dtype=dt, device=q.device).expand(shape)
+                              for shape, dt in reuse.pop("state"))
         else:
             N, n, Lq, E = q.shape
-            out = q.new_empty(N, n, Lq, E)
-            lse = torch.empty(N, n, Lq, dtype=torch.float32, device=q.device)
-            masks = _ChunkMasks(mask, n_rows, q.dtype)
-            lists = _KeyLists(blocks[:n_blocks], blocks[n_blocks:], n_rows, L, C, tau, pre_rope, q.dtype)
+            q_ = q.to(dtype)
+            out = q_.new_empty(N, n, Lq, E)
+            lse = torch.empty(N, n, Lq, dtype=dtype, device=q.device)
+            masks = _ChunkMasks(mask, n_rows, dtype)
+            lists = _KeyLists(blocks[:n_blocks], blocks[n_blocks:], n_rows, L, C, tau, pre_rope, dtype)
             rows_pass = None if rows is None else rows.start(shared, None)
             for c in range(n):  # one chunk's key list at a time, in buffers made once
                 R = n_rows[c]
                 keys, values = lists(c, R, mem_k, mem_v, rows_pass)
                 out[:, c:c + 1], lse[:, c:c + 1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q[:, c:c + 1], keys, values, attn_mask=masks(c, R), scale=scale)
+                    q_[:, c:c + 1], keys, values, attn_mask=masks(c, R), scale=scale)
             if with_state:
                 state = rows_pass.state()
-            del lists, rows_pass
+            del lists, rows_pass, q_
             if reuse is not None:
-                reuse.update(out=out.detach(), lse=lse, state=[t.shape for t in state])
+                reuse.update(out=out.detach(), lse=lse, state=[(t.shape, t.dtype) for t in state])
         ctx.save_for_backward(q, tau, mem_k, mem_v, mask, out, lse, *shared, *blocks)
         ctx.meta = L, C, pre_rope, scale, rows, n_rows, n_shared, n_blocks
         D = blocks[0].shape[-1]
-        return (out[..., :D] if pre_rope else out, *state) if with_state else out[..., :D] if pre_rope else out
+        read = (out[..., :D] if pre_rope else out).to(q.dtype)
+        return (read, *state) if with_state else read
 
     @staticmethod
     def backward(ctx, grad_out, *grad_state):
@@ -303,25 +313,28 @@ class _MemoryWindowAttention(torch.autograd.Function):
         blocks_k, blocks_v = blocks[:n_blocks], blocks[n_blocks:]
         N, n, _, E = q.shape
         D = blocks_k[0].shape[-1]
+        dtype = out.dtype  # the kernels' (forward)
+        q_in, q = q, q.to(dtype)
         if grad_out is None:  # only the state after the folds is used (grads are not materialised)
             grad_out = torch.zeros_like(out[..., :D])
+        grad_out = grad_out.to(dtype)
         if pre_rope:
             grad_out = F.pad(grad_out, (0, D))
         grad_out = grad_out.contiguous()
         gq = torch.empty_like(q)
         g_mem_k, g_mem_v = (None, None) if rows is not None else (torch.empty_like(mem_k), torch.empty_like(mem_v))
-        g_tau = torch.zeros(N, dtype=torch.float32, device=q.device)
+        g_tau = torch.zeros(N, dtype=dtype, device=q.device)
         # each block's own gradient (a view of one grid-sized gradient would keep it alive until autograd has the
         # gradients of every block, and with overlapping windows that is every group's)
-        g_k = [torch.zeros(b.shape, dtype=torch.float32, device=q.device) for b in blocks_k]
-        g_v = [torch.zeros(b.shape, dtype=torch.float32, device=q.device) for b in blocks_v]
+        g_k = [torch.zeros(b.shape, dtype=dtype, device=q.device) for b in blocks_k]
+        g_v = [torch.zeros(b.shape, dtype=dtype, device=q.device) for b in blocks_v]
         first_shared = 15  # forward's arguments before ``rest``
         rows_pass = None if rows is None else rows.start(shared, [ctx.needs_input_grad[first_shared + i]
                                                                   for i in range(n_shared)])
         block_rows = [b.shape[1] for b in blocks_k]
-        tau_ = tau.to(torch.float32)[:, None, None]
-        masks = _ChunkMasks(mask, n_rows, q.dtype)
-        lists = _KeyLists(blocks_k, blocks_v, n_rows, L, C, tau, pre_rope, q.dtype)
+        tau_ = tau.to(dtype)[:, None, None]
+        masks = _ChunkMasks(mask, n_rows, dtype)
+        lists = _KeyLists(blocks_k, blocks_v, n_rows, L, C, tau, pre_rope, dtype)
         for c in range(n):
             R = n_rows[c]
             # the chunk's rows again (with rows: by the pass, which takes their gradient back to `shared`)
@@ -337,9 +350,9 @@ class _MemoryWindowAttention(torch.autograd.Function):
                 g_mem_k[:, c, R:] = g_mem_v[:, c, R:] = 0
             else:
                 rows_pass.add_grad(c, gk[:, :, L:, :D], gv[:, :, L:, :D])
-            g_win = gk[:, 0, :L, E - D:].float()  # d/d(tau * window keys)
+            g_win = gk[:, 0, :L, E - D:]  # d/d(tau * window keys)
             for i, r0, w0, w in _window_pieces(block_rows, c * C, L):
-                g_tau += (g_win[:, w0:w0 + w] * blocks_k[i][:, r0:r0 + w]).sum(dim=(1, 2), dtype=torch.float32)
+                g_tau += (g_win[:, w0:w0 + w] * blocks_k[i][:, r0:r0 + w]).sum(dim=(1, 2), dtype=dtype)
                 g_k[i][:, r0:r0 + w] += g_win[:, w0:w0 + w] * tau_
                 g_v[i][:, r0:r0 + w] += gv[:, 0, w0:w0 + w, :D]
             # before the next chunk's kernel gradients are made (a name keeps its tensor until rebound): one chunk's
@@ -349,8 +362,8 @@ class _MemoryWindowAttention(torch.autograd.Function):
             rows_pass.add_state_grad(*grad_state)
         g_shared = [None] * n_shared if rows is None else rows_pass.grads()
         g_blocks = [g.to(b.dtype) for g, b in zip(g_k + g_v, blocks)]
-        return (gq, g_tau.to(tau.dtype), g_mem_k, g_mem_v, None, None, None, None, None, None, None, None, None,
-                None, None, *g_shared, *g_blocks)
+        return (gq.to(q_in.dtype), g_tau.to(tau.dtype), g_mem_k, g_mem_v, None, None, None, None, None, None, None,
+                None, None, None, None, *g_shared, *g_blocks)
 
 
 def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch.Tensor, tau: torch.Tensor,

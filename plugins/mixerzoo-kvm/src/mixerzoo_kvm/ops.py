@@ -13,6 +13,8 @@ rows, ``r`` rotary channels. Every function is written for all heads at once; ``
 - :func:`fold`          one overflow block folded into the state (initialise / append / merge), used by the
   reference loop, the packed path's decode step and nothing else.
 - :func:`keep_from`     the window positions a state must keep.
+- :func:`accum_dtype`, :func:`layer_norm_s`, :func:`matmul_acc` the dtype the state is kept, normalised and routed
+  in (fp32, float64 kept float64), and ``LN_s`` and the state's matmuls in it.
 
 Every function takes tensors plus a frozen :class:`KVMSpec` (and :class:`KVMParams`), never the layer object,
 so ``reference.py`` and ``packed.py`` depend on this module and ``state.py`` only.
@@ -30,8 +32,8 @@ from torch import nn
 
 from mixerzoo.mixers.reductions import max_last
 
-__all__ = ["KVMSpec", "KVMParams", "memory_keys", "memory_queries", "joint_queries", "joint_keys", "merge_gate",
-           "read_values", "state_budget", "Routing", "route_overflow", "fold", "keep_from"]
+__all__ = ["KVMSpec", "KVMParams", "accum_dtype", "matmul_acc", "layer_norm_s", "memory_keys", "memory_queries", "joint_queries",
+           "joint_keys", "merge_gate", "read_values", "state_budget", "Routing", "route_overflow", "fold", "keep_from"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,37 @@ class KVMParams(NamedTuple):
     tau_bswa: torch.Tensor
 
 
+def accum_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype KVM keeps its state in and normalises, reads out and routes in: float32, or the tensors' own
+    dtype when it is wider (float64 stays float64). bf16 inputs (autocast, bf16 weights) give float32 sums, as a
+    CUDA autocast region gives ``layer_norm`` and norms; in float32 every cast to it is a no-op."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def matmul_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in :func:`accum_dtype` of both, outside any autocast region: the state's sums (merges, soft
+    routing's weighted sums) and the routing scores are made alike by every path, the packed path's exact
+    row additions and a decoding step's matmuls alike (an autocast region would run a matmul in bf16)."""
+    dtype = accum_dtype(a, b)
+    with torch.autocast(a.device.type, enabled=False):
+        return a.to(dtype) @ b.to(dtype)
+
+
+def layer_norm_s(ln_s: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    """``LN_s(t)`` (eq. 1 and the key readout) computed in :func:`accum_dtype` of ``t``, whatever the dtypes of
+    ``t`` and of ``LN_s``'s weight and bias (bf16 weights, an autocast region or none): the input and, for a
+    ``torch.nn.LayerNorm``, its parameters are cast to that dtype (no-ops in float32), so no kernel sees mixed
+    dtypes. Any other ``ln_s`` callable gets ``t`` in that dtype."""
+    dtype = accum_dtype(t)
+    if isinstance(ln_s, nn.LayerNorm):
+        w, b = (None if p is None else p.to(dtype) for p in (ln_s.weight, ln_s.bias))
+        return F.layer_norm(t.to(dtype), ln_s.normalized_shape, w, b, ln_s.eps)
+    return ln_s(t.to(dtype))
+
+
 def memory_keys(k: torch.Tensor, rotary_dim: int, ln_s: nn.Module, positions: torch.Tensor | None = None,
                 unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Memory keys ``k_bar = LN_s(k * diag(0_r, 1_{D-r}))`` (eq. 1), or ``k_bar = LN_s(R(-p) k)`` with ``unrotate``.
@@ -85,13 +118,14 @@ def memory_keys(k: torch.Tensor, rotary_dim: int, ln_s: nn.Module, positions: to
         unrotate: the inverse RoPE (:attr:`KVMSpec.unrotate`), or None for eq. 1.
 
     Returns:
-        ``(..., T, D)``; after ``LN_s`` the zeroed channels are in general no longer zero (paper behaviour).
+        ``(..., T, D)`` in :func:`accum_dtype` of ``k`` (:func:`layer_norm_s`); after ``LN_s`` the zeroed channels
+        are in general no longer zero (paper behaviour).
     """
     if unrotate is not None:
-        return ln_s(unrotate(k, positions))
+        return layer_norm_s(ln_s, unrotate(k, positions))
     if rotary_dim > 0:
         k = torch.cat([torch.zeros_like(k[..., :rotary_dim]), k[..., rotary_dim:]], dim=-1)
-    return ln_s(k)
+    return layer_norm_s(ln_s, k)
 
 
 def memory_queries(q: torch.Tensor, positions: torch.Tensor, unrotate) -> torch.Tensor:
@@ -134,7 +168,8 @@ def merge_gate(x: torch.Tensor, gate_proj: nn.Module | None) -> torch.Tensor | N
 
 def read_values(s_v: torch.Tensor, rho: torch.Tensor, count: torch.Tensor | None, value_norm: str,
                 eps: float) -> torch.Tensor:
-    """Value readout of the state (section 4, "Readout"), computed in fp32, returned in ``s_v``'s dtype.
+    """Value readout of the state (section 4, "Readout"), computed in :func:`accum_dtype` (fp32, or float64),
+    returned in ``s_v``'s dtype.
 
     ``radius``: ``rho_i * s_v_i / max(||s_v_i||_2, eps)`` (the stored sum's direction at the row's fixed radius).
     ``mean`` (ablation): ``s_v_i / count_i``, the plain mean of the values summed into the row.
@@ -149,13 +184,14 @@ def read_values(s_v: torch.Tensor, rho: torch.Tensor, count: torch.Tensor | None
     Raises:
         ValueError: ``mean`` without counts, or an unknown ``value_norm``.
     """
-    sv = s_v.float()
+    dtype = accum_dtype(s_v)
+    sv = s_v.to(dtype)
     if value_norm == "radius":
-        out = sv * (rho.float()[..., None] / sv.norm(dim=-1, keepdim=True).clamp_min(eps))  # one pass over s_v
+        out = sv * (rho.to(dtype)[..., None] / sv.norm(dim=-1, keepdim=True).clamp_min(eps))  # one pass over s_v
     elif value_norm == "mean":
         if count is None:
             raise ValueError("value_norm='mean' needs the per-row token counts")
-        out = sv / count.float()[..., None].clamp_min(eps)
+        out = sv / count.to(dtype)[..., None].clamp_min(eps)
     else:
         raise ValueError(f"value_norm must be 'radius' or 'mean', got {value_norm!r}")
     return out.to(s_v.dtype)
@@ -197,10 +233,10 @@ class Routing:
     target: torch.Tensor
     probs: torch.Tensor | None = None
 
-    def weights(self, m_grown: int) -> torch.Tensor:
-        """``(B, H, C, m_grown)`` float: each token's weight on each row of the grown state (``m_grown = m +
-        n_append``): ``probs``, or one-hot at ``target`` for winner-take-all."""
-        return self.probs if self.probs is not None else F.one_hot(self.target, m_grown).float()
+    def weights(self, m_grown: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``(B, H, C, m_grown)``: each token's weight on each row of the grown state (``m_grown = m + n_append``):
+        ``probs``, or one-hot at ``target`` for winner-take-all, in ``dtype``."""
+        return self.probs.to(dtype) if self.probs is not None else F.one_hot(self.target, m_grown).to(dtype)
 
 
 @torch.no_grad()
@@ -231,10 +267,10 @@ def route_overflow(keys_hat: torch.Tensor, kbar: torch.Tensor, append_rows: torc
     """
     B, H, C, D = kbar.shape
     m = keys_hat.shape[2]
-    kb = kbar.float()
+    kb = kbar.to(accum_dtype(kbar))
     # the scores against the current rows serve step 1 and, for those rows, step 2: one product, not two (at 32k a
     # power-law state has ~3k rows, and this product per fold was ~6% of a KVM-sqrt training step; issue #17)
-    sim = kb @ keys_hat.float().transpose(-1, -2)  # (B, H, C, m)
+    sim = matmul_acc(kb, keys_hat.transpose(-1, -2))  # (B, H, C, m)
     if n_append > 0:
         append_idx = sim.amax(dim=-1).topk(n_append, dim=-1, largest=False).indices.sort(dim=-1).values
     else:
@@ -244,7 +280,8 @@ def route_overflow(keys_hat: torch.Tensor, kbar: torch.Tensor, append_rows: torc
     m_grown = m + n_append
     if n_protected >= m_grown and n_append < C:
         raise ValueError(f"no merge target: {n_protected} protected sink rows out of {m_grown} state rows")
-    sim_new = kb @ ln_s(new_rows).float().transpose(-1, -2)  # (B, H, C, n_append): the appended rows, LN_s(s_+)
+    # (B, H, C, n_append): the appended rows, LN_s(s_+)
+    sim_new = matmul_acc(kb, layer_norm_s(ln_s, new_rows).transpose(-1, -2))
     sim[..., :n_protected] = float("-inf")
     sim_new[..., :max(n_protected - m, 0)] = float("-inf")
     own_rows = (m + torch.arange(n_append, device=kbar.device)).expand(B, H, n_append)
@@ -252,7 +289,7 @@ def route_overflow(keys_hat: torch.Tensor, kbar: torch.Tensor, append_rows: torc
         logits = torch.cat([sim, sim_new], dim=-1)  # (B, H, C, m')
         target = logits.argmax(dim=-1).scatter(-1, append_idx, own_rows)
         probs = (logits / math.sqrt(D)).softmax(dim=-1)
-        probs = torch.where(appended[..., None], F.one_hot(target, m_grown).float(), probs)
+        probs = torch.where(appended[..., None], F.one_hot(target, m_grown).to(probs.dtype), probs)
         return Routing(append_idx=append_idx, appended=appended, target=target, probs=probs)
     # argmax over [current rows ; appended rows] without concatenating them: the first maximum, as argmax's
     target = _first_argmax(sim, sim_new, m)
@@ -293,20 +330,25 @@ def fold(spec: KVMSpec, params: KVMParams, s_k: torch.Tensor, s_v: torch.Tensor,
         tokens_seen: context length ``e`` at the fold, for the budget ``B(e)``.
 
     Returns:
-        new ``(s_k, s_v, rho, count)`` with ``m' >= m`` rows.
+        new ``(s_k, s_v, rho, count)`` with ``m' >= m`` rows, in :func:`accum_dtype` (fp32, float64 kept).
     """
     start = tokens_seen - spec.n_bswa_chunks * spec.chunk_len  # the block's first position
     kbar = memory_keys(k_o, spec.rotary_dim, params.ln_s, torch.arange(start, start + k_o.shape[2], device=k_o.device),
                        spec.unrotate)
     m = s_k.shape[2]
+    dtype = accum_dtype(s_k, kbar)  # the state's sums (fp32, float64 kept)
+    v_o = v_o.to(dtype)
     if m == 0:  # the first chunk becomes the state: s_k = k_bar, s_v = v, rho = ||v|| (ungated)
-        ones = torch.ones(kbar.shape[:3], dtype=torch.float32, device=kbar.device)
-        return kbar, v_o, v_o.float().norm(dim=-1), ones if count is not None else None
+        ones = torch.ones(kbar.shape[:3], dtype=dtype, device=kbar.device)
+        return kbar.to(dtype), v_o, v_o.norm(dim=-1), ones if count is not None else None
+    s_k, s_v, rho = s_k.to(dtype), s_v.to(dtype), rho.to(dtype)
+    count = None if count is None else count.to(dtype)
     n_append = state_budget(m, spec.schedule, tokens_seen, spec.chunk_len) - m
-    gk = kbar if g_o is None else g_o[..., None] * kbar  # eq. (3)
-    gv = v_o if g_o is None else g_o[..., None] * v_o  # eq. (4)
+    kbar = kbar.to(dtype)
+    gk = kbar if g_o is None else (g_o[..., None] * kbar).to(dtype)  # eq. (3)
+    gv = v_o if g_o is None else (g_o[..., None] * v_o).to(dtype)  # eq. (4)
     rows_k, rows_v = (gk, gv) if spec.gate_appends else (kbar, v_o)
-    route = route_overflow(params.ln_s(s_k), kbar, rows_k, n_append, params.ln_s, spec.n_protected,
+    route = route_overflow(layer_norm_s(params.ln_s, s_k), kbar, rows_k, n_append, params.ln_s, spec.n_protected,
                            soft=spec.routing == "soft")
 
     # Append: the least redundant tokens become new rows; their radius is fixed now.
@@ -316,16 +358,16 @@ def fold(spec: KVMSpec, params: KVMParams, s_k: torch.Tensor, s_v: torch.Tensor,
 
     s_k = torch.cat([s_k, take(rows_k)], dim=2)
     s_v = torch.cat([s_v, take(rows_v)], dim=2)
-    rho = torch.cat([rho, take(v_o).float().norm(dim=-1)], dim=2)
+    rho = torch.cat([rho, take(v_o).norm(dim=-1)], dim=2)
     if count is not None:
         count = torch.cat([count, torch.ones_like(route.append_idx, dtype=count.dtype)], dim=2)
 
     # Merge: "scores" (B, H, C, m') is one-hot at each merged token's target (or its soft weights);
     # appended tokens are not merged again.
     m_grown = s_k.shape[2]
-    scores = route.weights(m_grown) * (~route.appended)[..., None]
-    s_k = s_k + scores.transpose(-1, -2).to(gk.dtype) @ gk
-    s_v = s_v + scores.transpose(-1, -2).to(gv.dtype) @ gv
+    scores = route.weights(m_grown, dtype) * (~route.appended)[..., None]
+    s_k = s_k + matmul_acc(scores.transpose(-1, -2), gk)
+    s_v = s_v + matmul_acc(scores.transpose(-1, -2), gv)
     if count is not None:
-        count = count + scores.sum(dim=2)
+        count = count + scores.sum(dim=2, dtype=dtype)
     return s_k, s_v, rho, count

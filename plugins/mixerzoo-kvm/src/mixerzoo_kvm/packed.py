@@ -40,8 +40,8 @@ from mixerzoo.mixers.segments import training
 
 from .incremental_rows import IncrementalRows
 from .lean_attention import memory_window_attention, shared_mask
-from .ops import (KVMParams, KVMSpec, Routing, fold, joint_keys, joint_queries, keep_from, memory_keys,
-                  read_values, route_overflow, state_budget)
+from .ops import (KVMParams, KVMSpec, Routing, accum_dtype, fold, joint_keys, joint_queries, keep_from,
+                  layer_norm_s, matmul_acc, memory_keys, read_values, route_overflow, state_budget)
 from .refold import refold
 from .state import KVMState
 
@@ -57,13 +57,14 @@ def _route_all(spec: KVMSpec, params: KVMParams, s_k0: torch.Tensor, kbar: torch
                sizes: list[int]) -> list[Routing]:
     """Routing of ``F`` consecutive overflow blocks ``kbar (B, H, F, C, D)``; ``sizes[f]`` rows before fold ``f``."""
     B, H, n_folds, C, D = kbar.shape
-    buf = kbar.new_zeros(B, H, sizes[-1], D)  # running stored key sums, no gradient
+    kbar = kbar.to(accum_dtype(kbar, s_k0))
+    buf = kbar.new_zeros(B, H, sizes[-1], D)  # running stored key sums in the state's dtype, no gradient
     buf[:, :, :sizes[0]] = s_k0
     routes = []
     for f in range(n_folds):
         m, m_new = sizes[f], sizes[f + 1]
         kb = kbar[:, :, f]
-        gk = kb if g is None else g[:, :, f, :, None] * kb
+        gk = kb if g is None else (g[:, :, f, :, None] * kb).to(kb.dtype)
         if m == 0:  # initialisation: token i becomes row i, ungated
             idx = torch.arange(C, device=kb.device).expand(B, H, C)
             route = Routing(append_idx=idx, appended=torch.ones(B, H, C, dtype=torch.bool, device=kb.device),
@@ -71,13 +72,13 @@ def _route_all(spec: KVMSpec, params: KVMParams, s_k0: torch.Tensor, kbar: torch
             buf[:, :, :C] += kb
         else:
             rows = gk if spec.gate_appends else kb
-            route = route_overflow(params.ln_s(buf[:, :, :m]), kb, rows, m_new - m, params.ln_s, spec.n_protected,
-                                   soft=spec.routing == "soft")
+            route = route_overflow(layer_norm_s(params.ln_s, buf[:, :, :m]), kb, rows, m_new - m, params.ln_s,
+                                   spec.n_protected, soft=spec.routing == "soft")
             src = torch.where(route.appended[..., None], rows, gk)  # what each token adds to its row
             if route.probs is None:
                 buf.scatter_add_(2, route.target[..., None].expand(-1, -1, -1, D), src)
             else:
-                buf[:, :, :m_new] += route.probs.transpose(-1, -2).to(src.dtype) @ src
+                buf[:, :, :m_new] += matmul_acc(route.probs.transpose(-1, -2), src)
         routes.append(route)
     return routes
 
@@ -96,7 +97,9 @@ class _FoldSnapshots(torch.autograd.Function):
     is a handle on the whole group's recomputation, and the last group's final state, whose backward never runs
     when the loss does not use it, would keep the group's inputs (views of every key and value) alive to the end
     of backward (issue #17).
-    Shapes: ``target (B, H, F C)``, ``x`` F tensors -> ``(B, H, len(reads), R, D)``."""
+    Shapes: ``target (B, H, F C)``, ``x`` F tensors -> ``(B, H, len(reads), R, D)``.
+    Dtypes: the snapshots are in ``s0``'s (the state's sums); each ``x[f]`` is cast to it on the way in (a no-op
+    when they agree, as in fp32), and each gradient is returned in its input's dtype: no kernel sees two dtypes."""
 
     @staticmethod
     def forward(ctx, s0: torch.Tensor, target: torch.Tensor, reads: tuple[int, ...], R: int, *x: torch.Tensor):
@@ -107,6 +110,7 @@ class _FoldSnapshots(torch.autograd.Function):
         folds = [target[:, :, f * C:(f + 1) * C] for f in range(E)]
         ctx.rows = [flat_rows(t, R) for t in folds]  # rows of a (B, H, R, D) state, flattened
         ctx.meta = reads, m, len(x)
+        ctx.x_dtypes = [t.dtype for t in x]
         out = s0.new_empty(B, H, K, R, D)
         flat = out.view(-1, D)  # row (b H + h) K R + j R + r is row r of snapshot j
         done = 0
@@ -118,7 +122,7 @@ class _FoldSnapshots(torch.autograd.Function):
                 out[:, :, j] = out[:, :, j - 1]
             for f in range(done, e):
                 rows = ctx.rows[f] if K == 1 else flat_rows(folds[f], K * R) + j * R
-                flat.index_add_(0, rows, x[f].reshape(-1, D))
+                flat.index_add_(0, rows, x[f].reshape(-1, D).to(out.dtype))
             done = max(done, e)
         return out
 
@@ -132,7 +136,7 @@ class _FoldSnapshots(torch.autograd.Function):
             if j < K - 1:
                 acc += grad[:, :, j]
             for f in range(reads[j - 1] if j else 0, reads[j]):  # folds first read by chunk j: all chunks >= j
-                g_x[f] = acc.reshape(-1, D).index_select(0, ctx.rows[f]).view(B, H, -1, D)
+                g_x[f] = acc.reshape(-1, D).index_select(0, ctx.rows[f]).view(B, H, -1, D).to(ctx.x_dtypes[f])
         return (acc[:, :, :m], None, None, None, *g_x)
 
 
@@ -149,7 +153,7 @@ def _apply_folds(s0: torch.Tensor, x: tuple[torch.Tensor, ...], reads: list[int]
     for e in reads:
         snap = s
         for p, x_f in zip(probs[:e], x):
-            snap = snap + F.pad(p.transpose(-1, -2).to(x_f.dtype) @ x_f, (0, 0, 0, R - p.shape[-1]))
+            snap = snap + F.pad(matmul_acc(p.transpose(-1, -2), x_f), (0, 0, 0, R - p.shape[-1]))
         snaps.append(snap)
     return torch.stack(snaps, dim=2)
 
@@ -173,7 +177,8 @@ def _counts(count: torch.Tensor, routes: list[Routing], sizes: list[int]) -> tor
     """The rows' token counts ``(B, H, F + 1, R)`` entering (entry 0, ``count (B, H, m)`` zero-padded) and after
     each fold (``sizes[f]`` rows before fold ``f``, ``R = sizes[F]``)."""
     R = sizes[-1]
-    per_fold = [F.pad(r.weights(sizes[f + 1]).sum(dim=2), (0, R - sizes[f + 1])) for f, r in enumerate(routes)]
+    per_fold = [F.pad(r.weights(sizes[f + 1], count.dtype).sum(dim=2), (0, R - sizes[f + 1]))
+                for f, r in enumerate(routes)]
     c0 = F.pad(count, (0, R - count.shape[2]))[:, :, None]
     return torch.cat([c0, c0 + torch.stack(per_fold, dim=2).cumsum(dim=2)], dim=2) if routes else c0
 
@@ -331,13 +336,20 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     if own_ln:  # the layer's own LN_s, called directly
 
         def ln_s_with(t: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-            """``LN_s(t)`` with the given weight and bias (``ln_params``' stand-ins in the read's backward)."""
-            return F.layer_norm(t, params.ln_s.normalized_shape, weight, bias, params.ln_s.eps)
+            """``LN_s(t)`` with the given weight and bias (``ln_params``' stand-ins in the read's backward), in
+            :func:`~mixerzoo_kvm.ops.accum_dtype` whatever the dtypes of ``t`` and the parameters (these run in
+            custom backwards too, outside any autocast region: the casts are explicit, no-ops in fp32)."""
+            dtype = accum_dtype(t)
+            return F.layer_norm(t.to(dtype), params.ln_s.normalized_shape, weight.to(dtype), bias.to(dtype),
+                                params.ln_s.eps)
     else:
 
         def ln_s_with(t: torch.Tensor, *ln: torch.Tensor) -> torch.Tensor:
-            """``LN_s(t)`` with the given parameters in place of ``ln_params`` (none: ``LN_s`` as it is)."""
-            return torch.func.functional_call(params.ln_s, dict(zip(ln_names, ln)), (t,)) if ln else params.ln_s(t)
+            """``LN_s(t)`` with the given parameters in place of ``ln_params`` (none: ``LN_s`` as it is), ``t`` in
+            :func:`~mixerzoo_kvm.ops.accum_dtype`."""
+            if not ln:
+                return layer_norm_s(params.ln_s, t)
+            return torch.func.functional_call(params.ln_s, dict(zip(ln_names, ln)), (t.to(accum_dtype(t)),))
     # group (a, b) starts from snapshot ``first[g]`` and applies the folds up to its last chunk's snapshot
     first = [entry[a - 1] if a else 0 for a, _ in groups]
     n_f = [entry[b - 1] - f0 for (_, b), f0 in zip(groups, first)]
@@ -396,14 +408,14 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         fold_routes = routes[f0:f0 + n]
         if spec.routing == "hard":
             return refold(s_k, s_v, make, [flat_rows(r.target, R) for r in fold_routes], R, sources)
-        probs = [r.weights(sizes[f0 + f + 1]) for f, r in enumerate(fold_routes)]
+        probs = [r.weights(sizes[f0 + f + 1], s_k.dtype) for f, r in enumerate(fold_routes)]
         x_k, x_v = (x.view(B, H, n, C, D).unbind(2) for x in make(0, n, *sources)) if n else ((), ())
         # squeeze, not [:, :, 0]: a select's backward would copy the incoming gradient into a fresh zero tensor
         return tuple(_apply_folds(s0, x, [n], R, None, probs).squeeze(2) for s0, x in ((s_k, x_k), (s_v, x_v)))
 
     def radii(rho: torch.Tensor, f0: int, v_blocks: tuple) -> torch.Tensor:
         """The rows' value radii after folds ``f0 ..`` (:func:`_radii`) from their value blocks ``(B H, C, D)``."""
-        return _radii(rho, [vb.view(B, H, C, D).float().norm(dim=-1) for vb in v_blocks],
+        return _radii(rho, [vb.view(B, H, C, D).to(rho.dtype).norm(dim=-1) for vb in v_blocks],
                       routes[f0:f0 + len(v_blocks)])
 
     def group(a: int, b: int, f0: int, n_pre: int, n_win: int, exit_state: bool, reuse: dict | None, q_piece,
@@ -435,11 +447,12 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
             # the additions made once, in plain autograd, shared by the rows and the state after the group (a
             # state of its own would be a node that, for the call's final state, may never run in backward and
             # would keep views of every key and value alive to its end)
-            sources = make(0, nf, *sources) if nf else (q_g.new_empty(B, H, 0, D),) * 2
+            sources = make(0, nf, *sources) if nf else (s_k.new_empty(B, H, 0, D),) * 2
             make = given_folds
         own_routes, own_sizes = routes[f0:f0 + nf], sizes[f0:f0 + nf + 1]
         target = torch.cat([r.target for r in own_routes], dim=2) if spec.routing == "hard" and nf else None
-        probs = None if spec.routing == "hard" else [r.weights(own_sizes[f + 1]) for f, r in enumerate(own_routes)]
+        probs = None if spec.routing == "hard" else [r.weights(own_sizes[f + 1], s_k.dtype)
+                                                     for f, r in enumerate(own_routes)]
         rho_all = radii(rho, f0, fold_blocks[nf:])  # one node for the read and the state after the group
         counts = None if count is None else _counts(count, own_routes, own_sizes)
         reads = [entry[i] - f0 for i in range(a, b)]  # folds of this group before each chunk's snapshot
@@ -490,7 +503,10 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
                               for s0, x in ((s_k, sources[0]), (s_v, sources[1])))
         return o, last_k, last_v, rho_all, None if counts is None else counts[:, :, -1].clone()
 
-    carry = (state.s_k, state.s_v.to(state.s_k.dtype), state.rho, state.count)
+    # the state's sums in fp32 (float64 kept: ops.accum_dtype); no-op casts for a state this path or kvm_step made
+    acc = accum_dtype(state.s_k, k)
+    carry = (state.s_k.to(acc), state.s_v.to(acc), state.rho.to(acc), None if state.count is None else
+             state.count.to(acc))
     lean = spec.checkpoint_chunks > 0 and training((q, KP, VP))
     outs = []
     # each group's tokens: one split, not slices (a slice's backward is a full-length zero gradient per group)
@@ -525,7 +541,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     keep = keep_from(p1, C, nb) - kpos0
     # compact copies, so that the state does not keep the whole prefill's keys (or a group's snapshots) alive
     s_k, s_v, rho, count = carry
-    new_state = KVMState(s_k=_compact(s_k), s_v=_compact(s_v.to(state.s_v.dtype)), rho=rho,
+    new_state = KVMState(s_k=_compact(s_k), s_v=_compact(s_v), rho=rho,
                          count=None if count is None else count.clone(), win_k=K[:, :, keep:].clone(),
                          win_v=V[:, :, keep:].clone(), win_g=None if Gt is None else Gt[:, :, keep:].clone(),
                          next_pos=p1)
@@ -556,11 +572,12 @@ def kvm_step(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor,
                                               None if Gt is None else Gt[:, :, lo:lo + C], p0)
     w0 = max((c - nb + 1) * C, 0) - kpos0
     q = joint_queries(q, torch.tensor([p0], device=q.device), spec.unrotate)
-    keys = joint_keys(params.ln_s(s_k) * params.tau_state[None, :, None, None],
+    keys = joint_keys(layer_norm_s(params.ln_s, s_k) * params.tau_state[None, :, None, None],
                       [K[:, :, w0:] * params.tau_bswa[None, :, None, None]], spec.unrotate is not None, dim=2)
     values = torch.cat([read_values(s_v, rho, count, spec.value_norm, spec.eps), V[:, :, w0:]], dim=2)
-    o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, q.shape[-1]), keys, values,  # G query heads as G queries
-                                       scale=D ** -0.5)
+    # the state's rows (fp32 sums) meet the queries in the queries' dtype (the output's)
+    o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, q.shape[-1]), keys.to(q.dtype), values.to(q.dtype),
+                                       scale=D ** -0.5)  # G query heads as G queries
     keep = keep_from(p0 + 1, C, nb) - kpos0
     return o.reshape(B, Hq, 1, D), KVMState(s_k=s_k, s_v=s_v, rho=rho, count=count, win_k=K[:, :, keep:],
                                             win_v=V[:, :, keep:], win_g=None if Gt is None else Gt[:, :, keep:],

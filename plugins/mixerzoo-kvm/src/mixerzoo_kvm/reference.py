@@ -3,8 +3,8 @@
 This is the reference the fast path (:mod:`mixerzoo_kvm.packed`) is tested against. It follows the paper
 step by step: when a chunk starts, the chunk leaving the block sliding window is folded into the state
 (:func:`mixerzoo_kvm.ops.fold`: initialise / append / merge), then the chunk's queries attend with plain softmax
-(:func:`mixerzoo.mixers.attention_reference`) over ``[LN_s(s_k) tau_state ; k_window tau_bswa]``; with
-``memory_keys: pre_rope`` the memory part is scored by the queries before RoPE (:func:`two_query_attention`).
+(:func:`two_query_attention`, in fp32 or float64) over ``[LN_s(s_k) tau_state ; k_window tau_bswa]``; with
+``memory_keys: pre_rope`` the memory part is scored by the queries before RoPE.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import math
 
 import torch
 
-from mixerzoo.mixers import attention_reference
-
-from .ops import KVMParams, KVMSpec, fold, keep_from, memory_queries, read_values
+from .ops import KVMParams, KVMSpec, accum_dtype, fold, keep_from, layer_norm_s, memory_queries, read_values
 from .state import KVMState
 
 __all__ = ["fold_reference", "kvm_chunk_loop", "keep_from", "two_query_attention"]
@@ -26,7 +24,7 @@ fold_reference = fold  # the fold's former name (it lives in ops.py, shared with
 def two_query_attention(q_mem: torch.Tensor, k_mem: torch.Tensor, q_win: torch.Tensor, k_win: torch.Tensor,
                         values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One softmax over two key sets scored by two queries: ``softmax([q_mem k_mem^T ; q_win k_win^T] / sqrt(D)
-    + log mask) values``.
+    + log mask) values``, computed in fp32 (float64 kept), returned in ``q_win``'s dtype.
 
     Args:
         q_mem, q_win: ``(B, H_q, T, D)``; k_mem ``(B, H, m, D)``; k_win ``(B, H, S, D)``; values
@@ -34,8 +32,10 @@ def two_query_attention(q_mem: torch.Tensor, k_mem: torch.Tensor, q_win: torch.T
         mask: ``(T, m + S)`` bool, True where visible.
     """
     groups = q_mem.shape[1] // k_mem.shape[1]
-    k_mem, k_win, values = (t.repeat_interleave(groups, dim=1).float() for t in (k_mem, k_win, values))
-    logits = torch.cat([q_mem.float() @ k_mem.transpose(-1, -2), q_win.float() @ k_win.transpose(-1, -2)], dim=-1)
+    dtype = accum_dtype(q_mem, q_win, k_mem, k_win, values)  # fp32, float64 kept
+    k_mem, k_win, values = (t.repeat_interleave(groups, dim=1).to(dtype) for t in (k_mem, k_win, values))
+    logits = torch.cat([q_mem.to(dtype) @ k_mem.transpose(-1, -2), q_win.to(dtype) @ k_win.transpose(-1, -2)],
+                       dim=-1)
     logits = (logits / math.sqrt(q_mem.shape[-1])).masked_fill(~mask, float("-inf"))
     return (logits.softmax(-1) @ values).to(q_win.dtype)
 
@@ -80,12 +80,10 @@ def kvm_chunk_loop(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.T
         win_keys = win_k[:, :, w0 - win_start:b - win_start] * tau_w
         mask = torch.cat([torch.ones(b - a, s_k.shape[2], dtype=torch.bool, device=q.device),
                           k_pos[None, :] <= q_pos[:, None]], dim=1)
-        if spec.unrotate is None:  # paper: one query for both parts
-            keys = torch.cat([params.ln_s(s_k) * tau_s, win_keys], dim=2)
-            outs.append(attention_reference(q_c, keys, values, mask))
-        else:  # pre_rope memory: the memory logits use the query before RoPE, the window logits the query as is
-            outs.append(two_query_attention(memory_queries(q_c, q_pos, spec.unrotate), params.ln_s(s_k) * tau_s,
-                                            q_c, win_keys, values, mask))
+        # paper: one query for both parts (memory_queries is q itself); pre_rope memory: the memory logits use the
+        # query before RoPE, the window logits the query as is
+        outs.append(two_query_attention(memory_queries(q_c, q_pos, spec.unrotate),
+                                        layer_norm_s(params.ln_s, s_k) * tau_s, q_c, win_keys, values, mask))
         a = b
     keep = keep_from(p0 + T, C, nb) - win_start
     new_state = KVMState(s_k=s_k, s_v=s_v, rho=rho, count=count, win_k=win_k[:, :, keep:],

@@ -8,6 +8,8 @@ import torch
 
 from mixerzoo.mixers.qkv import StreamState
 
+from .ops import accum_dtype
+
 __all__ = ["KVMState"]
 
 
@@ -19,8 +21,10 @@ class KVMState(StreamState):
         s_k: stored key sums ``(B, H, m, D)``: memory keys ``k_bar`` of the row's creating token plus the gated
             memory keys merged into it. Never normalised in place (``LN_s`` is applied at every read).
         s_v: stored value sums ``(B, H, m, D)``, likewise (radius renormalisation at every read).
-        rho: value radius ``(B, H, m)`` in fp32, ``||v||`` of the row's creating token, fixed for its lifetime.
-        count: tokens summed into each row ``(B, H, m)`` (fp32), only kept for ``value_norm='mean'``.
+        rho: value radius ``(B, H, m)``, ``||v||`` of the row's creating token, fixed for its lifetime.
+        count: tokens summed into each row ``(B, H, m)``, only kept for ``value_norm='mean'``.
+        ``s_k``, ``s_v``, ``rho`` and ``count`` are sums kept in fp32 for bf16 or fp32 inputs, in float64 for
+        float64 inputs (:func:`mixerzoo_kvm.ops.accum_dtype`); the window in the keys' and values' dtype.
         win_k: keys (after q/k norm and RoPE) of the last ``W`` tokens, positions ``[next_pos - W, next_pos)``:
             the block sliding window plus, at a chunk boundary, the chunk that leaves it next ``(B, H, W, D)``.
         win_v: their values ``(B, H, W, D)``.
@@ -47,8 +51,10 @@ class KVMState(StreamState):
     def empty(cls, k: torch.Tensor, with_count: bool, with_gate: bool) -> "KVMState":
         """The state at sequence start, shaped after keys ``k (B, H, T, D)``."""
         B, H, _, D = k.shape
-        rows = k.new_zeros(B, H, 0, D)
-        scal = torch.zeros(B, H, 0, device=k.device, dtype=torch.float32)
+        dtype = accum_dtype(k)  # sums in fp32, float64 kept
+        rows = k.new_zeros(B, H, 0, D, dtype=dtype)
+        scal = torch.zeros(B, H, 0, device=k.device, dtype=dtype)
+        win = k.new_zeros(B, H, 0, D)
         return cls(s_k=rows, s_v=rows.clone(), rho=scal, count=scal.clone() if with_count else None,
-                   win_k=rows.clone(), win_v=rows.clone(), win_g=k.new_zeros(B, H, 0) if with_gate else None,
+                   win_k=win, win_v=win.clone(), win_g=k.new_zeros(B, H, 0) if with_gate else None,
                    next_pos=0, shift=None)
