@@ -359,6 +359,23 @@ def test_logger_without_its_package_names_the_pip_install(logger, package, hosti
     assert not list(hostile_dir.glob("runs/**/*.ckpt"))
 
 
+@pytest.mark.parametrize("command", ["import", "generate"])
+def test_truncated_gguf_is_one_line(command, tmp_path, monkeypatch, capsys):
+    """An interrupted download: transformers' GGUF reader runs past the end of the file (struct.error)."""
+    import re
+
+    (tmp_path / "model.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x01")
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    source = str(tmp_path / "model.gguf")
+    argv = ["import", source, str(tmp_path / "out")] if command == "import" else ["generate", source, "--prompt", "hi"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-2000:]
+    assert re.search(r"(?m)^mixerzoo: error: '" + re.escape(source) + r"' is truncated or corrupt \(error: .*\): an "
+                     r"interrupted download\? Download the \.gguf file again\n\Z", err), err[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
 def test_plugins_into_a_closed_pipe_ends_quietly():
     """`mixerzoo plugins | head -1`: the reader is gone before the listing is written (deterministic here: the
     pipe's read end is closed first). No BrokenPipeError, no 'Exception ignored' at interpreter exit."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +253,8 @@ def read_hf_config(source: str | os.PathLike, *, gguf_file: str | None = None, r
     try:
         hf_config = AutoConfig.from_pretrained(folder, revision=revision, trust_remote_code=trust_remote_code,
                                                **kwargs)
+    except struct.error as e:  # gguf's reader on a file cut short (an interrupted download)
+        raise ConfigError(_truncated_gguf(s, gguf_file, e)) from e
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ConfigError(f"transformers cannot read the config of {s!r}{f' ({gguf_file})' if gguf_file else ''}: "
                           f"{_first_line(e)}") from e
@@ -290,10 +293,19 @@ def read_transformers(source: str | os.PathLike, *, gguf_file: str | None = None
         model = AutoModelForCausalLM.from_pretrained(folder, revision=revision, dtype=torch.float32,
                                                      trust_remote_code=trust_remote_code, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(folder, revision=revision, **kwargs)
+    except struct.error as e:
+        raise ConfigError(_truncated_gguf(s, gguf_file, e)) from e
     except (OSError, ValueError, KeyError, RuntimeError, NotImplementedError) as e:
         raise ConfigError(f"transformers cannot read {s!r}{f' ({gguf_file})' if gguf_file else ''}: "
                           f"{_first_line(e)}") from e
     return PretrainedSource(model=model.eval(), tokenizer=tokenizer, source=s, gguf_file=gguf_file)
+
+
+def _truncated_gguf(source: str, gguf_file: str | None, e: BaseException) -> str:
+    """One line for a GGUF whose reader ran past the end of the file (``struct.error``)."""
+    name = gguf_file if gguf_file and not source.endswith(gguf_file) else None
+    return (f"{source!r}{f' ({name})' if name else ''} is truncated or corrupt ({_first_line(e)}): an interrupted "
+            f"download? Download the .gguf file again")
 
 
 def _first_line(e: BaseException) -> str:
