@@ -1,4 +1,4 @@
-"""The project's GPU check in one command that fits one 9-minute run on one CUDA GPU (issues #21 and #40).
+"""The project's GPU check in one command that fits one 9-minute run on one CUDA GPU.
 
 Steps, in order, each a subprocess in its own process group under its own timeout (a step that fails or times
 out is recorded and the suite goes on; no step starts after ``--budget`` seconds, and each step's timeout is cut
@@ -75,7 +75,7 @@ TIMEOUTS = {"install": 40, "env": 25, "conformance": 150, "fla-kernels": 100, "e
             "throughput": 70, "train": 600, "resume": 600}
 MAX_FILES, MAX_BYTES = 8, 16 * 2**20  # what one device command returns
 BUDGET_MARGIN = 25  # seconds between the efficiency table's --budget and its step's timeout
-# What a GPU machine with torch, Triton, Lightning, torchmetrics and transformers lacks (issue #40): the fla
+# What a GPU machine with torch, Triton, Lightning, torchmetrics and transformers lacks: the fla
 # kernels, jsonargparse with its signature extras (the CLI), datasets and the two of its requirements that are
 # not common (the rest, pyarrow, xxhash, fsspec, pandas, huggingface_hub, ..., come with transformers or are there).
 THIRD_PARTY = ["flash-linear-attention", "fla-core", "jsonargparse", "typeshed-client", "docstring-parser",
