@@ -21,7 +21,20 @@ from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["MixerState", "Mixer", "MixerLike", "state_nbytes", "map_state_tensors", "state_tensors"]
+__all__ = ["MixerState", "Mixer", "MixerLike", "state_nbytes", "map_state_tensors", "state_tensors",
+           "accumulation_dtype"]
+
+
+def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype a mixer keeps running sums, counts and normalisers (and so its state) in: float32, or the
+    tensors' own dtype where it is wider. bf16/fp16 activations (autocast, bf16 weights) give float32, as CUDA
+    autocast runs ``sum``, ``softmax`` and ``layer_norm``; float64 stays float64 (references and gradient checks);
+    for float32 tensors every ``.to(accumulation_dtype(x))`` is a no-op. The conformance kit's ``float64`` and
+    ``cuda-autocast`` checks test that a mixer follows it."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
 
 
 def map_state_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

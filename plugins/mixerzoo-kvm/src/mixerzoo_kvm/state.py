@@ -8,7 +8,7 @@ import torch
 
 from mixerzoo.mixers.qkv import StreamState
 
-from .ops import accum_dtype
+from mixerzoo.protocol import accumulation_dtype as accum_dtype
 
 __all__ = ["KVMState"]
 
@@ -24,7 +24,7 @@ class KVMState(StreamState):
         rho: value radius ``(B, H, m)``, ``||v||`` of the row's creating token, fixed for its lifetime.
         count: tokens summed into each row ``(B, H, m)``, only kept for ``value_norm='mean'``.
         ``s_k``, ``s_v``, ``rho`` and ``count`` are sums kept in fp32 for bf16 or fp32 inputs, in float64 for
-        float64 inputs (:func:`mixerzoo_kvm.ops.accum_dtype`); the window in the keys' and values' dtype.
+        float64 inputs (:func:`mixerzoo.protocol.accumulation_dtype`); the window in the keys' and values' dtype.
         win_k: keys (after q/k norm and RoPE) of the last ``W`` tokens, positions ``[next_pos - W, next_pos)``:
             the block sliding window plus, at a chunk boundary, the chunk that leaves it next ``(B, H, W, D)``.
         win_v: their values ``(B, H, W, D)``.
