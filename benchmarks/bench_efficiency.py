@@ -1,4 +1,4 @@
-"""Efficient mixers against full attention on CPU: training step time and peak memory, decode ms/token (issue #17).
+"""Efficient mixers against full attention on CPU: training step time and peak memory, decode ms/token.
 
 One layer per mixer, d_model 256, 2 heads x 128, batch 1, fp32, built through the registry (so any installed mixer
 can be added with ``--mixers``). Attention and KVM use half RoPE and per-head LayerNorm on q/k (the KVM paper's
@@ -29,7 +29,7 @@ mixers their defaults.
   pieces of 4,096), then ``--decode-rounds`` rounds of ``--decode-steps`` single-token steps from each context's
   state, the contexts in turn (rotated each round); the table gives the median ms/token and the median of the
   per-round ratios of the longest context to the shortest (a mean of one run per context in its own process moved
-  by 30% between runs on a shared VM, session 17).
+  by 30% between runs on a shared VM).
 - ``--profile MIXER T``: a ``torch.profiler`` table of one training step (top ops by self CPU time, and the
   tracked tensor memory), to commit beside the results.
 - ``--op-lines MIXER T``: the time of every operator of one training step summed per line of mixerzoo code that
@@ -40,7 +40,7 @@ mixers their defaults.
   the step, counted by :class:`mixerzoo.evaluation.cost.LiveTensorBytes`, grouped by the operator that made them,
   their shape and the line of mixerzoo code that called it (as ``--op-lines``; "(autograd)": made by autograd's
   engine in backward): the view a memory optimisation needs, independent of the machine's load.
-- ``--device cuda --dtype bf16 --d-model 1024 --head-dim 128`` (issue #21's GPU table): the same tables on a GPU
+- ``--device cuda --dtype bf16 --d-model 1024 --head-dim 128`` (the GPU table): the same tables on a GPU
   under bf16 autocast (weights fp32, as in ``bf16-mixed`` training); time is taken after ``cuda.synchronize``
   and peak memory is ``torch.cuda.max_memory_allocated`` of the step minus what was allocated before it.
 - ``--processes shared`` (the default on CUDA; ``per-cell`` is the CPU's default, as above): every cell (one
@@ -54,9 +54,9 @@ mixers their defaults.
   start costs about 20 s on a GPU machine (imports, CUDA, Triton), which a fresh process per cell paid each time.
   In either mode a mixer's error (the layer's message, its traceback on stderr) is confined to its own cells.
 
-    python benchmarks/bench_efficiency.py --threads 2 | tee docs/results/efficiency_cpu.md
+    python benchmarks/bench_efficiency.py --threads 2 --json table.json > table.md   # docs/results/efficiency_cpu/
     python benchmarks/bench_efficiency.py --lengths 4096 --mixers attention kvm-256 --repeats 1     # quick look
-    python benchmarks/bench_efficiency.py --profile kvm-256 8192 > docs/results/efficiency_profile_kvm.txt
+    python benchmarks/bench_efficiency.py --profile kvm-256 8192       # a profiler table of one step
     python benchmarks/bench_efficiency.py --device cuda --dtype bf16 --d-model 1024 --head-dim 128 \
         --lengths 8192 32768 --max-len --decode-contexts 1024 16384 --budget 200   # on a GPU (gpu_suite.py)
 """

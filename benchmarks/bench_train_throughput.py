@@ -24,7 +24,7 @@ Usage (from the repository root)::
     python benchmarks/bench_train_throughput.py --profile            # + torch.profiler top ops per model
     python benchmarks/bench_train_throughput.py --device cuda --dtype bf16 --d-model 768 --n-layers 12 \
         --n-heads 12 --seq-len 2048 --batch 8 --vocab 32000 --steps 5 --warmup 2 --repeats 5 --compile \
-        --matmul-n 8192                                              # issue #21's ~120M GPU comparison
+        --matmul-n 8192                                              # the ~120M GPU comparison
 
 On a GPU the step runs under bf16 autocast (weights fp32, as Lightning's ``bf16-mixed``) with fused AdamW, the
 timer waits for the device (``cuda.synchronize``), and the peak is a bf16 matmul's measured rate (or

@@ -102,7 +102,7 @@ class RoPE(PositionalEncoding):
                     ) -> torch.Tensor:
         """:meth:`rotate` (``inverse``: by the opposite angles, i.e. ``rotate(x, cos, -sin)``), bit for bit, written
         into one output tensor: four passes and one allocation instead of nine passes and six (on the CPU a
-        rotation of the queries or keys at 32k tokens took 28 ms, now 17; issue #17). No autograd: called under
+        rotation of the queries or keys at 32k tokens took 28 ms, now 17). No autograd: called under
         ``no_grad`` or by :class:`_Rotation`."""
         r, half = self.rotary_dim, self.rotary_dim // 2
         x1, x2 = x[..., :half], x[..., half:r]

@@ -124,7 +124,7 @@ class LiveTensorBytes(TorchDispatchMode):
 def kept_for_backward(mixer: torch.nn.Module, x: torch.Tensor, warmup: int = 64) -> int:
     """Bytes of tensor storage that a training forward of ``mixer`` on ``x (B, T, d_model)`` (which must require a
     gradient) leaves alive for backward: what a model of ``n`` such layers holds ``n`` times before its backward
-    starts (issue #17). The output counts; the parameters, ``x`` and the returned state's tensors do not. A
+    starts. The output counts; the parameters, ``x`` and the returned state's tensors do not. A
     training step on ``x[:, :warmup]`` runs first, so lazy initialisation (imports, caches) is outside the count.
     Exact and independent of the machine (:class:`LiveTensorBytes`), so tests may bound it. ``mixer(x, state)``
     returns ``(y, state)`` (the Mixer protocol). A state tensor that backward also uses (attention's key/value

@@ -146,7 +146,7 @@ class Attention(Mixer):
                             k_pos: torch.Tensor, p0: int) -> torch.Tensor:
         """Windowed variants on long inputs: blocks of queries, each against only the keys it can see (the
         sinks and ``[keep_from(block start), block end]``), so time and memory grow like ``T * window`` rather
-        than ``T * S`` (one ``(T, S)`` mask made ``swa`` slower than full attention; issue #17).
+        than ``T * S`` (one ``(T, S)`` mask made ``swa`` slower than full attention).
 
         Same result as one masked call. ``q (B, H, T, D)``; ``k, v (B, H_kv, S, D)`` are the cache (sinks, then
         a contiguous run) followed by the new keys, at positions ``k_pos (S,)``; ``positions (T,)``.

@@ -122,7 +122,7 @@ class QKVProjection(nn.Module):
             x: ``(B, T, d_model)``. state: the mixer's :class:`StreamState` (or None at sequence start).
             finish_queries: False returns ``q`` before its norm and positional encoding, for a mixer that applies
                 :meth:`finish_queries` itself, piece by piece inside a recomputed segment (so that autograd keeps
-                the projection only, not also the encoded queries; issue #17).
+                the projection only, not also the encoded queries).
             recompute_keys: see :meth:`forward`.
 
         Returns:
@@ -153,7 +153,7 @@ class QKVProjection(nn.Module):
             recompute_keys: in training, without ``token_shift``: the keys' projection, norm and positional
                 encoding run under :func:`mixerzoo.mixers.segments.recomputed_in_backward` from ``x``, so autograd
                 keeps ``x`` (kept anyway) instead of the key projection that the norm's backward needs: for a mixer
-                that copies the encoded keys into buffers of its own (KVM; issue #17). Same values.
+                that copies the encoded keys into buffers of its own (KVM). Same values.
 
         Returns:
             ``q (B, H, T, D)``, ``k (B, H_kv, T, D)``, ``v (B, H_kv, T, D)``, new shift state (or None).

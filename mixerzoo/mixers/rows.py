@@ -1,6 +1,6 @@
 """Row-indexed reads of ``(B, H, n, D)`` tensors, as the mixers' states use them (KVM's folds and snapshots,
 OVQ's dictionary merge): one ``index_select`` / ``index_add_`` over a ``(rows, D)`` view instead of an element-wise
-``gather`` / ``scatter_add_`` over a ``D``-expanded index (4-9x faster on this project's CPU; issue #17).
+``gather`` / ``scatter_add_`` over a ``D``-expanded index (4-9x faster on this project's CPU).
 """
 
 from __future__ import annotations

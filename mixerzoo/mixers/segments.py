@@ -85,7 +85,7 @@ def recomputed_in_backward(fn: Callable[..., object], *args, also: Sequence[torc
     """``fn(*args)``; when training (gradients enabled and a tensor among ``args`` or ``also`` requires them) under
     ``torch.utils.checkpoint`` (non-reentrant), so autograd keeps only ``args`` and recomputes ``fn``'s
     intermediates in backward. For cheap pieces whose intermediates are large (a norm, a gate, a short
-    convolution: issue #17). ``also``: tensors ``fn`` uses without taking them as arguments (its parameters),
+    convolution). ``also``: tensors ``fn`` uses without taking them as arguments (its parameters),
     which decide like ``args`` whether there is anything to keep."""
     if training((*args, *also)):
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)

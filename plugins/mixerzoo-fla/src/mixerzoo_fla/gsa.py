@@ -158,7 +158,7 @@ class GatedSlotAttention(Mixer):
             o, (hk, hv) = self._fla_gsa(q, k, v, *self._gates(f), None if state is None else (state.hk, state.hv))
             return self._output(o.to(x.dtype).flatten(2)), GSAState(hk=hk, hv=hv, conv=conv)
         # CPU: one pass, or in training segments of checkpoint_chunks chunks recomputed in backward, each running
-        # the whole layer from its slice of x (issue #17): autograd keeps x, the two memories entering each
+        # the whole layer from its slice of x: autograd keeps x, the two memories entering each
         # segment and the output, not the projections, convolutions, feature maps, gates and output path
         dtype = accum_dtype(x)  # the memories': float32, float64 kept
         if state is None:

@@ -119,7 +119,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        # no recomputation of its own: on CPU, GDN recomputes whole segments of the layer in training (issue #17)
+        # no recomputation of its own: on CPU, GDN recomputes whole segments of the layer in training
         dtype = accum_dtype(x)
         xf, gf = x.to(dtype), gate.to(dtype)
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.to(dtype)

@@ -144,7 +144,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             projections to output projection, and calls this with 0 inside each.)
         use_qk_l2norm: L2-normalise q and k here (fla's ``use_qk_l2norm_in_kernel``): inside each recomputed
             segment, with the query scale and the chunked copies (in :func:`accum_dtype`), so autograd keeps only the
-            inputs as given instead of the normalised, scaled and chunked copies too (issue #17).
+            inputs as given instead of the normalised, scaled and chunked copies too.
 
     Returns:
         ``o [B, T, HV, V]`` and the final state ``[B, HV, K, V]``, in :func:`accum_dtype` of ``q, k, v``.

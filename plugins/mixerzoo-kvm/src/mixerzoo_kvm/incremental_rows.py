@@ -9,7 +9,7 @@ running snapshot in one buffer and, per fold, normalises only the rows the fold 
 key and value lists (which keep them from chunk to chunk), where the plain statement
 (:class:`~mixerzoo_kvm.lean_attention.ChunkRows`, one autograd graph per chunk) makes every row of every chunk's
 snapshot, in forward and again in backward (about 20 passes over ``R`` rows per chunk; a power-law state at 32k
-tokens has ~2,900 rows against a 256-token chunk; issue #17).
+tokens has ~2,900 rows against a 256-token chunk).
 
 Backward, chunk by chunk in the same order: the row gradients of the chunks that read a row while it did not
 change are summed (``G``), and taken through ``LN_s`` and the readout once per such stretch, at the values of the

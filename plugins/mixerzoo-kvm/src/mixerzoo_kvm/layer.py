@@ -172,7 +172,7 @@ class KVMAttention(Mixer):
         B, T, _ = x.shape
         packed = not self.use_reference and T > 1
         # the packed path finishes the queries (norm, RoPE) inside each recomputed group of query chunks, so autograd
-        # keeps their projection only (issue #17)
+        # keeps their projection only
         # (and, when its groups are recomputed, recomputes the keys' projection and norm in backward: the keys are
         # copied into the padded grid the groups read, so keeping the projection for the norm's backward too would
         # hold them twice)
@@ -181,7 +181,7 @@ class KVMAttention(Mixer):
         g = merge_gate(x, self.gate_proj)
         if state is None:
             state = KVMState.empty(k, with_count=self.value_norm == "mean", with_gate=g is not None)
-        if packed:  # the output projection too runs inside each recomputed group (issue #17)
+        if packed:  # the output projection too runs inside each recomputed group
             y, new_state = kvm_packed(self.spec, self.params, q, k, v, g, state, finish_q=self.qkv.finish_queries,
                                       out_proj=self.o_proj)
         else:

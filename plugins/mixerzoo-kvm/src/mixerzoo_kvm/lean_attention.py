@@ -3,7 +3,7 @@
 The packed path (:mod:`mixerzoo_kvm.packed`) gives every query chunk its own key list: the state snapshot's
 rows followed by the chunk's block window. Built with ``torch.cat`` and handed to ``scaled_dot_product_attention``,
 those lists are kept by autograd for the backward pass, ``(R + window) / chunk_len`` copies of the keys and of the
-values (3x at the paper's settings). That made KVM's training step use more memory than full attention (issue #17).
+values (3x at the paper's settings). That made KVM's training step use more memory than full attention.
 
 :func:`memory_window_attention` computes the same function for one group of chunks with a custom backward that
 *rebuilds* the key and value lists from their sources (the memory rows, and the chunk-aligned row blocks of the
@@ -56,7 +56,7 @@ class _ChunkMasks:
     layout of :class:`_KeyLists`): the window keys follow the boolean or additive ``mask (1, n | 1, Lq, L)``, the
     memory rows are all visible (zeros). A pattern shared by every chunk is made additive once, in a buffer of
     ``L + max(R_c)`` columns whose leading ``L + R_c`` columns each chunk takes as a view (the CPU flash kernels
-    take a mask with a row stride of its own): no per-chunk mask is written (issue #17)."""
+    take a mask with a row stride of its own): no per-chunk mask is written."""
 
     def __init__(self, mask: torch.Tensor, n_rows: list[int], dtype: torch.dtype) -> None:
         self.mask, self.dtype = mask, dtype
@@ -102,7 +102,7 @@ class _KeyLists:
     the rows by their source into :attr:`rows_k`, :attr:`rows_v` (``(N, max R_c, D)`` views), which keep what was
     written from one chunk to the next (an incremental source writes only the rows that changed). The window
     comes first so that a growing state only lengthens the list; the kernels take the leading ``L + R_c`` rows as
-    a view. No fresh buffers per chunk: fresh allocations page-fault on this project's CPU (issue #17).
+    a view. No fresh buffers per chunk: fresh allocations page-fault on this project's CPU.
 
     With ``pre_rope``, ``E = 2D`` channels (:func:`mixerzoo_kvm.ops.joint_keys`): window keys ``[0 | tau k]``,
     memory rows ``[mem_k | 0]``, values ``[v | 0]`` (the CPU kernels want one head size; the extra output channels
@@ -356,7 +356,7 @@ class _MemoryWindowAttention(torch.autograd.Function):
                 g_k[i][:, r0:r0 + w] += g_win[:, w0:w0 + w] * tau_
                 g_v[i][:, r0:r0 + w] += gv[:, 0, w0:w0 + w, :D]
             # before the next chunk's kernel gradients are made (a name keeps its tensor until rebound): one chunk's
-            # transient buffers alive at a time, not two (issue #17)
+            # transient buffers alive at a time, not two
             del gq_c, gk, gv, g_win
         if any(g is not None for g in grad_state):  # the state after the group's folds (``state``) is used
             rows_pass.add_state_grad(*grad_state)
@@ -400,7 +400,7 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
         rows: when given, ``mem_k, mem_v`` are None and ``rows(c, *shared) -> (mem_k_c, mem_v_c)`` makes chunk
             ``c``'s memory rows ``(N, 1, R, D)`` (for KVM: its state snapshot from the state entering the group and
             the folds before the chunk, normalised and read out): made one chunk at a time in forward and again in
-            backward, so no group-sized tensor of snapshots or rows, nor its gradient, ever exists (issue #17);
+            backward, so no group-sized tensor of snapshots or rows, nor its gradient, ever exists;
             ``rows`` must be a pure function of its arguments. A :class:`ChunkRows` may make them another way (its
             passes), the plain function being its ``__call__``.
         shared: the tensors ``rows`` reads (states, fold sources, parameters, radii), which get gradients.

@@ -269,7 +269,7 @@ def route_overflow(keys_hat: torch.Tensor, kbar: torch.Tensor, append_rows: torc
     m = keys_hat.shape[2]
     kb = kbar.to(accum_dtype(kbar))
     # the scores against the current rows serve step 1 and, for those rows, step 2: one product, not two (at 32k a
-    # power-law state has ~3k rows, and this product per fold was ~6% of a KVM-sqrt training step; issue #17)
+    # power-law state has ~3k rows, and this product per fold was ~6% of a KVM-sqrt training step)
     sim = matmul_acc(kb, keys_hat.transpose(-1, -2))  # (B, H, C, m)
     if n_append > 0:
         append_idx = sim.amax(dim=-1).topk(n_append, dim=-1, largest=False).indices.sort(dim=-1).values

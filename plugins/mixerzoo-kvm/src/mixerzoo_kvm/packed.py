@@ -13,7 +13,7 @@
    exactly its state's rows (no padded rows); the windows are read from chunk-aligned blocks of one padded copy
    of the keys, the same blocks the folds take, one broadcast mask when the chunks share a pattern, grouped-query
    heads folded into the query length.
-3. **Training memory** (issue #17): with ``checkpoint_chunks > 0`` each group runs under
+3. **Training memory**: with ``checkpoint_chunks > 0`` each group runs under
    ``torch.utils.checkpoint`` and is recomputed in backward from the state entering it, so autograd keeps no
    snapshot, memory row or key list, only each group's inputs. A state larger than the window is kept once per
    pair of groups: the second group makes its entering state again from the pair's anchor
@@ -91,12 +91,13 @@ class _FoldSnapshots(torch.autograd.Function):
     ``D``-expanded index on this project's CPU), into the first snapshot that holds it, which the next snapshot
     starts as a copy of; backward is the reverse running sum of the snapshots' gradients, each fold's gradient an
     ``index_select`` of it (9x faster than ``gather``): no per-snapshot copy of the folds, no fresh buffer per fold
-    (fresh allocations page-fault on this VM), and for one snapshot (a chunk's rows made inside the read) no
+    (fresh allocations page-fault: a per-snapshot copy made KVM-256 ~10% slower at 32k on CPU), and for one
+    snapshot (a chunk's rows made inside the read) no
     buffer beside the output in forward and none beside the incoming gradient in backward. The row indices are
     held by the node, not saved through autograd's saved-tensor hooks: inside a checkpointed group a saved tensor
     is a handle on the whole group's recomputation, and the last group's final state, whose backward never runs
     when the loss does not use it, would keep the group's inputs (views of every key and value) alive to the end
-    of backward (issue #17).
+    of backward.
     Shapes: ``target (B, H, F C)``, ``x`` F tensors -> ``(B, H, len(reads), R, D)``.
     Dtypes: the snapshots are in ``s0``'s (the state's sums); each ``x[f]`` is cast to it on the way in (a no-op
     when they agree, as in fp32), and each gradient is returned in its input's dtype: no kernel sees two dtypes."""
@@ -188,7 +189,7 @@ def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) ->
     (a state only grows), so padding every snapshot of a group to its largest wastes little, and of at most
     ``max_chunks`` chunks. The read builds one chunk's key list at a time, so a group's transient memory is its
     snapshots (``max_chunks`` x rows), while autograd keeps one state per group: a growing state (``power_law``
-    schedule) is not cut into smaller groups, which would keep more states (issue #17)."""
+    schedule) is not cut into smaller groups, which would keep more states."""
     groups, start = [], 0
     for i in range(1, len(rows)):
         if rows[i] > growth * rows[start] or i - start >= max_chunks:
@@ -220,10 +221,10 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         finish_q: when given, ``q`` is the projection before its norm and RoPE, and ``finish_q(q_piece,
             positions)`` (:meth:`mixerzoo.mixers.qkv.QKVProjection.finish_queries`) applies them inside each group
             of query chunks, recomputed with it in training: autograd keeps the projection only, not also the
-            encoded queries (issue #17).
+            encoded queries.
         out_proj: when given, the layer's output projection ``(B, t, H_q D) -> (B, t, d_model)``, applied to each
             group's read inside the group (so recomputed with it in training: autograd keeps the group's output
-            projected, not also the heads' reads for the projection's backward; issue #17); the call then returns
+            projected, not also the heads' reads for the projection's backward); the call then returns
             ``y (B, T, d_model)`` instead of ``o``.
 
     Returns:
@@ -244,7 +245,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     n_q = cq1 - cq0 + 1
     # With more than one query chunk the windows are read from a chunk-aligned grid of positions [gs, ge): zero
     # rows before the first key and after the last. Keys and values are written once, with that padding, so the
-    # grid is a view of them instead of a second padded copy that autograd would keep too (issue #17).
+    # grid is a view of them instead of a second padded copy that autograd would keep too.
     gs, ge = (cq0 - nb + 1) * C, (cq1 + 1) * C
     front, end = (max(kpos0 - gs, 0), ge - p1) if n_q > 1 else (0, 0)
     KP, VP = (torch.cat([t.new_zeros(B, t.shape[1], front, t.shape[3]), w.to(t.dtype), t,
@@ -302,8 +303,9 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
 
     Cq = q_pos.shape[1]
     # longer calls, longer recomputed groups: each group makes a few passes over its whole state and keeps one for
-    # backward, while its recomputed transient is a shrinking share of what a long call keeps (issue #17, session
-    # 16: groups of 8 at 32k tokens, 4-14% faster a step and a lower one-layer peak); without recomputation
+    # backward, while its recomputed transient is a shrinking share of what a long call keeps
+    # (groups of 8 at 32k tokens: 4-14% faster a step and a lower one-layer peak, measured on CPU); without
+    # recomputation
     # (checkpoint_chunks 0) groups of 16, as measured
     groups = _group_chunks(rows, max_chunks=spec.checkpoint_chunks * max(1, n_q // LONG_CALL_CHUNKS) or 16)
 
@@ -360,7 +362,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         # KP/VP cut once into chunk-aligned blocks (not sliced per group: a slice's backward is a full-size zero
         # gradient per group). The window reads and the folds take the same blocks, so each block's gradient from
         # both paths accumulates in one buffer instead of a window gradient and a fold gradient of every key and
-        # value living until the end of backward (issue #17); KP row 0 is chunk-aligned (kpos0 and gs are).
+        # value living until the end of backward; KP row 0 is chunk-aligned (kpos0 and gs are).
         blocks_k, blocks_v = (t.reshape(B * H, -1, D).to(q.dtype).split(C, dim=1) for t in (KP, VP))
         g0, f_0 = max(gs - kpos0, 0) // C, (front + lo) // C
         pieces_k, pieces_v = blocks_k[g0:], blocks_v[g0:]
@@ -431,7 +433,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         win, fold_blocks = pieces[:2 * n_win], pieces[2 * n_win:]
         n_all, n, R = len(fold_blocks) // 2, b - a, max(rows[a:b])
         if n_pre:  # the state entering the group, from the anchor and the folds between (refold: autograd keeps one
-            # state per block of groups, not one per group; issue #17)
+            # state per block of groups, not one per group)
             make, sources = fold_sources(f0, g_f[:-1], fold_blocks[:n_pre], fold_blocks[n_all:n_all + n_pre])
             s_k, s_v = rows_after(f0, n_pre, make, sources, s_k, s_v, sizes[f0 + n_pre])
             rho = radii(rho, f0, fold_blocks[n_all:n_all + n_pre])
@@ -513,10 +515,10 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     q_tokens = [end - start for start, end in (token_span(a, b) for a, b in groups)]
     # lean: pairs of groups share one anchor, the state entering the pair, from which the second group makes its
     # entering state again (refold: its folds since the anchor): autograd keeps one state per pair instead of one per
-    # group (a power-law state at 16k: 40 MiB of states a layer; issue #17). Only for states larger than the window
+    # group (a power-law state at 16k: 40 MiB of states a layer). Only for states larger than the window
     # (a fixed 256-row state is 0.5 MiB a group); larger blocks keep fewer states but make more folds again, and in
     # backward give the folds' key and value blocks their gradients earlier (they live until backward ends): pairs
-    # measured best for the one-layer peak at 4k-16k and cost the least time (docs/results/efficiency_cpu/session14)
+    # measured best for the one-layer peak at 4k-16k and cost the least time on CPU
     per_block = 2 if lean and spec.routing == "hard" and max(rows) > L else 1
     for i, ((a, b), q_piece) in enumerate(zip(groups, q.split(q_tokens, dim=2))):
         wk, wv = (pieces_k[a:b + nb - 1], pieces_v[a:b + nb - 1]) if n_q > 1 else (pieces_k, pieces_v)
@@ -524,7 +526,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
         exit_state = i % per_block == per_block - 1 or i == len(groups) - 1
         fs = slice(first[j0], first[i] + n_f[i])
         # lean: recomputed in backward from the anchor: autograd keeps no snapshot, memory row or key list, only
-        # each group's inputs (issue #17); the recomputation reuses the read's output (`reuse`)
+        # each group's inputs; the recomputation reuses the read's output (`reuse`)
         args = (a, b, first[j0], first[i] - first[j0], len(wk), exit_state, {} if lean else None, q_piece,
                 tuple(g_folds[j0:i + 1]), *carry, *wk, *wv, *fold_k[fs], *fold_v[fs])
         if lean:

@@ -2,7 +2,7 @@
 
 In training, :func:`mixerzoo_kvm.packed.kvm_packed` recomputes each group of query chunks in backward from the
 state entering it (``checkpoint_chunks``), so autograd keeps that state for every group: for a power-law state
-(KVM-sqrt) about 40 MiB a layer at 16k tokens, more than the rest of the layer keeps (issue #17). Groups in a
+(KVM-sqrt) about 40 MiB a layer at 16k tokens, more than the rest of the layer keeps. Groups in a
 block instead share one anchor, the state entering the block, and each group makes its entering state again from
 the anchor and the folds between (:func:`refold`): a few cheap row additions, in forward and in the group's
 recomputation.

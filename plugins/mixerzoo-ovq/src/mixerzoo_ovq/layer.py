@@ -45,7 +45,7 @@ class OVQState(StreamState):
         buf_k, buf_v: raw keys (unit norm) and values of the unfinished chunk, ``(B, H_kv, next_pos % L, D)``.
         log_counts: ``log(counts)``, the read's prior (eq. 15), kept beside the counts because they change only at
             merges: a decoding step would otherwise take ``n`` logs per key/value head per token (at 16k tokens
-            a twentieth of the step; issue #17). None (a state made by hand): computed from ``counts``.
+            a twentieth of the step). None (a state made by hand): computed from ``counts``.
         next_pos: tokens seen so far.
         shift: previous-token projections for the token-shift option, else None.
     """
@@ -219,8 +219,8 @@ class OVQAttention(Mixer):
             raise ValueError(f"{self.mixer_name} state holds {st.buf_k.shape[2]} buffered tokens at position {p0}, "
                              f"expected {p0 % L}: was chunk_len changed mid-sequence?")
         # training: segments of checkpoint_chunks chunks recomputed in backward, so autograd keeps one dictionary
-        # per segment instead of one [dictionary ; chunk] key list, value list and bias per chunk (issue #17,
-        # paper sec. 3.4)
+        # per segment instead of one [dictionary ; chunk] key list, value list and bias per chunk (paper
+        # sec. 3.4)
         # memo: what backward's recomputation of a segment takes from its first run instead of computing again:
         # each chunk's discrete dictionary choices (ops.update_dictionary) and read (ops.chunk_attention)
         span = L * self.checkpoint_chunks
@@ -232,7 +232,7 @@ class OVQAttention(Mixer):
             return self._output(o), self._state(carry, p0 + T, shift)
         # each segment runs the whole layer from its slice of x (projections, token shift carried, reads and
         # merges, output projection): autograd keeps x, the dictionary entering each segment and the output, not
-        # the projections, and backward's q/k/v gradients exist one segment at a time (issue #17)
+        # the projections, and backward's q/k/v gradients exist one segment at a time
         shift = optional_carry(st.shift, self.qkv.token_shift)
         y, carry = run_segments(self._layer_segment, (x,), p0, (*carry, *shift), span=span, dim=1, memo=True)
         carry, shift = carry[:N_CARRY], tuple(carry[N_CARRY:]) or None
@@ -288,7 +288,7 @@ class OVQAttention(Mixer):
         ``memo``: a dict the segment's first run fills and its recomputation in backward reads (each piece's read
         and choices), or None. ``q, k`` are the projections before :meth:`normalize_qk`, which runs here: in
         training it is recomputed with the segment, so autograd keeps the projections only, not also their
-        normalised copies (two ``(B, H, T, D)`` tensors a layer; issue #17). ``log_counts``: ``counts.log()``,
+        normalised copies (two ``(B, H, T, D)`` tensors a layer). ``log_counts``: ``counts.log()``,
         taken again after each merge only. Returns ``(o (B, H, T, D), dk, dv, counts, log_counts, buf_k,
         buf_v)``."""
         q, k = self.normalize_qk(q, k)
@@ -313,7 +313,7 @@ class OVQAttention(Mixer):
                                              decisions)
                 log_counts = counts.log()
                 # new empty tensors, not empty views: a view would keep the whole segment's keys alive in the
-                # state that autograd keeps for the next segment (issue #17)
+                # state that autograd keeps for the next segment
                 buf_k, buf_v = kc.new_empty(*kc.shape[:2], 0, kc.shape[3]), vc.new_empty(*vc.shape[:2], 0, vc.shape[3])
             else:
                 buf_k, buf_v = kc, vc

@@ -86,7 +86,7 @@ class _LeanChunkAttention(torch.autograd.Function):
     """Eq. 15 on PyTorch's CPU flash-attention kernels as two calls whose softmaxes are merged by their
     log-sum-exps: the queries against the dictionary (no causal structure; the log-prior is a mask broadcast over
     the queries, never materialised) and against the chunk's own keys (the kernel's causal mode). Nothing of size
-    ``[D ; chunk]`` is built, in forward or backward (issue #17: the concatenated keys, values and the
+    ``[D ; chunk]`` is built, in forward or backward (the concatenated keys, values and the
     ``queries x (n + L)`` prior/causal mask were rebuilt for every chunk three times a step). Backward runs each
     part's flash backward with the *merged* output and log-sum-exp, which gives each part's exact gradients
     (``P = exp(S - lse)`` and ``rowsum(dO * O)`` are those of the whole softmax). Keeps for backward only the
@@ -175,7 +175,7 @@ def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_cou
         reuse: for a call in a segment that backward recomputes (:func:`mixerzoo.mixers.segments.run_segments`'
             ``memo``): an empty dict keeps the read's output and log-sum-exp, and the recomputation, given the same
             dict, takes them instead of running the two flash calls again (backward needs exactly those two; the
-            CPU flash path only, where a training step otherwise ran every forward read twice: issue #17).
+            CPU flash path only, where a training step otherwise ran every forward read twice).
 
     Returns:
         ``(B, H, Lq, D)``.
@@ -229,7 +229,7 @@ class _MergeChunk(torch.autograd.Function):
     ``dL/dB_r = (1 - S_r) g_r`` and ``dL/dx_i = eta_i g_{a_i}`` (plus ``dL/dB`` of the rows ``x_i`` became):
     one dictionary-sized product. Autograd's version of the same forward (concatenation, gathers, in-place
     scatter-add) ran five dictionary-sized operations per chunk in backward, about a fifth of an OVQ training
-    step at 16k (issue #17, ``docs/results/efficiency_cpu/session10``). Keeps only the choices and rates."""
+    step at 16k. Keeps only the choices and rates."""
 
     @staticmethod
     def forward(ctx, dk, dv, kc, vc, new_pos, assign, eta):
@@ -301,7 +301,7 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
         decisions: a dict to keep the discrete choices of steps 1-3 in (``new_pos``, ``is_new``, ``assign``):
             filled when empty, reused when not. A training step recomputes each segment in backward from the same
             inputs, so the recomputation reuses the forward's choices instead of scoring every chunk key against
-            the dictionary again (a ``L x n`` product per chunk; issue #17).
+            the dictionary again (a ``L x n`` product per chunk).
 
     Returns:
         ``dk, dv`` of shape ``(B, H_kv, n + n_new, D)`` and ``counts`` ``(B, H_kv, n + n_new)``.

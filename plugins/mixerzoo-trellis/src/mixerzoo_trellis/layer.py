@@ -103,7 +103,7 @@ class Trellis(Mixer):
             ``u`` and ``w``); default False (differentiate through it).
         short_conv, conv_size: causal depthwise convolution on q and k (default on, width 4).
         qk_norm: per-head ``rms``/``layernorm`` on q and k before the convolution (default none).
-        write_norm: ``"l2"`` (default since session 4) divides the written vectors ``k`` and ``v`` by their L2
+        write_norm: ``"l2"`` (the default) divides the written vectors ``k`` and ``v`` by their L2
             norm (after the convolution), as DeltaNet/GDN do for keys; ``none`` is the paper-literal form (the
             spec has no such normalisation), which overflows when a trained model reads past its training length
             (docs/mechanisms/trellis.md, "Stability of the inner step"). The
@@ -196,7 +196,7 @@ class Trellis(Mixer):
             y, *memory, conv_cache = self._layer(x, pos, *memory, conv_cache)
         else:
             # one pass, or in training segments recomputed in backward, each running the whole layer from its
-            # slice of x (issue #17): autograd keeps x, the memory entering each segment and the output, not the
+            # slice of x: autograd keeps x, the memory entering each segment and the output, not the
             # projections, their convolved and unit copies, the reads or the output path's intermediates; and
             # backward's gradients of q, k, v and a exist one segment at a time, not for the whole sequence
             y, (*memory, conv_cache) = run_segments(self._layer, (x,), pos, (*memory, conv_cache),

@@ -123,7 +123,7 @@ class _SiluResidualGrad(torch.autograd.Function):
     (:func:`inner_grad` for ``phi = silu``), with its backward written out: ``du/dz = SiLU''(z) (phi - a) + p^2``
     with ``SiLU''(z) = s (1 - s) (2 + z (1 - 2 s))``, and ``du/da = -p``. One autograd node instead of eight: the
     chunk scan runs it once per chunk on ``(C, m)`` tensors, where the engine's per-node cost outweighed the
-    arithmetic (issue #17: elementwise products were a quarter of a Trellis training step at 8k).
+    arithmetic (elementwise products were a quarter of a Trellis training step at 8k).
 
     Dtypes are explicit at the boundary: the node computes in ``z``'s dtype (the memory's: fp32, or float64), ``a``
     is cast to it, and each gradient comes back in its input's own dtype, whatever autocast does around it."""
