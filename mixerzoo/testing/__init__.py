@@ -15,10 +15,36 @@ trained with ``activation_checkpointing`` does, and compares output and gradient
 
 bf16: :func:`check_autocast_bf16` runs on every machine (CPU autocast, and CUDA autocast where available): one
 pass under ``torch.autocast(dtype=torch.bfloat16)`` against the fp32 pass, continuation and token-by-token decode
-against the bf16 one pass, and finite gradients. Its tolerance is ``bf16_atol + bf16_rtol * max|reference|``
-(default ``5e-2`` each; bf16 keeps 8 bits of mantissa, so a chunked and a token-by-token order differ by a few
-units in the last place over a long sum); a mixer whose state accumulates many terms states its own. The pure
-bf16 CUDA check (weights cast to bf16, run only when CUDA is available) uses ``atol=rtol=3e-2``.
+against the bf16 one pass, and finite gradients. :func:`check_bf16_weights` does the same with weights and inputs
+cast to bf16 (on the CPU, and on CUDA where available). Continuation and decode against the bf16 one pass use
+``bf16_atol + bf16_rtol * max|reference|`` (default ``5e-2`` each: a chunked and a token-by-token order differ by a
+few units in the last place over a long sum).
+
+bf16 against fp32, the error model. bf16 keeps 8 significant bits, so rounding to nearest errs by at most the unit
+roundoff ``u = 2^-8 ~ 3.9e-3`` relative to the value rounded. Under autocast a mixer rounds to bf16 the inputs and
+outputs of its matmuls (x and the projection weights, q/k/v, the scores, the attention weights, the read, the
+output projection's input, weight and output): ``k ~ 11`` roundings on the path of an attention-like mixer,
+taken as ``k = 16`` (:data:`BF16_ROUNDINGS`); with bf16 weights every op rounds (norms, RoPE, gates, elementwise
+updates), ``k = 32`` (:data:`BF16_WEIGHTS_ROUNDINGS`). Each rounding moves the output by at most ``u`` times the
+scale of the quantity rounded, which on the way to ``y`` is at most the fp32 output's scale ``s = max |y_fp32|``;
+rounding errors are independent with mean 0 and, uniform in ``[-u, u]``, standard deviation ``u / sqrt(3)``, so
+an output element computed through ``k`` roundings errs by about ``sqrt(k / 3) * u * s`` (``sqrt(k) * u`` in the
+rms sense). The check compares ``N`` elements and takes the largest difference; a Gaussian tail puts it below
+``z * sqrt(k / 3) * u * s`` with ``z = sqrt(2 ln(N / p))`` except with probability about ``p = 1e-6``. Hence
+:func:`bf16_tolerance`: ``tol = sqrt(2 ln(N / 1e-6)) * sqrt(k / 3) * 2^-8 * max |y_fp32|``; for ``N = 1536``
+(2 x 48 x 16) and ``k = 16`` that is ``15.2 u s ~ 0.059 s``, for ``k = 32`` ``21.5 u s``. No absolute term: the
+tolerance scales with the output. (Measured on the bundled mixers' conformance runs: at most ``5.7 u s`` under
+autocast and ``5.0 u s`` with bf16 weights; a running sum kept in bf16 gives ``22.5 u s`` in
+``tests/test_conformance_bf16.py``.) Outside the model: a mixer whose output is the difference of large
+intermediates (cancellation) errs more than ``u`` times the output's scale per rounding; it states a larger ``k``.
+
+Discrete decisions (KVM's routing, OVQ's new centroids and nearest centroid, VQ's codeword, TOVA's eviction) go
+through :func:`mixerzoo.testing.decisions.decision`. A near tie that bf16 reorders sends bf16 and fp32 down
+different branches, a difference the model above does not describe; so the fp32 pass is run *given the bf16
+pass's decisions* (recorded, then replayed), and the two then differ by rounding alone. The replay counts the
+choices fp32 would have made otherwise; rounding can only reorder near ties, so if more than half of them differ
+the bf16 pass is choosing by another rule and the check fails. The float64 check replays the fp32 pass's
+decisions likewise.
 """
 
 from __future__ import annotations
@@ -26,6 +52,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 from typing import Any, Callable, Iterable
 
 import torch
@@ -34,12 +61,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..protocol import state_nbytes, state_tensors
+from . import decisions
+from .decisions import DecisionMismatch
 
 __all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
            "check_state", "check_cuda_bf16", "check_autocast_bf16", "check_recomputation",
            "check_activation_checkpointing", "check_cuda_autocast_emulated", "check_float64", "check_bf16_weights", "run_conformance",
            "decode_stepwise", "OperatorCalls",
-           "FP32_ATOL", "FP32_RTOL", "AUTOCAST_BF16_ATOL", "AUTOCAST_BF16_RTOL"]
+           "FP32_ATOL", "FP32_RTOL", "AUTOCAST_BF16_ATOL", "AUTOCAST_BF16_RTOL", "BF16_UNIT_ROUNDOFF",
+           "BF16_ROUNDINGS", "BF16_WEIGHTS_ROUNDINGS", "bf16_tolerance", "decisions"]
 
 FP32_ATOL = 1e-4
 FP32_RTOL = 1e-4
@@ -47,6 +77,18 @@ BF16_ATOL = 3e-2
 BF16_RTOL = 3e-2
 AUTOCAST_BF16_ATOL = 5e-2
 AUTOCAST_BF16_RTOL = 5e-2
+BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bf16 keeps 8 significant bits: round to nearest errs by at most 2^-8 relative
+BF16_ROUNDINGS = 16  # bf16 roundings on a mixer's path under autocast (module docstring, "bf16 against fp32")
+BF16_WEIGHTS_ROUNDINGS = 32  # with bf16 weights every op rounds (norms, elementwise ops, the state's reads too)
+BF16_MISS_PROBABILITY = 1e-6  # the chance the bf16 tolerance accepts of a correct mixer's error exceeding it
+
+
+def bf16_tolerance(scale: float, n_elements: int, roundings: int = BF16_ROUNDINGS) -> float:
+    """The largest difference bf16 rounding explains between a bf16 and an fp32 pass that took the same decisions:
+    ``sqrt(2 ln(N / p)) * sqrt(k / 3) * u * scale`` with ``u = 2^-8``, ``k = roundings``, ``N = n_elements``
+    compared and ``p = 1e-6`` (the module docstring derives it). ``scale``: ``max |y_fp32|``."""
+    z = math.sqrt(2.0 * math.log(max(n_elements, 1) / BF16_MISS_PROBABILITY))
+    return z * math.sqrt(roundings / 3.0) * BF16_UNIT_ROUNDOFF * scale
 
 
 class ConformanceError(AssertionError):
@@ -74,6 +116,43 @@ def _compare(ref: torch.Tensor, out: torch.Tensor, atol: float, rtol: float) -> 
     bad_t = (diff > tol).any(dim=2).any(dim=0) if diff.dim() == 3 else (diff > tol).flatten()  # per time step
     first = int(bad_t.nonzero()[0, 0]) if bool(bad_t.any()) else -1
     return first < 0, float(diff.max()), first
+
+
+def _given_same_decisions(low: Callable[[], Any], ref: Callable[[], Any], check: str
+                          ) -> tuple[Any, Any, decisions.Replay]:
+    """``low()`` with its :func:`~mixerzoo.testing.decisions.decision` calls recorded, then ``ref()`` taking those
+    choices (the lower precision's branches, so the two differ by rounding alone). Returns both outputs and what the
+    replay saw (how many of ``ref``'s own choices would have differed)."""
+    with decisions.record() as taken:
+        y_low = low()
+    try:
+        with decisions.replay(taken) as seen:
+            y_ref = ref()
+    except DecisionMismatch as e:
+        raise ConformanceError(f"{check}: the two precisions made different kinds of decisions ({e}); a decision "
+                               f"must be taken at the same point whatever the dtype") from None
+    return y_low, y_ref, seen
+
+
+def _compare_given_decisions(check: str, what: str, ref: torch.Tensor, out: torch.Tensor, roundings: int,
+                             seen: decisions.Replay) -> None:
+    """``out`` against ``ref`` within :func:`bf16_tolerance` of ``max |ref|``; the message names the first position,
+    the difference in units of the tolerance's ``u * scale`` and how many decisions were replayed."""
+    if seen.choices and 2 * seen.differ > seen.choices:
+        raise ConformanceError(f"{check}: {seen.differ} of {seen.choices} discrete choices differ from what fp32 "
+                               f"chooses given the same earlier choices (first in {seen.first_differ}); rounding "
+                               f"reorders near ties only, so the bf16 pass decides by another rule")
+    scale = ref.float().abs().max().item()
+    tol = bf16_tolerance(scale, ref.numel(), roundings)
+    ok, err, first = _compare(ref, out, tol, 0.0)
+    if not ok:
+        replayed = (f"; {seen.differ} of {seen.choices} choices in {seen.decisions} decisions replayed from the "
+                    f"bf16 pass" if seen.decisions else "")
+        raise ConformanceError(f"{check}: {what} differs from fp32 from position {first} on: max abs diff {err:.3g} "
+                               f"= {err / (BF16_UNIT_ROUNDOFF * max(scale, 1e-30)):.1f} u * max|y_fp32|, over the "
+                               f"{tol:.3g} that {roundings} bf16 roundings explain{replayed}. Keep states and running "
+                               f"statistics in fp32 (sums, counts, normalisers), and softmax/normalisation inputs in "
+                               f"fp32")
 
 
 def _call(mixer: nn.Module, x: torch.Tensor, state: Any = None):
@@ -295,12 +374,15 @@ def check_state(mixer: nn.Module, d_model: int, lengths: Iterable[int] = (8, 32)
 
 
 def check_bf16_weights(factory: Callable[[], nn.Module], d_model: int, seq_len: int = 64, batch: int = 2,
-                       seed: int = 0, device: str = "cpu", against_fp32: bool = True) -> None:
-    """Weights and inputs in bf16 (Lightning's ``precision: bf16-true``): the one pass stays close to the fp32 CPU
-    pass (``atol=3e-2``, ``rtol=0.3``) and a backward gives finite gradients. On the CPU every op runs under the
+                       seed: int = 0, device: str = "cpu", against_fp32: bool = True,
+                       roundings: int = BF16_WEIGHTS_ROUNDINGS) -> None:
+    """Weights and inputs in bf16 (Lightning's ``precision: bf16-true``): the one pass stays within
+    :func:`bf16_tolerance` of ``roundings`` of the fp32 CPU pass given the bf16 pass's decisions (see
+    :func:`check_autocast_bf16`), and a backward gives finite gradients. On the CPU every op runs under the
     mixed-dtype check of :mod:`mixerzoo.testing.cuda_autocast`, so an internal fp32 tensor meeting a bf16 weight in
     an op a CUDA kernel refuses (a convolution, a LayerNorm) fails here as it would on a GPU. ``against_fp32=False``
-    skips the comparison with fp32 for mixers with discrete decisions (see :func:`check_autocast_bf16`).
+    skips the comparison with fp32 (for a mixer whose decisions do not go through
+    :func:`~mixerzoo.testing.decisions.decision`).
 
     Raises:
         ConformanceError: names the op and line, the first position that differs, or the parameter.
@@ -316,49 +398,54 @@ def check_bf16_weights(factory: Callable[[], nn.Module], d_model: int, seq_len: 
     try:
         with emulate_cuda_autocast() if device == "cpu" else contextlib.nullcontext():
             with torch.no_grad():
-                y_ref, _ = _call(cpu, x)
-                y, _ = _call(low, x.to(device=device, dtype=torch.bfloat16))
+                (y, _), (y_ref, _), seen = _given_same_decisions(
+                    lambda: _call(low, x.to(device=device, dtype=torch.bfloat16)), lambda: _call(cpu, x),
+                    "bf16-weights")
             low.train()
             out, _ = _call(low, x.to(device=device, dtype=torch.bfloat16).requires_grad_(True))
             out.float().sum().backward()
     except MixedDtypeError as e:
         raise ConformanceError(f"bf16-weights: {e}") from e
-    ok, err, first = _compare(y_ref, y.cpu(), BF16_ATOL, BF16_RTOL * 10) if against_fp32 else (True, 0.0, -1)
-    if not ok:
-        raise ConformanceError(f"bf16-weights: bf16 on {device} differs from fp32 on CPU at position {first}: max "
-                               f"abs diff {err:.3g}")
+    if against_fp32:
+        _compare_given_decisions("bf16-weights", f"bf16 on {device}", y_ref, y.cpu(), roundings, seen)
     for name, p in low.named_parameters():
         if p.grad is not None and not torch.isfinite(p.grad).all():
             raise ConformanceError(f"bf16-weights: parameter {name!r} has a non-finite gradient with bf16 weights")
 
 
 def check_cuda_bf16(factory: Callable[[], nn.Module], d_model: int, seq_len: int = 64, batch: int = 2,
-                    seed: int = 0) -> bool:
+                    seed: int = 0, roundings: int = BF16_WEIGHTS_ROUNDINGS) -> bool:
     """:func:`check_bf16_weights` on CUDA. Returns False (skipped) without CUDA."""
     if not torch.cuda.is_available():
         return False
-    check_bf16_weights(factory, d_model, seq_len, batch, seed, device="cuda")
+    check_bf16_weights(factory, d_model, seq_len, batch, seed, device="cuda", roundings=roundings)
     return True
 
 
 def check_autocast_bf16(mixer: nn.Module, d_model: int, seq_len: int = 48, split: int | None = None,
                         batch: int = 2, seed: int = 0, device: str = "cpu", atol: float = AUTOCAST_BF16_ATOL,
-                        rtol: float = AUTOCAST_BF16_RTOL, against_fp32: bool = True) -> None:
+                        rtol: float = AUTOCAST_BF16_RTOL, against_fp32: bool = True,
+                        roundings: int = BF16_ROUNDINGS) -> None:
     """The protocol under bf16 autocast (mixed precision as Lightning's ``precision: bf16-mixed`` runs it).
 
-    1. One pass under autocast equals the fp32 pass within the bf16 tolerance (a state or running statistic
-       kept in bf16 where it must stay fp32 shows up here, growing along the sequence).
+    1. One pass under autocast equals the fp32 pass *given the bf16 pass's decisions* within
+       :func:`bf16_tolerance` of ``roundings`` (a state or running statistic kept in bf16 where it must stay fp32
+       shows up here, growing along the sequence). A mixer that makes discrete decisions from scores (TOVA's
+       eviction, KVM's winner-take-all routing, OVQ's nearest-centroid assignment) takes a different branch when
+       bf16 rounding reorders two close scores; it passes each choice through
+       :func:`mixerzoo.testing.decisions.decision`, and the fp32 pass here replays the bf16 pass's choices, so the
+       difference is rounding alone (module docstring, "bf16 against fp32").
     2. Continuation at ``split`` and token-by-token decode under autocast equal the autocast one pass.
     3. The state after the autocast pass has only finite tensors, and training under autocast gives finite
        gradients to every parameter that gets one.
 
     Args:
         mixer: in fp32 (its weights stay fp32, as with autocast). device: ``cpu`` or ``cuda``.
-        atol, rtol: the bf16 tolerance (see the module docstring).
-        against_fp32: do step 1. A mixer that makes discrete decisions from scores (TOVA's eviction, KVM's
-            winner-take-all routing, OVQ's nearest-centroid assignment) takes a different branch when bf16
-            rounding reorders two close scores, so its bf16 and fp32 outputs part by design past that token;
-            such a mixer turns step 1 off and keeps steps 2-3, which must hold exactly as in fp32.
+        atol, rtol: the tolerance of step 2 (bf16 against bf16 computed in another order).
+        against_fp32: do step 1 (False skips it: for a third-party mixer whose decisions do not go through
+            :func:`~mixerzoo.testing.decisions.decision`; every bundled mixer does step 1).
+        roundings: ``k`` of the error model, the bf16 roundings on the mixer's path (default
+            :data:`BF16_ROUNDINGS`).
 
     Raises:
         ConformanceError: names the step, the first position and the difference.
@@ -369,18 +456,18 @@ def check_autocast_bf16(mixer: nn.Module, d_model: int, seq_len: int = 48, split
     autocast = lambda: torch.autocast(device_type=device, dtype=torch.bfloat16)  # noqa: E731
     was_training = mixer.training
     mixer.eval()
-    with torch.no_grad():
-        y32, _ = _call(mixer, x)
+    def bf16_pass():
         with autocast():
-            y16, state = _call(mixer, x)
+            return _call(mixer, x)
+
+    with torch.no_grad():
+        (y16, state), (y32, _), seen = _given_same_decisions(bf16_pass, lambda: _call(mixer, x), "autocast-bf16")
+        with autocast():
             y1, s = _call(mixer, x[:, :split])
             y2, _ = _call(mixer, x[:, split:], s)
             stepped, _ = decode_stepwise(lambda xt, st: _call(mixer, xt, st), x)
-    ok, err, first = _compare(y32, y16, atol, rtol) if against_fp32 else (True, 0.0, -1)
-    if not ok:
-        raise ConformanceError(f"autocast-bf16: the bf16 pass differs from fp32 from position {first} on (max abs "
-                               f"diff {err:.3g}). Keep states and running statistics in fp32 (sums, counts, "
-                               f"normalisers), and softmax/normalisation inputs in fp32")
+    if against_fp32:
+        _compare_given_decisions("autocast-bf16", "the bf16 pass", y32, y16, roundings, seen)
     bad = [t for t in state_tensors(state) if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise ConformanceError("autocast-bf16: the state after a bf16 pass holds non-finite values")
@@ -462,10 +549,10 @@ def check_float64(mixer: nn.Module, d_model: int, seq_len: int = 48, split: int 
     mixer.eval()
     try:
         with torch.no_grad():
-            y32, _ = _call(mixer, x)
-            mixer.double()
             x64 = x.double()
-            y, state = _call(mixer, x64)
+            # float64 takes the fp32 pass's decisions (a near tie may go the other way; see check_autocast_bf16)
+            (y32, _), (y, state), _ = _given_same_decisions(lambda: _call(mixer, x),
+                                                            lambda: _call(mixer.double(), x64), "float64")
             y1, s = _call(mixer, x64[:, :split])
             y2, s = _call(mixer, x64[:, split:], s)
         for what, t in (("one pass", y), ("continuation", y2)):
@@ -510,10 +597,14 @@ def run_conformance(factory: Callable[[], nn.Module], d_model: int, seq_len: int
                     splits: Iterable[int] = (1, 7, 16, 33), decode_len: int | None = None, seed: int = 0,
                     allow_zero_grad: Iterable[str] = (), atol: float = FP32_ATOL, rtol: float = FP32_RTOL,
                     bf16_atol: float = AUTOCAST_BF16_ATOL, bf16_rtol: float = AUTOCAST_BF16_RTOL,
-                    bf16_against_fp32: bool = True) -> ConformanceReport:
+                    bf16_against_fp32: bool = True, bf16_roundings: int = BF16_ROUNDINGS,
+                    bf16_weights_roundings: int = BF16_WEIGHTS_ROUNDINGS) -> ConformanceReport:
     """Run every check on a fresh mixer from ``factory``: fp32 CPU, bf16 autocast on CPU (and on CUDA when
-    available, with the pure-bf16 CUDA check too). ``bf16_atol``/``bf16_rtol``: the mixer's bf16 tolerance;
-    ``bf16_against_fp32=False`` for mixers with discrete decisions (see :func:`check_autocast_bf16`).
+    available, with the pure-bf16 CUDA check too). ``bf16_atol``/``bf16_rtol``: the tolerance of bf16 continuation
+    and decode against the bf16 one pass; ``bf16_roundings``, ``bf16_weights_roundings``: ``k`` of the error model
+    for the bf16 passes against fp32 under autocast and with bf16 weights (module docstring).
+    ``bf16_against_fp32=False`` skips the comparisons across precisions, for a mixer whose discrete decisions do
+    not go through :func:`mixerzoo.testing.decisions.decision` (see :func:`check_autocast_bf16`).
 
     Raises:
         ConformanceError: the first check that fails, with a message naming it.
@@ -542,17 +633,18 @@ def run_conformance(factory: Callable[[], nn.Module], d_model: int, seq_len: int
               "activation-checkpointing"]
     mixer.zero_grad(set_to_none=True)
     named("autocast-bf16", check_autocast_bf16, mixer, d_model, seq_len, seed=seed, atol=bf16_atol, rtol=bf16_rtol,
-          against_fp32=bf16_against_fp32)
+          against_fp32=bf16_against_fp32, roundings=bf16_roundings)
     checks.append("autocast-bf16")
     named("cuda-autocast", check_cuda_autocast_emulated, mixer, d_model, seq_len, seed=seed)
     named("float64", check_float64, mixer, d_model, seq_len, seed=seed, atol=atol, rtol=rtol,
           against_fp32=bf16_against_fp32)
-    named("bf16-weights", check_bf16_weights, factory, d_model, seq_len, against_fp32=bf16_against_fp32)
+    named("bf16-weights", check_bf16_weights, factory, d_model, seq_len, against_fp32=bf16_against_fp32,
+          roundings=bf16_weights_roundings)
     checks += ["cuda-autocast", "float64", "bf16-weights"]
     if torch.cuda.is_available():
         named("autocast-bf16", check_autocast_bf16, mixer, d_model, seq_len, seed=seed, device="cuda",
-              atol=bf16_atol, rtol=bf16_rtol, against_fp32=bf16_against_fp32)
+              atol=bf16_atol, rtol=bf16_rtol, against_fp32=bf16_against_fp32, roundings=bf16_roundings)
         checks.append("autocast-bf16-cuda")
-    if named("cuda-bf16", check_cuda_bf16, factory, d_model, seq_len):
+    if named("cuda-bf16", check_cuda_bf16, factory, d_model, seq_len, roundings=bf16_weights_roundings):
         checks.append("cuda-bf16")
     return ConformanceReport(checks, sizes)

@@ -91,8 +91,7 @@ def test_chunked_form_equals_attention_over_quantized_keys(name, use_reference):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_conformance(name):
-    report = run_conformance(lambda: make(name), d_model=D_MODEL, seq_len=40, splits=(1, 7, 13, 33),
-                             bf16_against_fp32=False)
+    report = run_conformance(lambda: make(name), d_model=D_MODEL, seq_len=40, splits=(1, 7, 13, 33))
     m = make(name)
     state = m(torch.randn(1, 3 * m.chunk_len, D_MODEL))[1]
     assert state.dv.shape[2] == state.counts.shape[2] == m.codebook.shape[1]   # N rows from the start

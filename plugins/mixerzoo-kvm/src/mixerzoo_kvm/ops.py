@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.mixers.reductions import max_last
+from mixerzoo.testing.decisions import decision
 
 __all__ = ["KVMSpec", "KVMParams", "accum_dtype", "matmul_acc", "layer_norm_s", "memory_keys", "memory_queries", "joint_queries",
            "joint_keys", "merge_gate", "read_values", "state_budget", "Routing", "route_overflow", "fold", "keep_from"]
@@ -275,6 +276,7 @@ def route_overflow(keys_hat: torch.Tensor, kbar: torch.Tensor, append_rows: torc
         append_idx = sim.amax(dim=-1).topk(n_append, dim=-1, largest=False).indices.sort(dim=-1).values
     else:
         append_idx = torch.zeros(B, H, 0, dtype=torch.long, device=kbar.device)
+    append_idx = decision("kvm.append", append_idx)  # the conformance kit replays choices across precisions
     appended = torch.zeros(B, H, C, dtype=torch.bool, device=kbar.device).scatter(-1, append_idx, True)
     new_rows = torch.gather(append_rows, 2, append_idx[..., None].expand(-1, -1, -1, D))
     m_grown = m + n_append
@@ -287,13 +289,13 @@ def route_overflow(keys_hat: torch.Tensor, kbar: torch.Tensor, append_rows: torc
     own_rows = (m + torch.arange(n_append, device=kbar.device)).expand(B, H, n_append)
     if soft:
         logits = torch.cat([sim, sim_new], dim=-1)  # (B, H, C, m')
-        target = logits.argmax(dim=-1).scatter(-1, append_idx, own_rows)
+        target = decision("kvm.merge", logits.argmax(dim=-1).scatter(-1, append_idx, own_rows))
         probs = (logits / math.sqrt(D)).softmax(dim=-1)
         probs = torch.where(appended[..., None], F.one_hot(target, m_grown).to(probs.dtype), probs)
         return Routing(append_idx=append_idx, appended=appended, target=target, probs=probs)
     # argmax over [current rows ; appended rows] without concatenating them: the first maximum, as argmax's
-    target = _first_argmax(sim, sim_new, m)
-    return Routing(append_idx=append_idx, appended=appended, target=target.scatter(-1, append_idx, own_rows))
+    target = decision("kvm.merge", _first_argmax(sim, sim_new, m).scatter(-1, append_idx, own_rows))
+    return Routing(append_idx=append_idx, appended=appended, target=target)
 
 
 def _first_argmax(a: torch.Tensor, b: torch.Tensor, offset: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from mixerzoo.mixers.reductions import max_last
 from mixerzoo.mixers.rows import flat_rows, take_rows
+from mixerzoo.testing.decisions import decision
 
 __all__ = ["accumulation_dtype", "chunk_attention", "update_dictionary", "new_centroid_count", "random_scores",
            "vq_merge"]
@@ -211,12 +212,13 @@ def _choices(dk: torch.Tensor, kc: torch.Tensor, n_new: int, scores: torch.Tenso
     if scores is not None:
         score = scores.to(score.dtype).expand(B, Hkv, L)
     new_pos = score.topk(n_new, dim=-1, largest=False).indices.sort(dim=-1).values  # (B, Hkv, n_new)
+    new_pos = decision("ovq.new_centroids", new_pos)  # the conformance kit replays choices across precisions
     is_new = torch.zeros(B, Hkv, L, dtype=torch.bool, device=kc.device).scatter(-1, new_pos, True)
     rank = is_new.long().cumsum(-1) - 1
     if n == 0:                                                               # nearest new centroid
         pos_d = new_pos[..., None].expand(B, Hkv, n_new, D)
         best = (kc @ kc.gather(2, pos_d).transpose(-1, -2)).argmax(dim=-1)
-    return new_pos, is_new, torch.where(is_new, n + rank, best)
+    return new_pos, is_new, torch.where(is_new, n + rank, decision("ovq.nearest", best))
 
 
 class _MergeChunk(torch.autograd.Function):

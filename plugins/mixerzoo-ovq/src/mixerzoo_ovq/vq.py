@@ -29,6 +29,7 @@ from torch import nn
 
 from mixerzoo.mixers.qkv import StreamState
 from mixerzoo.mixers.reductions import max_last
+from mixerzoo.testing.decisions import decision
 
 from . import ops, reference
 from .layer import OVQAttention, state_log_counts
@@ -69,6 +70,7 @@ def quantize_keys(k: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor
     """
     with torch.no_grad():
         index = max_last(torch.einsum("bhtd,hnd->bhtn", k, codebook.to(k.dtype)))[1]  # argmax, vectorised
+        index = decision("vq.nearest", index)  # the conformance kit replays choices across precisions
     B, Hkv, T, D = k.shape
     picked = codebook.to(k.dtype)[None].expand(B, Hkv, -1, D).gather(2, index[..., None].expand(B, Hkv, T, D))
     return picked + (k - k.detach()), index
@@ -151,7 +153,7 @@ class VQAttention(OVQAttention):
         """Add the complete chunk's values to their codewords' running means (eq. 7-10); the codebook stays
         (``decisions`` is not needed: finding each key's codeword is one product, kept as it is)."""
         merge = reference.vq_merge_reference if self.use_reference else ops.vq_merge
-        index = max_last(kc @ dk.transpose(-1, -2))[1]  # kc are codewords: recovers each key's codeword
+        index = decision("vq.codeword", max_last(kc @ dk.transpose(-1, -2))[1])  # kc are codewords: recovers each key's codeword
         dv, counts = merge(dv, counts, index, vc)
         return dk, dv, counts
 

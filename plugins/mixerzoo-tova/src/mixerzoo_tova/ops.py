@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mixerzoo.mixers.qkv import StreamState
+from mixerzoo.testing.decisions import decision
 
 from .policies import EvictionPolicy, accumulation_dtype
 
@@ -158,6 +159,7 @@ def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         n_evict = S - policy.multi_state
         # ascending stable sort: the lowest priorities go, ties evict the oldest first (argmin in algorithm 1)
         keep = prio.sort(dim=-1, stable=True).indices[..., n_evict:].sort(dim=-1).values  # (B, G, k)
+        keep = decision("tova.keep", keep)  # the conformance kit replays choices across precisions
         K, V, pos = _gather(K, keep), _gather(V, keep), torch.gather(pos, 2, keep)
         acc = torch.gather(acc, 2, keep) if acc is not None else None
     return o, EvictionCache(k=K, v=V, pos=pos, acc=acc, next_pos=cache.next_pos + C, shift=cache.shift)
