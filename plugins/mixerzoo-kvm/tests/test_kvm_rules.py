@@ -216,3 +216,67 @@ def test_group_chunks_ends_groups_at_max_chunks_and_state_growth():
     assert _group_chunks([4] * 6, max_chunks=4) == [(0, 4), (4, 6)]
     assert _group_chunks([4, 4, 5, 6, 7], max_chunks=8) == [(0, 3), (3, 5)]  # 6 > 1.25 x 4
     assert _group_chunks([1300, 1330, 1360, 1390, 1420], max_chunks=4) == [(0, 4), (4, 5)]  # a slowly growing state
+
+
+# --------------------------------------------------------------------------------------------------------
+# The mean readout ablation (spec: values ``s_v / count``, the plain mean of the values summed into a row), on the
+# hand-checked example without the merge gate, written out from the paper's equations (no code of ops.py):
+# the fold routes as above (t0, t1 -> row 1; t2 appended as row 4; t3 -> row 2), every row starts with count 1.
+# --------------------------------------------------------------------------------------------------------
+MEAN_S_K = [[1, 0, 0, 0], [0.9, 3.1, 0, 0], [0, 0, 1.5, 0.2], [0, 0, 0, 1], [0, 0, -1, -1]]  # e_i + merged keys
+MEAN_S_V = [[1.0, 1, 0, 0], [1, 3, 0, 0], [0, 0, 4, 1], [0, 0, 0, 4], [2, 2, 2, 2]]         # values summed, ungated
+MEAN_COUNT = [1, 3, 2, 1, 1]                                                             # tokens in each row
+
+
+@pytest.mark.parametrize("impl", [kvm_chunk_loop, kvm_packed, kvm_step])
+def test_mean_readout_is_the_mean_of_the_merged_values(impl):
+    layer = KVMAttention(4, n_heads=1, head_dim=4, chunk_len=4, n_bswa_chunks=1, positional="nope", qk_norm=None,
+                         schedule={"name": "fixed", "size": 5}, value_norm="mean", merge_gate=False)
+    layer.ln_s = nn.Identity()
+    state = KVMState(s_k=S_K[None, None], s_v=S_V[None, None], rho=S_V.norm(dim=-1)[None, None],
+                     count=torch.ones(1, 1, 4), win_k=K_O[None, None], win_v=V_O[None, None], win_g=None, next_pos=8)
+    q = torch.tensor([[[[0.0, 1, 1, 0]]]])  # position 8: chunk 2 starts, chunk 1 is folded, then q attends
+    k_new = torch.tensor([[[[1.0, 0, 0, 1]]]])
+    v_new = torch.tensor([[[[0.0, 0, 5, 0]]]])
+    with torch.no_grad():
+        o, state = impl(layer.spec, layer.params, q, k_new, v_new, None, state)
+    torch.testing.assert_close(state.s_k[0, 0], torch.tensor(MEAN_S_K))
+    torch.testing.assert_close(state.s_v[0, 0], torch.tensor(MEAN_S_V))
+    torch.testing.assert_close(state.count[0, 0], torch.tensor(MEAN_COUNT, dtype=torch.float32))
+    # readout by hand: row i's value is s_v_i / count_i, e.g. row 1 = [1, 3, 0, 0] / 3; keys LN_s(s_k) = s_k here
+    values = [[a / n for a in row] for row, n in zip(MEAN_S_V, MEAN_COUNT)] + [[0.0, 0, 5, 0]]
+    keys = MEAN_S_K + [[1.0, 0, 0, 1]]
+    logits = [sum(a * b for a, b in zip(key, [0.0, 1, 1, 0])) / 2.0 for key in keys]  # scale 1 / sqrt(4)
+    weights = [math.exp(z) for z in logits]
+    want = [sum(w * val[d] for w, val in zip(weights, values)) / sum(weights) for d in range(4)]
+    torch.testing.assert_close(o[0, 0, 0], torch.tensor(want))
+
+
+@pytest.mark.parametrize("impl", [kvm_chunk_loop, kvm_packed, kvm_step])
+def test_appended_rows_are_the_least_redundant_tokens(impl):
+    """Section 4, "Append": ``s_j = max_i k_bar_j . LN_s(s_k)_i`` over the current rows, and the ``n_append`` tokens
+    with the smallest ``s_j`` become rows ``m, m+1, ...`` in chunk order, each with radius ``||v_j||`` (fixed at
+    creation, so merges into the new rows do not change it). Written out with Python loops on random rows (2 batch
+    rows x 3 heads, 6 overflow tokens, 2 appended), LN_s the identity, no RoPE."""
+    B, H, C, D, n_append = 2, 3, 6, 4, 2
+    g = torch.Generator().manual_seed(11)
+    layer = KVMAttention(H * D, n_heads=H, head_dim=D, chunk_len=C, n_bswa_chunks=1, positional="nope",
+                         qk_norm=None, schedule={"name": "fixed", "size": C + n_append}, merge_gate=False)
+    layer.ln_s = nn.Identity()
+    s_k, s_v = torch.randn(B, H, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
+    k_o, v_o = torch.randn(B, H, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
+    state = KVMState(s_k=s_k, s_v=s_v, rho=s_v.norm(dim=-1), count=None, win_k=k_o, win_v=v_o, win_g=None,
+                     next_pos=2 * C)
+    x_new = torch.randn(B, H, 1, D, generator=g)
+    with torch.no_grad():
+        _, after = impl(layer.spec, layer.params, x_new, x_new, x_new, None, state)
+    assert after.n_rows == C + n_append
+    for b in range(B):
+        for h in range(H):
+            rows, toks = s_k[b, h].tolist(), k_o[b, h].tolist()
+            novelty = [max(sum(x * y for x, y in zip(tok, row)) for row in rows) for tok in toks]
+            least = sorted(sorted(range(C), key=lambda j: novelty[j])[:n_append])
+            radii = [math.sqrt(sum(x * x for x in v_o[b, h, j].tolist())) for j in least]
+            torch.testing.assert_close(after.rho[b, h, C:], torch.tensor(radii), msg=f"batch row {b}, head {h}")
+            # the rows that were there keep their radii (merges never change one)
+            assert torch.equal(after.rho[b, h, :C], state.rho[b, h])
