@@ -39,7 +39,7 @@ autocast and ``5.0 u s`` with bf16 weights; a running sum kept in bf16 gives ``2
 intermediates (cancellation) errs more than ``u`` times the output's scale per rounding; it states a larger ``k``.
 
 Discrete decisions (KVM's routing, OVQ's new centroids and nearest centroid, VQ's codeword, TOVA's eviction) go
-through :func:`mixerzoo.testing.decisions.decision`. A near tie that bf16 reorders sends bf16 and fp32 down
+through :func:`mixerzoo.decisions.decision`. A near tie that bf16 reorders sends bf16 and fp32 down
 different branches, a difference the model above does not describe; so the fp32 pass is run *given the bf16
 pass's decisions* (recorded, then replayed), and the two then differ by rounding alone. The replay counts the
 choices fp32 would have made otherwise; rounding can only reorder near ties, so if more than half of them differ
@@ -61,8 +61,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..protocol import state_nbytes, state_tensors
-from . import decisions
-from .decisions import DecisionMismatch
+from .. import decisions
+from ..decisions import DecisionMismatch
 
 __all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
            "check_state", "check_cuda_bf16", "check_autocast_bf16", "check_recomputation",
@@ -120,7 +120,7 @@ def _compare(ref: torch.Tensor, out: torch.Tensor, atol: float, rtol: float) -> 
 
 def _given_same_decisions(low: Callable[[], Any], ref: Callable[[], Any], check: str
                           ) -> tuple[Any, Any, decisions.Replay]:
-    """``low()`` with its :func:`~mixerzoo.testing.decisions.decision` calls recorded, then ``ref()`` taking those
+    """``low()`` with its :func:`~mixerzoo.decisions.decision` calls recorded, then ``ref()`` taking those
     choices (the lower precision's branches, so the two differ by rounding alone). Returns both outputs and what the
     replay saw (how many of ``ref``'s own choices would have differed)."""
     with decisions.record() as taken:
@@ -382,7 +382,7 @@ def check_bf16_weights(factory: Callable[[], nn.Module], d_model: int, seq_len: 
     mixed-dtype check of :mod:`mixerzoo.testing.cuda_autocast`, so an internal fp32 tensor meeting a bf16 weight in
     an op a CUDA kernel refuses (a convolution, a LayerNorm) fails here as it would on a GPU. ``against_fp32=False``
     skips the comparison with fp32 (for a mixer whose decisions do not go through
-    :func:`~mixerzoo.testing.decisions.decision`).
+    :func:`~mixerzoo.decisions.decision`).
 
     Raises:
         ConformanceError: names the op and line, the first position that differs, or the parameter.
@@ -433,7 +433,7 @@ def check_autocast_bf16(mixer: nn.Module, d_model: int, seq_len: int = 48, split
        shows up here, growing along the sequence). A mixer that makes discrete decisions from scores (TOVA's
        eviction, KVM's winner-take-all routing, OVQ's nearest-centroid assignment) takes a different branch when
        bf16 rounding reorders two close scores; it passes each choice through
-       :func:`mixerzoo.testing.decisions.decision`, and the fp32 pass here replays the bf16 pass's choices, so the
+       :func:`mixerzoo.decisions.decision`, and the fp32 pass here replays the bf16 pass's choices, so the
        difference is rounding alone (module docstring, "bf16 against fp32").
     2. Continuation at ``split`` and token-by-token decode under autocast equal the autocast one pass.
     3. The state after the autocast pass has only finite tensors, and training under autocast gives finite
@@ -443,7 +443,7 @@ def check_autocast_bf16(mixer: nn.Module, d_model: int, seq_len: int = 48, split
         mixer: in fp32 (its weights stay fp32, as with autocast). device: ``cpu`` or ``cuda``.
         atol, rtol: the tolerance of step 2 (bf16 against bf16 computed in another order).
         against_fp32: do step 1 (False skips it: for a third-party mixer whose decisions do not go through
-            :func:`~mixerzoo.testing.decisions.decision`; every bundled mixer does step 1).
+            :func:`~mixerzoo.decisions.decision`; every bundled mixer does step 1).
         roundings: ``k`` of the error model, the bf16 roundings on the mixer's path (default
             :data:`BF16_ROUNDINGS`).
 
@@ -604,7 +604,7 @@ def run_conformance(factory: Callable[[], nn.Module], d_model: int, seq_len: int
     and decode against the bf16 one pass; ``bf16_roundings``, ``bf16_weights_roundings``: ``k`` of the error model
     for the bf16 passes against fp32 under autocast and with bf16 weights (module docstring).
     ``bf16_against_fp32=False`` skips the comparisons across precisions, for a mixer whose discrete decisions do
-    not go through :func:`mixerzoo.testing.decisions.decision` (see :func:`check_autocast_bf16`).
+    not go through :func:`mixerzoo.decisions.decision` (see :func:`check_autocast_bf16`).
 
     Raises:
         ConformanceError: the first check that fails, with a message naming it.

@@ -153,7 +153,7 @@ def test_gradients_through_a_carried_state(name):
 @pytest.mark.parametrize("name", ["default", "power_law", "nope", "gqa_token_shift", "pre_rope"])
 def test_conformance(name):
     # winner-take-all routing is a discrete decision that bf16 may flip on a near tie: the routing goes through
-    # mixerzoo.testing.decisions.decision, so bf16 is compared with fp32 given the same routing (error model in
+    # mixerzoo.decisions.decision, so bf16 is compared with fp32 given the same routing (error model in
     # mixerzoo.testing's docstring)
     report = run_conformance(lambda: make(**CONFIGS[name]), D_MODEL, seq_len=48, splits=(1, 5, 7, 13, 30, 33))
     # run_conformance raises on a failed check; what it returns is the state's size after 12 and 48 tokens (batch 1),

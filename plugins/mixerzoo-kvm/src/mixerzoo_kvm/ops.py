@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.mixers.reductions import max_last
-from mixerzoo.testing.decisions import decision
+from mixerzoo.decisions import decision
 
 __all__ = ["KVMSpec", "KVMParams", "accum_dtype", "matmul_acc", "layer_norm_s", "memory_keys", "memory_queries", "joint_queries",
            "joint_keys", "merge_gate", "read_values", "state_budget", "Routing", "route_overflow", "fold", "keep_from"]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from mixerzoo.mixers.reductions import max_last
 from mixerzoo.mixers.rows import flat_rows, take_rows
-from mixerzoo.testing.decisions import decision
+from mixerzoo.decisions import decision
 
 __all__ = ["accumulation_dtype", "chunk_attention", "update_dictionary", "new_centroid_count", "random_scores",
            "vq_merge"]

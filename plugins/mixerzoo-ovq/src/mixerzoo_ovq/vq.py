@@ -29,7 +29,7 @@ from torch import nn
 
 from mixerzoo.mixers.qkv import StreamState
 from mixerzoo.mixers.reductions import max_last
-from mixerzoo.testing.decisions import decision
+from mixerzoo.decisions import decision
 
 from . import ops, reference
 from .layer import OVQAttention, state_log_counts

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mixerzoo.mixers.qkv import StreamState
-from mixerzoo.testing.decisions import decision
+from mixerzoo.decisions import decision
 
 from .policies import EvictionPolicy, accumulation_dtype
 
