@@ -85,7 +85,7 @@ def print_plugin(name: str, stream=None) -> int:
              docs.get(n) or MIXER_EXTRA.get(n, "")) for n, d in params.items()]
     if rows:
         width = [max(len(r[i]) for r in rows + [("option", "default")]) for i in range(2)]
-        where = f"model.mixers.<layer>.<option>" if kind == "mixer" else f"{{name: {name}, <option>: ...}}"
+        where = "model.mixers.<layer>.<option>" if kind == "mixer" else f"{{name: {name}, <option>: ...}}"
         print(f"\noptions ({where}):", file=stream)
         print(f"  {'option'.ljust(width[0])}  {'default'.ljust(width[1])}  meaning", file=stream)
         for n, d, doc in rows:

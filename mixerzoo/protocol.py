@@ -25,15 +25,15 @@ __all__ = ["MixerState", "Mixer", "MixerLike", "state_nbytes", "map_state_tensor
            "accumulation_dtype"]
 
 
-def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
+def accumulation_dtype(*tensors: torch.Tensor | torch.dtype) -> torch.dtype:
     """The dtype a mixer keeps running sums, counts and normalisers (and so its state) in: float32, or the
     tensors' own dtype where it is wider. bf16/fp16 activations (autocast, bf16 weights) give float32, as CUDA
     autocast runs ``sum``, ``softmax`` and ``layer_norm``; float64 stays float64 (references and gradient checks);
     for float32 tensors every ``.to(accumulation_dtype(x))`` is a no-op. The conformance kit's ``float64`` and
-    ``cuda-autocast`` checks test that a mixer follows it."""
+    ``cuda-autocast`` checks test that a mixer follows it. Takes tensors or dtypes."""
     dtype = torch.float32
     for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
+        dtype = torch.promote_types(dtype, t if isinstance(t, torch.dtype) else t.dtype)
     return dtype
 
 

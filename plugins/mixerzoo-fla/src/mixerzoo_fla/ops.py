@@ -23,6 +23,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from mixerzoo.protocol import accumulation_dtype as accum_dtype
 from mixerzoo.mixers.segments import run_segments
 
 __all__ = ["accum_dtype", "l2_normalize", "gdn_log_decay", "chunk_gated_delta_rule", "chunk_gsa",
@@ -39,15 +40,6 @@ GSA_MIN_SPLIT_CHUNK = 4
 # GSA exact fallback: elements of the (chunk, chunk, slots) decay tensor built at once (about 64 MB).
 GSA_BLOCK_ELEMENTS = 1 << 24
 
-
-def accum_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """The dtype the PyTorch forms accumulate and keep their states in: float32, or float64 where an input is
-    float64 (``torch.promote_types(dtype, float32)``). bf16/fp16 inputs (autocast, bf16 weights) get float32 sums;
-    for float32 inputs every cast to it is a no-op. (fla's kernels keep their own float32 states.)"""
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
 
 
 def check_checkpoint_chunks(value, mixer: str) -> int:

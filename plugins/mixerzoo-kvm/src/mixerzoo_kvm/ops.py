@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixerzoo.protocol import accumulation_dtype as accum_dtype
 from mixerzoo.mixers.reductions import max_last
 from mixerzoo.decisions import decision
 
@@ -67,15 +68,6 @@ class KVMParams(NamedTuple):
     tau_state: torch.Tensor
     tau_bswa: torch.Tensor
 
-
-def accum_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """The dtype KVM keeps its state in and normalises, reads out and routes in: float32, or the tensors' own
-    dtype when it is wider (float64 stays float64). bf16 inputs (autocast, bf16 weights) give float32 sums, as a
-    CUDA autocast region gives ``layer_norm`` and norms; in float32 every cast to it is a no-op."""
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
 
 
 def matmul_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mixerzoo.protocol import accumulation_dtype
 from mixerzoo.mixers.reductions import max_last
 from mixerzoo.mixers.rows import flat_rows, take_rows
 from mixerzoo.decisions import decision
@@ -20,11 +21,6 @@ from mixerzoo.decisions import decision
 __all__ = ["accumulation_dtype", "chunk_attention", "update_dictionary", "new_centroid_count", "random_scores",
            "vq_merge"]
 
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the dictionary, its counts and the merges (eq. 17-19) run in for inputs of ``dtype``: float32 at
-    least (bf16 running means drift ~1.5% after 8k merges), float64 kept float64."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def new_centroid_count(schedule, chunk_idx: int, chunk_len: int, size: int) -> int:

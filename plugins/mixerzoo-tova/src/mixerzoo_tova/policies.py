@@ -24,15 +24,12 @@ import re
 
 import torch
 
-__all__ = ["POLICIES", "EvictionPolicy", "parse_policy", "accumulation_dtype"]
+from mixerzoo.protocol import accumulation_dtype
+
+__all__ = ["POLICIES", "EvictionPolicy", "parse_policy"]
 
 POLICIES = ("tova", "window", "h2o")
 
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype attention weights, their running sums (``h2o``) and the priorities are computed in for inputs of
-    ``dtype``: float32 at least (under bf16), float64 kept float64."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def parse_policy(policy: str, n_sinks: int | None) -> tuple[str, int]:
