@@ -461,3 +461,16 @@ def test_random_combinations_of_bad_overrides(seed, hostile_dir, monkeypatch, ca
     assert "Traceback" not in err, (argv, err[-2000:])
     names = [field.rsplit(".", 1)[-1] for field, _ in picks] + ["layer_types", "mixer"]
     assert any(name in err for name in names), (argv, err[-2000:])
+
+
+def test_generate_ends_its_output_with_a_newline_and_names_each_layers_mixer(trained, capsys):
+    """The continuation ends with a newline (the shell prompt starts on its own line) and one stderr line says
+    which mixer each layer runs (an override such as the TOVA swap shows there, not only in a stats line)."""
+    assert main(["generate", str(trained), "--prompt", "1 2 3", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("1 2 3") and captured.out.endswith("\n") and not captured.out.endswith("\n\n")
+    assert "[mixerzoo generate] layers: 0 swa; 1 attention\n" in captured.err, captured.err
+    assert main(["generate", str(trained), "--prompt", "1 2 3", "--max-new-tokens", "2", "--device", "cpu",
+                 "--model.mixers.attention.mixer", "tova", "--model.mixers.attention.multi_state", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "[mixerzoo generate] layers: 0 swa; 1 tova (layer name attention)\n" in captured.err, captured.err

@@ -17,7 +17,27 @@ import torch
 
 from . import user_errors
 
-__all__ = ["main", "build_parser", "load_for_generation", "stream_text"]
+__all__ = ["main", "build_parser", "load_for_generation", "stream_text", "layer_summary"]
+
+
+def layer_summary(config) -> str:
+    """Which mixer each layer runs, layers with the same one grouped: ``0 swa; 1 attention`` or, after an
+    override that swapped a layer name's mixer, ``0-29 tova (layer name attention)``."""
+    groups: dict[str, list[int]] = {}
+    for i, spec in enumerate(config.layer_specs()):
+        label = spec.mixer if spec.mixer == spec.name else f"{spec.mixer} (layer name {spec.name})"
+        groups.setdefault(label, []).append(i)
+
+    def ranges(indices: list[int]) -> str:
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and i == runs[-1][1] + 1:
+                runs[-1][1] = i
+            else:
+                runs.append([i, i])
+        return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+    return "; ".join(f"{ranges(indices)} {label}" for label, indices in groups.items())
 
 
 def load_for_generation(source: str, tokenizer: str | None = None, device: str | None = None,
@@ -156,6 +176,8 @@ def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None
         loaded = load_model(args.source, tokenizer=args.tokenizer, mixers=mixers, device=device, dtype=args.dtype)
         model, tok, eos_id = loaded.model, loaded.tokenizer, loaded.eos_id
         load_s = time.perf_counter() - t0
+        print(f"[mixerzoo generate] layers: {layer_summary(model.config)}", file=err)
+        err.flush()
         prompt = args.prompt
         if args.chat:
             prompt = chat_prompt(loaded.chat_template, prompt, loaded.trained.tokenizer_settings.get("bos_token"))
