@@ -412,12 +412,20 @@ def test_plugins_name_shows_the_options_with_defaults_and_meanings(capsys):
     assert capsys.readouterr().err.startswith("mixerzoo: error: unknown mixer 'swaa'. Installed mixers: ")
 
 
-def test_non_utf8_text_is_read_with_a_warning(hostile_dir, monkeypatch, capsys):
-    monkeypatch.chdir(hostile_dir)
-    with pytest.warns(UserWarning, match=r"latin1.a\.txt is not valid UTF-8 \(first bad byte near offset 3\)"):
+def test_non_utf8_text_is_read_with_a_warning(tmp_path, monkeypatch, capsys, caplog):
+    """The warning is given once: as a Python warning (which the CLI prints), not also as a log record (the CLI
+    printed both, so the user read it twice)."""
+    _files(tmp_path)  # a folder of its own: a data cache from an earlier run would skip reading the file
+    monkeypatch.chdir(tmp_path)
+    bad = r"latin1.a\.txt is not valid UTF-8 \(first bad byte near offset 3\)"
+    with pytest.warns(UserWarning, match=bad) as warned:
         assert main(FIT + _text("latin1") + ["--trainer.logger", "false", "--trainer.enable_checkpointing",
                                              "false"]) == 0
     assert "Traceback" not in capsys.readouterr().err
+    import re
+
+    said = [str(w.message) for w in warned] + [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if re.search(bad, m)]) == 1, said
 
 
 def test_config_check_passes_utf8_recipes(tmp_path):

@@ -150,8 +150,7 @@ def load_documents(files: Sequence[Path], sample_by: str, text_field: str, cache
                               f"UTF-8: re-encode the file (e.g. iconv -f latin1 -t utf-8)")
         msg = (f"data.paths: {f} is not valid UTF-8 (first bad byte near offset {bad}); invalid bytes are "
                f"replaced by U+FFFD. Re-encode the file to UTF-8 to keep those characters")
-        warnings.warn(msg, UserWarning, stacklevel=3)
-        log.warning(msg)
+        warnings.warn(msg, UserWarning, stacklevel=3)  # once: a log record as well printed it a second time
     docs: list[str] = []
     hf_cache = str(cache_dir / "hf_datasets")
     with quiet_datasets() as datasets:
