@@ -47,6 +47,21 @@ def atomic_write(path: str | os.PathLike, write: Callable) -> Path:
     return atomic_write_path(path, to_file)
 
 
+def check_folder_target(out_dir: str | os.PathLike, may_replace: Callable[[Path], bool] = lambda p: False,
+                        what: str = "folder mixerzoo wrote") -> Path:
+    """The resolved ``out_dir`` when :func:`atomic_folder` may write it (absent, empty, or ``may_replace``): a
+    caller with a long computation before the write checks first, so that a refusal comes before the work.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists, is not empty and ``may_replace`` refuses it.
+    """
+    out = Path(os.path.expanduser(os.fspath(out_dir))).resolve()
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or may_replace(out))):
+        raise FileExistsError(f"{out} exists and is not a {what}; choose another output folder (a previous "
+                              f"{what} is replaced, anything else is left alone)")
+    return out
+
+
 def atomic_folder(out_dir: str | os.PathLike, write: Callable[[Path], None],
                   may_replace: Callable[[Path], bool] = lambda p: False, what: str = "folder mixerzoo wrote") -> Path:
     """Create ``out_dir`` by calling ``write(tmp_folder)`` on a temporary folder next to it, then renaming.
@@ -58,10 +73,7 @@ def atomic_folder(out_dir: str | os.PathLike, write: Callable[[Path], None],
     Raises:
         FileExistsError: ``out_dir`` exists, is not empty and ``may_replace`` refuses it (never overwritten).
     """
-    out = Path(os.path.expanduser(os.fspath(out_dir))).resolve()
-    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or may_replace(out))):
-        raise FileExistsError(f"{out} exists and is not a {what}; choose another output folder (a previous "
-                              f"{what} is replaced, anything else is left alone)")
+    out = check_folder_target(out_dir, may_replace, what)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:

@@ -482,3 +482,21 @@ def test_generate_ends_its_output_with_a_newline_and_names_each_layers_mixer(tra
                  "--model.mixers.attention.mixer", "tova", "--model.mixers.attention.multi_state", "8"]) == 0
     captured = capsys.readouterr()
     assert "[mixerzoo generate] layers: 0 swa; 1 tova (layer name attention)\n" in captured.err, captured.err
+
+
+def test_import_into_a_folder_that_is_not_an_export_is_refused_before_converting(tmp_path, monkeypatch, capsys):
+    """The refusal came after the whole conversion (25 s for SmolLM2). Here the source is a truncated GGUF: a
+    conversion that started would end in the truncated-file error instead."""
+    import re
+
+    (tmp_path / "model.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x01")
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    assert main(["import", str(tmp_path / "model.gguf"), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"(?m)^mixerzoo: error: " + re.escape(str(out.resolve())) + r" exists and is not a mixerzoo "
+                     r"export; choose another output folder \(a previous mixerzoo export is replaced, anything else "
+                     r"is left alone\)\n\Z", err), err[-2000:]
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"

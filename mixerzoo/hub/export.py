@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..atomic import atomic_folder
+from ..atomic import atomic_folder, check_folder_target
 from ..model import LanguageModel
 from ..errors import ConfigError, UserError
 from .card import model_card
@@ -113,6 +113,15 @@ def write_folder_atomic(out_dir: str | os.PathLike, write) -> Path:
         FileExistsError: ``out_dir`` exists, is not empty and is not a mixerzoo export (never overwritten).
     """
     return atomic_folder(out_dir, write, may_replace=_is_export, what="mixerzoo export")
+
+
+def check_export_target(out_dir: str | os.PathLike) -> Path:
+    """Refuse ``out_dir`` now, before any work, when :func:`write_folder_atomic` would refuse it after.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists, is not empty and is not a mixerzoo export.
+    """
+    return check_folder_target(out_dir, may_replace=_is_export, what="mixerzoo export")
 
 
 def export_trained(trained: TrainedModel, out_dir: str | os.PathLike, *, repo_id: str | None = None,

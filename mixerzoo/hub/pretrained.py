@@ -382,8 +382,9 @@ def import_pretrained(source: str | os.PathLike, out_dir: str | os.PathLike, *, 
         FileExistsError: ``out_dir`` exists and is not a mixerzoo export.
     """
     from ..progress import stages
-    from .export import export_trained
+    from .export import check_export_target, export_trained
 
+    check_export_target(out_dir)  # a folder that would be refused is refused before the conversion, not after
     # export_trained builds the model and loads every tensor exactly (load_weights raises on a mismatch) before
     # anything is written
     with stages("import", ["read with transformers", "map weights", "write folder"], quiet=quiet) as step:
