@@ -500,3 +500,29 @@ def test_import_into_a_folder_that_is_not_an_export_is_refused_before_converting
                      r"export; choose another output folder \(a previous mixerzoo export is replaced, anything else "
                      r"is left alone\)\n\Z", err), err[-2000:]
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
+
+
+def test_checkpoint_whose_plugin_is_not_installed_names_the_distribution(trained, tmp_path, capsys):
+    """The checkpoint records which distribution provided each mixer, as an export does; a loader that lacks one
+    names it (the message said `pip install -e plugins/mixerzoo-<name>`)."""
+    import re
+
+    import mixerzoo
+
+    ckpt = torch.load(trained, map_location="cpu", weights_only=True)
+    assert ckpt["mixerzoo_plugins"]["mixer"]["swa"]["distribution"] == "mixerzoo"
+    assert ckpt["mixerzoo_plugins"]["mixer"]["swa"]["version"] == mixerzoo.__version__
+    # the same checkpoint as if its swa layers had been a plugin's mixer that this machine lacks
+    ckpt["hyper_parameters"]["mixers"]["swa"]["mixer"] = "retention"
+    ckpt["mixerzoo_plugins"]["mixer"]["retention"] = {"distribution": "mixerzoo-retention", "version": "0.1.0",
+                                                      "import_path": "mixerzoo_retention:Retention"}
+    path = tmp_path / "retention.ckpt"
+    torch.save(ckpt, path)
+    for argv in (["generate", str(path), "--prompt", "1 2"], ["export", str(path), str(tmp_path / "out")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert re.search(r"(?m)^mixerzoo: error: " + re.escape(str(path)) + r": this model needs the mixer "
+                         r"'retention', which is not installed: install the distribution 'mixerzoo-retention' "
+                         r"\(0\.1\.0 when the checkpoint was written\), e\.g\. `pip install "
+                         r"'mixerzoo-retention==0\.1\.0'` \(installed mixers: .*\)\n\Z", err), err[-2000:]
+    assert not (tmp_path / "out").exists()

@@ -130,12 +130,13 @@ def plugin_metadata(config: LMConfig) -> dict:
     return meta
 
 
-def check_plugins(config: LMConfig, meta: dict, where: str = "") -> None:
+def check_plugins(config: LMConfig, meta: dict, where: str = "", when: str = "at export") -> None:
     """Raise :class:`MissingPluginError` for a component the model needs that is not installed, naming the
     distribution (and version) that provided it at export; warn when an installed version differs.
 
     Args:
-        config: the model's config. meta: the ``mixerzoo`` block of config.json (``plugins`` inside).
+        config: the model's config. meta: the ``mixerzoo`` block of config.json (``plugins`` inside), or
+            ``{"plugins": checkpoint["mixerzoo_plugins"]}``. when: when that record was written, for the message.
     """
     plugins = meta.get("plugins") or {}
     for kind, name in _named_components(config):
@@ -146,14 +147,15 @@ def check_plugins(config: LMConfig, meta: dict, where: str = "") -> None:
             installed = registry.entries(kind, refresh=True)
         if name not in installed:
             if dist and not dist.startswith("("):
-                how = f"install the distribution {dist!r} ({version} at export), e.g. `pip install '{dist}=={version}'`"
+                how = f"install the distribution {dist!r} ({version} {when}), e.g. `pip install '{dist}=={version}'`"
             else:
-                how = f"it was {dist or 'not recorded'} at export; register or install the package that provides it"
+                how = f"it was {dist or 'not recorded'} {when}; register or install the package that provides it"
             raise MissingPluginError(f"{where}this model needs the {kind} {name!r}, which is not installed: {how} "
                                      f"(installed {kind}s: {', '.join(sorted(installed)) or 'none'})")
         entry = installed[name]
         if dist and version and (entry.distribution, entry.version) != (dist, version) and not dist.startswith("("):
-            warnings.warn(f"{where}{kind} {name!r} was exported with {dist} {version}; installed is "
+            saved = "exported" if when == "at export" else "saved"
+            warnings.warn(f"{where}{kind} {name!r} was {saved} with {dist} {version}; installed is "
                           f"{entry.distribution} {entry.version}. Outputs may differ if that plugin changed",
                           UserWarning, stacklevel=3)
 

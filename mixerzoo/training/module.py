@@ -378,9 +378,15 @@ class LMModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Add ``checkpoint["rng_states"]`` (:func:`~mixerzoo.training.checkpoints.collect_rng_states` of the
         process that writes it, rank 0) and the count of consecutive non-finite steps, so a resumed run draws
-        the same random numbers and keeps counting bad steps as the interrupted one would have."""
+        the same random numbers and keeps counting bad steps as the interrupted one would have; and
+        ``checkpoint["mixerzoo_plugins"]``, the distribution and version of every mixer, positional encoding and
+        schedule the model uses (as an export records them), so that a loader lacking one names what to install."""
+        from ..hub.load import plugin_metadata
+
         checkpoint["rng_states"] = collect_rng_states()
         checkpoint["mixerzoo_bad_steps"] = self._bad_steps
+        config = self.model.config if self.model is not None else self.lm_config(self.hparams.vocab_size or 1)
+        checkpoint["mixerzoo_plugins"] = plugin_metadata(config)
 
     def on_train_start(self) -> None:
         """Restore the random generators saved in the checkpoint being resumed, just before the first step
