@@ -526,3 +526,48 @@ def test_checkpoint_whose_plugin_is_not_installed_names_the_distribution(trained
                          r"\(0\.1\.0 when the checkpoint was written\), e\.g\. `pip install "
                          r"'mixerzoo-retention==0\.1\.0'` \(installed mixers: .*\)\n\Z", err), err[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+CORRUPT_CKPT = {
+    # a checkpoint write killed half-way: torch's whole first sentence, not its first 200 characters
+    "half": r"PytorchStreamReader failed reading zip archive: failed finding central directory",
+    # a pickle holding an object a safe load refuses: the refusal, not torch's advice to load it unsafely
+    "global": r"Unsupported global: GLOBAL argparse\.Namespace was not an allowed global by default",
+    "noise": r"Unsupported operand 0",
+    "empty": r"EOFError: the file ends before its data does",
+}
+
+
+@pytest.mark.parametrize("command", ["fit", "generate", "export"])
+@pytest.mark.parametrize("kind", list(CORRUPT_CKPT))
+def test_corrupt_checkpoint_message_names_the_argument_used_and_torchs_whole_reason(kind, command, hostile_dir,
+                                                                                    tmp_path, monkeypatch, capsys):
+    import argparse
+    import re
+
+    monkeypatch.chdir(hostile_dir)
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    path = tmp_path / f"{kind}.ckpt"
+    if kind == "half":
+        path.write_bytes((hostile_dir / "half.ckpt").read_bytes())
+    elif kind == "global":
+        torch.save({"state_dict": {}, "hparams": argparse.Namespace(lr=1)}, path)
+    elif kind == "noise":
+        path.write_bytes(bytes(range(256)) * 4)
+    else:
+        path.write_bytes(b"")
+    argv = {"fit": FIT + ["--ckpt_path", str(path)], "generate": ["generate", str(path), "--prompt", "1 2"],
+            "export": ["export", str(path), str(tmp_path / "out")]}[command]
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    field = "--ckpt_path " if command == "fit" else ""
+    assert re.search(r"(?m)^mixerzoo: error: " + field + re.escape(repr(str(path))) + r" cannot be read as a "
+                     r"checkpoint \(truncated, corrupt or not a Lightning checkpoint\): torch says: "
+                     + CORRUPT_CKPT[kind] + r"; point to an intact file, e\.g\. last\.ckpt or an earlier step "
+                     r"checkpoint\n\Z", err), err[-2000:]
+    assert "weights_only" not in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "out").exists()

@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 from typing import Any
 
 import torch
@@ -76,23 +77,44 @@ class TrainedModel:
         return model.eval()
 
 
-def load_checkpoint(path: str) -> dict:
+def torch_load_reason(e: BaseException) -> str:
+    """Why ``torch.load`` failed, in torch's own words but whole sentences only, and without its advice to load
+    the file with ``weights_only=False`` (which runs whatever code the file holds): for a refused object, the
+    ``WeightsUnpickler error`` itself; otherwise the first sentence of the message."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    paragraph = next((p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()), "")
+    sentence = re.split(r"(?<=[.!?])\s", " ".join(paragraph.split()), maxsplit=1)[0].rstrip(".")
+    if not sentence and isinstance(e, EOFError):
+        return "EOFError: the file ends before its data does"
+    # a bare value (KeyError '101' from a text file) means nothing without the exception's name
+    return sentence if len(sentence.split()) >= 3 else f"{type(e).__name__}: {sentence}".rstrip(": ")
+
+
+def load_checkpoint(path: str, field: str | None = None) -> dict:
     """Load a checkpoint file safely (``weights_only=True``: no arbitrary code runs).
+
+    Args:
+        path: the file. field: the command-line option that gave it (``--ckpt_path``), named in messages; None
+            for a command's positional argument or a library call (the messages name the path alone).
 
     Raises:
         FileNotFoundError: no such file.
         ConfigError: the file is truncated, corrupt or not a checkpoint.
     """
+    what = f"{field} {path!r}" if field else repr(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--ckpt_path {path!r}: no such file (use 'last' to resume the latest run)")
+        hint = " (use 'last' to resume the latest run)" if field == "--ckpt_path" else ""
+        raise FileNotFoundError(f"{what}: no such file{hint}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure here means the file is unusable
-        raise ConfigError(f"--ckpt_path {path!r} cannot be read as a checkpoint (truncated, corrupt or not a "
-                          f"Lightning checkpoint): {type(e).__name__}: {str(e).splitlines()[0][:200]}. Point to an "
-                          f"intact file, e.g. last.ckpt or an earlier step checkpoint.") from e
+        raise ConfigError(f"{what} cannot be read as a checkpoint (truncated, corrupt or not a Lightning "
+                          f"checkpoint): torch says: {torch_load_reason(e)}; point to an intact file, e.g. "
+                          f"last.ckpt or an earlier step checkpoint") from e
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise ConfigError(f"--ckpt_path {path!r} is not a Lightning checkpoint (no 'state_dict' inside)")
+        raise ConfigError(f"{what} is not a Lightning checkpoint (no 'state_dict' inside)")
     return ckpt
 
 

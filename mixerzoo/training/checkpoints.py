@@ -51,7 +51,7 @@ def check_ckpt_path(ckpt_path: str | None) -> None:
     checkpoints, pass through to Lightning)."""
     if ckpt_path is None or ckpt_path in SPECIAL or os.path.isdir(ckpt_path):
         return
-    load_checkpoint(ckpt_path)
+    load_checkpoint(ckpt_path, field="--ckpt_path")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
