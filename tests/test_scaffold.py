@@ -99,6 +99,17 @@ def test_generated_files_are_consistent():
     assert "tests/test_lin_attn_plugin.py" in files
 
 
+def test_tutorial_shows_the_entry_point_lines_of_pyproject():
+    """A hand-written package needs the entry point; the tutorial shows the lines the scaffold writes (they were
+    only in docs/architecture.md), with the install step that makes them take effect."""
+    pyproject = render_plugin(plugin_names("lin-attn"))["pyproject.toml"].splitlines()
+    start = pyproject.index('[project.entry-points."mixerzoo.mixers"]')
+    block = "\n".join(pyproject[start:start + 2])
+    assert block == '[project.entry-points."mixerzoo.mixers"]\nlin_attn = "mixerzoo_lin_attn:LinAttnMixer"'
+    tutorial = (REPO / "docs" / "plugin-tutorial.md").read_text()
+    assert f"```toml\n{block}\n```" in tutorial.split("## 2. The protocol")[0], "not in section 1 (Generate)"
+
+
 @pytest.fixture
 def generated_package(tmp_path):
     """Generate a plugin and import its package from src/ (no install), cleaning sys.path/modules after."""
