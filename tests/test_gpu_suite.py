@@ -57,7 +57,7 @@ def test_every_step_names_files_that_exist(tmp_path, dry, benchmark_script):
 
 def test_the_default_steps_fit_one_nine_minute_command(tmp_path, benchmark_script):
     """The default timeouts (conformance and fla-kernels side by side) fit the default budget, which fits 9
-    minutes; the efficiency table is told a budget under 4 minutes; every mixer and length of issue #40 is in it;
+    minutes; the efficiency table is told a budget under 4 minutes; every mixer and length the GPU table needs is in it;
     the conformance run is verbose with fla's tests last; and the files written stay within 8."""
     suite = benchmark_script("gpu_suite")
     steps = suite.plan(suite.parse_args(["--out", str(tmp_path), "--wheels", str(tmp_path)]))

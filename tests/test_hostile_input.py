@@ -64,7 +64,7 @@ CASES = {
     "missing_recipe": (["fit", "--config", "nope.yaml"],
                        r"(?m)^mixerzoo: error: --config nope\.yaml: no such file; give a recipe such as "
                        r"recipes/quickstart\.yaml\n\Z"),
-    # parser errors: one line with the key, the file and the closest valid key (issue 43), no usage dump
+    # parser errors: one line with the key, the file and the closest valid key, no usage dump
     "yaml_key_typo": (["fit", "--config", "typo.yaml"],
                       r"(?m)^mixerzoo: error: typo\.yaml: model\.d_modle is not an option; did you mean model\.d_model\? "
                       r"\(`mixerzoo fit --help` lists every option\)\n\Z"),
@@ -113,7 +113,7 @@ CASES = {
     # checkpoints
     "half_written_checkpoint": (FIT + ["--ckpt_path", "half.ckpt"], r"half\.ckpt' cannot be read as a checkpoint"),
     "missing_checkpoint": (FIT + ["--ckpt_path", "gone.ckpt"], r"gone\.ckpt'.*no such file"),
-    # options for a layer name the model does not have (issue 43: they were silently ignored)
+    # options for a layer name the model does not have (they were once silently ignored)
     "override_unknown_layer": (FIT + ["--model.mixers.atention.window", "4"],
                                r"(?m)^mixerzoo: error: model\.mixers\.atention: no layer is named 'atention' \(the "
                                r"model's layer names: swa, attention\), so these options would be ignored; did you "

@@ -139,7 +139,7 @@ def test_layer_recomputed_in_segments(cls, options, bound):
     check_recomputation(seg, one, torch.randn(2, 77, D, generator=torch.Generator().manual_seed(1)), 29)
     # what the forward leaves alive for backward, in (T, d_model) float32 tensors (the output is one). Keeping
     # everything (checkpoint_chunks 0): GDN 47.7, GSA 113 with convolutions; with the convolutions in the chunk
-    # walk's segments (session 10): 12.8 and 30.4; whole-layer segments: 2.5 and 5.4
+    # walk's segments: 12.8 and 30.4; whole-layer segments: 2.5 and 5.4
     kept = kept_for_backward(cls(D, n_heads=2, chunk_len=8, checkpoint_chunks=4, **options),
                              torch.randn(1, 512, D, requires_grad=True))
     assert kept < bound * 512 * D * 4, kept / (512 * D * 4)

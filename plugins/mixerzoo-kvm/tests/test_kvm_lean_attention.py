@@ -142,7 +142,7 @@ def test_training_step_keeps_no_key_lists():
         y, _ = layer(x)
     token_bytes = 256 * 64 * 4  # one (T, d_model) fp32 tensor
     # 14.4 token tensors now; 21.7 when the concatenated [memory ; window] lists, the gated sums and every
-    # snapshot were kept (before issue #17)
+    # snapshot were kept (an earlier design)
     assert sum(saved.values()) < 17 * token_bytes, sum(saved.values()) / token_bytes
     y.square().mean().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
