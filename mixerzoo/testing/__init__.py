@@ -66,7 +66,8 @@ from ..decisions import DecisionMismatch
 
 __all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
            "check_state", "check_cuda_bf16", "check_autocast_bf16", "check_recomputation",
-           "check_activation_checkpointing", "check_cuda_autocast_emulated", "check_float64", "check_bf16_weights", "run_conformance",
+           "check_activation_checkpointing", "check_cuda_autocast_emulated", "check_float64", "check_bf16_weights",
+           "run_conformance",
            "decode_stepwise", "OperatorCalls",
            "FP32_ATOL", "FP32_RTOL", "AUTOCAST_BF16_ATOL", "AUTOCAST_BF16_RTOL", "BF16_UNIT_ROUNDOFF",
            "BF16_ROUNDINGS", "BF16_WEIGHTS_ROUNDINGS", "bf16_tolerance", "decisions"]

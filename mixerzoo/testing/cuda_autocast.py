@@ -115,7 +115,8 @@ class _MixedDtypeCheck(TorchDispatchMode):
         name = func.overloadpacket.__name__
         node = torch._C._current_autograd_node()
         if node is not None and not isinstance(node, torch.autograd.function.BackwardCFunction):
-            return func(*args, **kwargs)  # a built-in derivative formula: its extra inputs (an fp32 logsumexp) are by design
+            # a built-in derivative formula: its extra inputs (an attention kernel's fp32 logsumexp) are by design
+            return func(*args, **kwargs)
         if name not in _MIXED_OK and (torch.Tag.pointwise not in func.tags or name in _MIXED_REFUSED_POINTWISE):
             dtypes = set()
             tree_map(lambda t: dtypes.add(t.dtype) if _floating(t) and t.dim() > 0 else None, (args, kwargs))
