@@ -107,6 +107,14 @@ def _floating(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
+def _floating_dtypes(tree: Any, scalars: bool) -> set[torch.dtype]:
+    """The dtypes of the floating tensors in ``tree``; 0-dim ones only with ``scalars`` (type promotion treats them
+    as scalars, which every kernel accepts)."""
+    dtypes: set[torch.dtype] = set()
+    tree_map(lambda t: dtypes.add(t.dtype) if _floating(t) and (scalars or t.dim() > 0) else None, tree)
+    return dtypes
+
+
 class _MixedDtypeCheck(TorchDispatchMode):
     """Refuse an ATen op whose (non-scalar) floating tensor inputs mix dtypes, where the CUDA kernel would."""
 
@@ -118,8 +126,7 @@ class _MixedDtypeCheck(TorchDispatchMode):
             # a built-in derivative formula: its extra inputs (an attention kernel's fp32 logsumexp) are by design
             return func(*args, **kwargs)
         if name not in _MIXED_OK and (torch.Tag.pointwise not in func.tags or name in _MIXED_REFUSED_POINTWISE):
-            dtypes = set()
-            tree_map(lambda t: dtypes.add(t.dtype) if _floating(t) and t.dim() > 0 else None, (args, kwargs))
+            dtypes = _floating_dtypes((args, kwargs), scalars=False)
             if len(dtypes) > 1:
                 if node is not None:  # a backward op: point at the forward line that recorded it
                     where = f"the backward of {node.name()}, recorded at {_where(node.metadata.get('traceback_', []))}"
@@ -128,7 +135,7 @@ class _MixedDtypeCheck(TorchDispatchMode):
                 raise MixedDtypeError(
                     f"aten.{name} got floating inputs of mixed dtypes "
                     f"{sorted(str(d).replace('torch.', '') for d in dtypes)} in {where}; a CUDA kernel refuses "
-                    f"this under autocast (CPU accepts it). Cast to one dtype at that line, or make the custom "
+                    f"this (the CPU kernel accepts it). Cast to one dtype at that line, or make the custom "
                     f"autograd Function dtype-explicit (torch.amp.custom_fwd(device_type='cuda', "
                     f"cast_inputs=torch.float32) or explicit .to() at its boundary)")
         return func(*args, **kwargs)
@@ -153,8 +160,7 @@ class _CudaPolicy(TorchFunctionMode):
         elif name in FP32 or (name in FP32_UNLESS_DTYPE and kwargs.get("dtype") is None):
             args, kwargs = _cast((args, kwargs), torch.float32)
         elif name in PROMOTE:
-            dtypes = set()
-            tree_map(lambda t: dtypes.add(t.dtype) if _floating(t) else None, (args, kwargs))
+            dtypes = _floating_dtypes((args, kwargs), scalars=True)
             if len(dtypes) > 1:
                 args, kwargs = _cast((args, kwargs), functools.reduce(torch.promote_types, dtypes))
         return func(*args, **kwargs)
