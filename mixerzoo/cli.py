@@ -245,11 +245,11 @@ def parser_error_message(message: str, argv: list[str], parser=None) -> str:
     """One line for a jsonargparse error (raised, not printed, since the parsers have ``exit_on_error=False``): the
     key or file at fault, the closest valid key (``did you mean``) from ``parser``'s options, and where the full
     list is (``--help``). ``argv`` is the command line (its ``--config`` files are searched for a key at fault)."""
-    import difflib
     import re
 
     import yaml
 
+    from .errors import closest
     from .model.config import did_you_mean
 
     sub = argv[0] if argv and argv[0] in LIGHTNING_COMMANDS else "fit"
@@ -259,14 +259,14 @@ def parser_error_message(message: str, argv: list[str], parser=None) -> str:
     m = re.search(r"unrecognized arguments: (\S+)", message)
     if m:
         given = m.group(1).split("=", 1)[0]
-        close = difflib.get_close_matches(given.lstrip("-"), keys, n=1, cutoff=0.6)
-        return f"{given}: no such option{f'; did you mean --{close[0]}?' if close else ''} ({help_hint})"
+        close = closest(given.lstrip("-"), keys)
+        return f"{given}: no such option{f'; did you mean --{close}?' if close else ''} ({help_hint})"
     m = re.search(r"does not accept (?:nested )?(?:option|key) '([^']+)'", message)
     if m:
         key = m.group(1)
         where = next((f for f in configs if _has_key(_safe_yaml(f), key)), None)
-        close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-        return (f"{where + ': ' if where else ''}{key} is not an option{f'; did you mean {close[0]}?' if close else ''}"
+        close = closest(key, keys)
+        return (f"{where + ': ' if where else ''}{key} is not an option{f'; did you mean {close}?' if close else ''}"
                 f" ({help_hint})")
     m = re.search(r"Problem with given class_path '([^']+)':\s*(?:- )?(.*?)(?:\s+- Expected a <class 'NoneType'>.*)?$",
                   message, re.S)

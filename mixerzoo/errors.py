@@ -14,7 +14,16 @@ import re
 import sys
 
 __all__ = ["UserError", "ConfigError", "user_errors", "friendly_errors", "user_error_types", "USER_ERRORS",
-           "out_of_memory_message"]
+           "out_of_memory_message", "closest"]
+
+
+def closest(name: str, choices) -> str | None:
+    """The choice closest to a misspelt ``name`` (difflib, similarity >= 0.6), for a "did you mean"; None when no
+    choice is close."""
+    import difflib
+
+    close = difflib.get_close_matches(name, [str(c) for c in choices], n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 class UserError(Exception):

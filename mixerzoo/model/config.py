@@ -18,7 +18,7 @@ import inspect
 from typing import Any
 
 from .. import registry
-from ..errors import ConfigError
+from ..errors import ConfigError, closest
 
 __all__ = ["LMConfig", "LayerSpec", "ConfigError", "split_mixer_overrides", "apply_mixer_overrides",
            "check_layer_names", "did_you_mean", "drop_unused_mixers"]
@@ -133,11 +133,10 @@ class LMConfig:
 
 
 def did_you_mean(name: str, choices) -> str:
-    """``"; did you mean 'x'?"`` for the choice closest to ``name`` (difflib), or ``""`` when none is close."""
-    import difflib
-
-    close = difflib.get_close_matches(name, [str(c) for c in choices], n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    """``"; did you mean 'x'?"`` for the choice closest to ``name`` (:func:`mixerzoo.errors.closest`), or ``""``
+    when none is close."""
+    close = closest(name, choices)
+    return f"; did you mean {close!r}?" if close else ""
 
 
 def check_layer_names(names, layer_types, where: str = "model.mixers") -> None:
