@@ -1,11 +1,15 @@
-"""Device and precision plumbing shared by the benchmark scripts (``--device``, ``--dtype``): bf16 autocast with
-fp32 weights (as Lightning's ``bf16-mixed``), waiting for CUDA before a timer is read, and refusing ``--device
-cuda`` where torch has no CUDA. Not a benchmark itself; the scripts import it from their own folder."""
+"""Device, precision and process plumbing shared by the benchmark scripts (``--device``, ``--dtype``): bf16
+autocast with fp32 weights (as Lightning's ``bf16-mixed``), waiting for CUDA before a timer is read, refusing
+``--device cuda`` where torch has no CUDA, and killing a timed-out worker with whatever it started. Not a benchmark
+itself; the scripts import it from their own folder."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import signal
+import subprocess
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:
@@ -41,3 +45,12 @@ def sync(device: str) -> None:
         import torch
 
         torch.cuda.synchronize()
+
+
+def kill_process_group(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` (started with ``start_new_session=True``) and every process it started, then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()

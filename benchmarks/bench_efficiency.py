@@ -70,7 +70,6 @@ import os
 import platform
 import queue
 import resource
-import signal
 import statistics
 import subprocess
 import sys
@@ -80,7 +79,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _device import add_device_args, autocast, check_device, sync  # noqa: E402 - beside this script
+from _device import add_device_args, autocast, check_device, kill_process_group, sync  # noqa: E402 - beside this script
 
 D_MODEL, N_HEADS = 256, 2
 MODEL_VOCAB = 256  # --model-layers: byte-sized, so that the logits (T x vocab) do not dominate the memory
@@ -413,15 +412,6 @@ def cells_worker(payload: dict) -> None:
         print(CELL + json.dumps({"id": cell["id"], "result": result}), flush=True)
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """Kill a worker and whatever it started (its own process group)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-
-
 def run_cells(task: dict, cells: list[dict], cell_timeout: float = 60, budget: float = math.inf,
               start_timeout: float = 180, log=sys.stderr) -> dict[str, dict]:
     """Run ``cells`` (dicts with a unique ``id``, ``what``, ``mixer``, ``spec``, ``T`` or ``contexts``, optionally
@@ -468,7 +458,7 @@ def run_cells(task: dict, cells: list[dict], cell_timeout: float = 60, budget: f
             try:
                 line = lines.get(timeout=max(wait, 0.01))
             except queue.Empty:
-                _kill(proc)
+                kill_process_group(proc)
                 if current is None:  # the worker never started a cell
                     for c in pending:
                         record(c["id"], {"error": f"the worker did not start within {limit:.0f} s"})
@@ -499,7 +489,7 @@ def run_cells(task: dict, cells: list[dict], cell_timeout: float = 60, budget: f
                 record(msg["id"], msg["result"])
                 current, since = None, time.monotonic()
         if proc.poll() is None:
-            _kill(proc)
+            kill_process_group(proc)
 
 
 def warmed_up(name: str, T: int, task: dict):

@@ -60,13 +60,14 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from _device import kill_process_group  # beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["install", "env", "conformance", "fla-kernels", "efficiency", "throughput"]
@@ -257,14 +258,6 @@ def cap_file(path: Path, limit: int = MAX_BYTES) -> None:
                      .encode() + tail)
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the step and whatever it started (benchmark workers)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-
-
 def run_group(group: list[Step], out: Path, env: dict, deadline: float, written: set) -> list[dict]:
     """Run the steps of ``group`` side by side, each in its own process group under its timeout (cut to what is
     left before ``deadline``); a step that times out is killed with everything it started."""
@@ -294,7 +287,7 @@ def run_group(group: list[Step], out: Path, env: dict, deadline: float, written:
         try:
             rc = proc.wait(timeout=max(t0 + timeout - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
-            _kill(proc)
+            kill_process_group(proc)
             log.write(f"\n[gpu_suite] {s.name}: timed out after {timeout:.0f} s, killed\n")
             rc = 124
         log.write(f"\n[gpu_suite] {s.name}: exit code {rc}, {time.monotonic() - t0:.0f} s\n")
