@@ -19,7 +19,7 @@ PACKAGE = REPO / "mixerzoo"
 # lower layers first; units on one line share a layer but may not import each other
 LAYERS = [
     ["errors", "atomic"],
-    ["registry", "protocol", "progress", "decisions"],
+    ["registry", "protocol", "progress", "decisions", "ops"],
     ["strategies"],
     ["positional", "schedules"],
     ["mixers"],
@@ -104,32 +104,98 @@ def test_the_check_can_fail(tmp_path):
         unit_of(tmp_path / "y.py")
 
 
-def sibling_imports(path: Path) -> set[str]:
-    """Modules of the same package that ``path`` imports (``from .x import``, ``from . import x``)."""
+PLUGIN_PACKAGES = sorted(p for p in (REPO / "plugins").glob("*/src/*") if (p / "__init__.py").is_file())
+# One layout for every mechanism, as fla lays out an op (docs/plugin-tutorial.md): a mechanism package (a folder
+# holding layer.py; a plugin with several mechanisms has one sub-package each) has these five roles.
+ROLES = ("naive", "chunk", "recurrent", "layer", "state")
+# what each role may import from its own package: naive (the paper's equations, the reference every other form
+# is tested against) shares nothing with the forms it checks, so a bug in shared logic fails the equivalence
+# tests; the forms never import the reference or the layer; state imports nothing
+ALLOWED = {"naive": {"state"}, "state": set(), "ops": {"state"}}
+FORBIDDEN = {"chunk": {"naive", "layer"}, "recurrent": {"naive", "layer"}, "ops": {"naive", "layer"}}
+# core modules the reference may not lean on: the shared fast-path helpers
+NAIVE_CORE_FORBIDDEN = {"ops"}
+
+
+def mechanism_packages(package: Path) -> list[Path]:
+    return sorted(p.parent for p in package.rglob("layer.py") if "backends" not in p.relative_to(package).parts)
+
+
+def package_imports(path: Path, package_root: Path) -> set[str]:
+    """The modules of ``package_root`` (the mechanism package) that ``path`` imports, by their first name below it
+    (``from .ops import x`` and ``from ..naive import y`` in ``backends/cpu/z.py`` both count)."""
+    rel = path.relative_to(package_root)
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            out |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        if isinstance(node, ast.ImportFrom) and node.level:
+            up = node.level - 1
+            base = list(rel.parent.parts)
+            if up > len(base):
+                continue  # above the mechanism package: a plugin-wide module, not a role
+            base = base[: len(base) - up]
+            parts = base + (node.module.split(".") if node.module else [])
+            names = [parts] if node.module else [parts + [a.name] for a in node.names]
+            out |= {n[0] for n in names if n}
     return out
 
 
-PLUGIN_PACKAGES = sorted(p for p in (REPO / "plugins").glob("*/src/*") if (p / "__init__.py").is_file())
-# file roles (docs/plugin-tutorial.md): ops and state import no other role; the reference and the fast path share
-# ops/state and never import each other or the layer
-FORBIDDEN = {"ops": {"layer", "reference", "packed", "chunked"}, "state": {"layer", "reference", "packed", "ops"},
-             "reference": {"layer", "packed", "chunked"}, "packed": {"layer", "reference"},
-             "chunked": {"layer", "reference"}}
+def core_imports(path: Path) -> set[str]:
+    return {n.module.split(".")[1] for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.ImportFrom) and not n.level and n.module and n.module.startswith("mixerzoo.")}
+
+
+def layout_problems(package: Path) -> list[str]:
+    mechanisms = mechanism_packages(package)
+    if not mechanisms:
+        return [f"{package.name}: no mechanism package (a folder with {', '.join(r + '.py' for r in ROLES)})"]
+    bad = []
+    for mech in mechanisms:
+        name = mech.relative_to(package.parent)
+        bad += [f"{name}: missing {role}.py" for role in ROLES if not (mech / f"{role}.py").is_file()]
+        for role, allowed in ALLOWED.items():
+            if (mech / f"{role}.py").is_file():
+                extra = package_imports(mech / f"{role}.py", mech) - allowed
+                bad += [f"{name}/{role}.py imports {sorted(extra)} (allowed: {sorted(allowed)})"] if extra else []
+        for role, banned in FORBIDDEN.items():
+            if (mech / f"{role}.py").is_file() and package_imports(mech / f"{role}.py", mech) & banned:
+                bad.append(f"{name}/{role}.py imports {sorted(package_imports(mech / f'{role}.py', mech) & banned)}")
+        if (mech / "naive.py").is_file() and core_imports(mech / "naive.py") & NAIVE_CORE_FORBIDDEN:
+            bad.append(f"{name}/naive.py imports mixerzoo.ops (the fast paths' shared helpers)")
+        for f in sorted((mech / "backends").rglob("*.py")) if (mech / "backends").is_dir() else []:
+            if package_imports(f, mech) & {"naive", "layer"}:
+                bad.append(f"{f.relative_to(package.parent)} imports naive or layer (a backend is a fast path)")
+    for f in sorted(package.rglob("*.py")):
+        if "use_reference" in f.read_text():
+            bad.append(f"{f.relative_to(package.parent)}: a use_reference option (tests call naive directly)")
+    return bad
 
 
 @pytest.mark.parametrize("package", PLUGIN_PACKAGES, ids=lambda p: p.name)
-def test_plugin_file_roles(package):
-    bad = [f"{package.name}/{role}.py imports {sorted(sibling_imports(package / f'{role}.py') & banned)}"
-           for role, banned in FORBIDDEN.items()
-           if (package / f"{role}.py").is_file() and sibling_imports(package / f"{role}.py") & banned]
-    assert not bad, bad
+def test_plugin_layout(package):
+    """Every bundled plugin has the naive / chunk / recurrent / layer / state layout, with naive independent."""
+    bad = layout_problems(package)
+    assert not bad, "\n".join(bad)
+
+
+def test_plugin_layout_check_can_fail(tmp_path):
+    pkg = tmp_path / "mixerzoo_x"
+    (pkg / "backends" / "cpu").mkdir(parents=True)
+    for role in ROLES:
+        (pkg / f"{role}.py").write_text("")
+    assert layout_problems(pkg) == []
+    (pkg / "naive.py").write_text("from .ops import fold\nfrom mixerzoo.ops import max_last\n")
+    (pkg / "chunk.py").write_text("from . import naive\n")
+    (pkg / "backends" / "cpu" / "lean.py").write_text("from ...layer import X\n")
+    (pkg / "recurrent.py").unlink()
+    (pkg / "state.py").write_text("use_reference = True\n")
+    problems = "\n".join(layout_problems(pkg))
+    for expected in ("missing recurrent.py", "naive.py imports ['ops']", "chunk.py imports ['naive']",
+                     "naive.py imports mixerzoo.ops", "lean.py imports naive or layer", "use_reference"):
+        assert expected in problems, problems
 
 
 def test_plugin_role_check_sees_relative_imports(tmp_path):
-    f = tmp_path / "packed.py"
-    f.write_text("from .reference import fold\nfrom . import ops\n")
-    assert sibling_imports(f) == {"reference", "ops"}
+    f = tmp_path / "backends" / "cpu" / "lean.py"
+    f.parent.mkdir(parents=True)
+    f.write_text("from ...naive import fold\nfrom ... import ops\nfrom .kernel import k\nfrom .... import modules\n")
+    assert package_imports(f, tmp_path) == {"naive", "ops", "backends"}

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..positional import build_positional
 from ..protocol import MixerState
-from .segments import recomputed_in_backward
+from ..ops import recomputed_in_backward
 
 __all__ = ["QKVProjection", "StreamState", "head_norm", "token_shift"]
 
@@ -151,7 +151,7 @@ class QKVProjection(nn.Module):
             shared: per-forward dict shared across layers (for the value residual).
             finish_queries: False: ``q`` before :meth:`finish_queries` (see :meth:`stream`).
             recompute_keys: in training, without ``token_shift``: the keys' projection, norm and positional
-                encoding run under :func:`mixerzoo.mixers.segments.recomputed_in_backward` from ``x``, so autograd
+                encoding run under :func:`mixerzoo.ops.recomputed_in_backward` from ``x``, so autograd
                 keeps ``x`` (kept anyway) instead of the key projection that the norm's backward needs: for a mixer
                 that copies the encoded keys into buffers of its own (KVM). Same values.
 

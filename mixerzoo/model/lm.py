@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..mixers.segments import recomputed_in_backward
+from ..ops import recomputed_in_backward
 from .channel_mixers import build_channel_mixer
 from .config import ConfigError, LMConfig, build_mixer
 from .norms import build_norm
@@ -220,7 +220,7 @@ class LanguageModel(nn.Module):
 
 def _checkpointed(block: Block, x: torch.Tensor, state: tuple | None, shared: dict) -> tuple:
     """``block(x, state, shared)`` under ``torch.utils.checkpoint`` (non-reentrant) when autograd records it
-    (:func:`mixerzoo.mixers.segments.recomputed_in_backward`). The recomputation in backward must see ``shared``
+    (:func:`mixerzoo.ops.recomputed_in_backward`). The recomputation in backward must see ``shared``
     as the first run saw it: the value residual's first layer stores its values there, and run again with them
     present it would take the later layers' branch and compute something else. So the block gets a copy of what
     ``shared`` held before it, and what it adds is published to the real dict on the first run only."""

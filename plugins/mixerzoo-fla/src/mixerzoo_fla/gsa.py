@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.mixers.segments import optional_carry, run_segments
+from mixerzoo.ops import optional_carry, run_segments
 from mixerzoo.protocol import Mixer, MixerState
 
 from . import backend as _backend

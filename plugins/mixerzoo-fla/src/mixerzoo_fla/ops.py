@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 from mixerzoo.protocol import accumulation_dtype as accum_dtype
-from mixerzoo.mixers.segments import run_segments
+from mixerzoo.ops import run_segments
 
 __all__ = ["accum_dtype", "l2_normalize", "gdn_log_decay", "chunk_gated_delta_rule", "chunk_gsa",
            "check_checkpoint_chunks"]
@@ -130,7 +130,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         initial_state: ``[B, HV, K, V]`` or None.
         chunk_len: tokens per chunk (any ``T`` works; the last chunk is padded).
         checkpoint_chunks: when training, run segments of this many chunks under ``torch.utils.checkpoint``
-            (:func:`mixerzoo.mixers.segments.run_segments`): autograd keeps the state entering each segment instead
+            (:func:`mixerzoo.ops.run_segments`): autograd keeps the state entering each segment instead
             of every chunk's UT factors, decays and states, and backward recomputes one segment at a time (same
             results; more compute). 0: one pass. (The GDN layer instead recomputes whole segments of the layer,
             projections to output projection, and calls this with 0 inside each.)
@@ -237,7 +237,7 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
         initial_state: ``(Hk [B, H, K, M], Hv [B, H, M, V])`` or None.
         chunk_len: tokens per chunk.
         checkpoint_chunks: when training, run segments of this many chunks under ``torch.utils.checkpoint``
-            (:func:`mixerzoo.mixers.segments.run_segments`, as :func:`chunk_gated_delta_rule`): autograd keeps the
+            (:func:`mixerzoo.ops.run_segments`, as :func:`chunk_gated_delta_rule`): autograd keeps the
             two states entering each segment instead of every chunk's states, scores and decays. 0: one pass.
             (The GSA layer instead recomputes whole segments of the layer and calls this with 0 inside each.)
 

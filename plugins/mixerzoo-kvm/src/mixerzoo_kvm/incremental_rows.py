@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from mixerzoo.mixers.rows import flat_rows
+from mixerzoo.ops import flat_rows
 
 from .lean_attention import ChunkRows, detached_leaves, grads_to_leaves
 from .ops import accum_dtype, read_values
@@ -77,7 +77,7 @@ class IncrementalRows(ChunkRows):
     def fold_rows(self) -> list[torch.Tensor]:
         """Each fold's rows, ``(B H C,)``: token ``i`` of head ``n = b H + h`` into row ``n R + target[b, h, f C +
         i]`` of the flattened ``(B H R, D)`` state (``R`` the group's largest state;
-        :func:`mixerzoo.mixers.rows.flat_rows`)."""
+        :func:`mixerzoo.ops.flat_rows`)."""
         n_folds = self.reads[-1]
         if not n_folds:
             return []

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.protocol import accumulation_dtype as accum_dtype
-from mixerzoo.mixers.reductions import max_last
+from mixerzoo.ops import max_last
 from mixerzoo.decisions import decision
 
 __all__ = ["KVMSpec", "KVMParams", "accum_dtype", "matmul_acc", "layer_norm_s", "memory_keys", "memory_queries", "joint_queries",

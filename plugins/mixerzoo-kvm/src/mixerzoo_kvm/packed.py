@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from mixerzoo.mixers.rows import flat_rows
-from mixerzoo.mixers.segments import training
+from mixerzoo.ops import flat_rows
+from mixerzoo.ops import records_grad
 
 from .incremental_rows import IncrementalRows
 from .lean_attention import memory_window_attention, shared_mask
@@ -509,7 +509,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     acc = accum_dtype(state.s_k, k)
     carry = (state.s_k.to(acc), state.s_v.to(acc), state.rho.to(acc), None if state.count is None else
              state.count.to(acc))
-    lean = spec.checkpoint_chunks > 0 and training((q, KP, VP))
+    lean = spec.checkpoint_chunks > 0 and records_grad((q, KP, VP))
     outs = []
     # each group's tokens: one split, not slices (a slice's backward is a full-length zero gradient per group)
     q_tokens = [end - start for start, end in (token_span(a, b) for a, b in groups)]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection, StreamState
-from mixerzoo.mixers.segments import optional_carry, run_segments
+from mixerzoo.ops import optional_carry, run_segments
 from mixerzoo.protocol import Mixer
 from mixerzoo.schedules import build_schedule
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from mixerzoo.protocol import accumulation_dtype
-from mixerzoo.mixers.reductions import max_last
-from mixerzoo.mixers.rows import flat_rows, take_rows
+from mixerzoo.ops import max_last
+from mixerzoo.ops import flat_rows, take_rows
 from mixerzoo.decisions import decision
 
 __all__ = ["accumulation_dtype", "chunk_attention", "update_dictionary", "new_centroid_count", "random_scores",
@@ -169,7 +169,7 @@ def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_cou
         dk, dv: ``(B, H_kv, n, D)`` key and value dictionaries (``n`` may be 0).
         log_counts: ``(B, H_kv, n)`` log of the counts (the log-prior of eq. 14; no gradient flows to it).
         kc, vc: ``(B, H_kv, Lk, D)`` the chunk's keys and values so far, ``Lk >= Lq``.
-        reuse: for a call in a segment that backward recomputes (:func:`mixerzoo.mixers.segments.run_segments`'
+        reuse: for a call in a segment that backward recomputes (:func:`mixerzoo.ops.run_segments`'
             ``memo``): an empty dict keeps the read's output and log-sum-exp, and the recomputation, given the same
             dict, takes them instead of running the two flash calls again (backward needs exactly those two; the
             CPU flash path only, where a training step otherwise ran every forward read twice).

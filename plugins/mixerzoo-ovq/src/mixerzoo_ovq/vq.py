@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.mixers.qkv import StreamState
-from mixerzoo.mixers.reductions import max_last
+from mixerzoo.ops import max_last
 from mixerzoo.decisions import decision
 
 from . import ops, reference

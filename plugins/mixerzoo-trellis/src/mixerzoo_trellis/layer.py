@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection
-from mixerzoo.mixers.segments import run_segments
+from mixerzoo.ops import run_segments
 from mixerzoo.protocol import Mixer, MixerState
 
 from .ops import FS, PHIS, TrellisMemory, check_choice, trellis_chunked, trellis_step, zero_memory

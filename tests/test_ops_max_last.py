@@ -1,10 +1,10 @@
-"""``mixerzoo.mixers.reductions.max_last`` against ``torch.max(dim=-1)`` (KVM's routing and OVQ's nearest
+"""``mixerzoo.ops.max_last`` against ``torch.max(dim=-1)`` (KVM's routing and OVQ's nearest
 centroid take their discrete choices from it)."""
 
 import pytest
 import torch
 
-from mixerzoo.mixers.reductions import max_last
+from mixerzoo.ops import max_last
 
 
 def _assert_is_max(x: torch.Tensor) -> None:

@@ -1,9 +1,9 @@
-"""``mixerzoo.mixers.rows``: row reads on a ``(rows, D)`` view equal ``gather``, and flat row indices address the
+"""``mixerzoo.ops``: row reads on a ``(rows, D)`` view equal ``gather``, and flat row indices address the
 rows of a flattened state (KVM's folds and OVQ's dictionary merge use both)."""
 
 import torch
 
-from mixerzoo.mixers.rows import flat_rows, take_rows
+from mixerzoo.ops import flat_rows, take_rows
 
 
 def test_rows_are_read_where_they_lie():

@@ -1,11 +1,11 @@
-"""The shared segment loop of chunked mixers (mixerzoo.mixers.segments): where segments are cut, and that
+"""The shared segment loop of chunked mixers (mixerzoo.ops): where segments are cut, and that
 recomputing them in backward changes neither outputs, nor gradients, nor the carried state."""
 
 import pytest
 import torch
 
 from mixerzoo.evaluation.cost import LiveTensorBytes
-from mixerzoo.mixers.segments import recomputed_in_backward, run_segments, segment_sizes
+from mixerzoo.ops import recomputed_in_backward, run_segments, segment_sizes
 from mixerzoo.testing import ConformanceError, check_recomputation
 
 

@@ -1,0 +1,150 @@
+"""Tensor helpers that mixer plugins share; the public home for what a plugin may import from the core besides
+the protocol, schedules and positional encodings.
+
+- Segments recomputed in backward (:func:`run_segments`, :func:`optional_carry`, :func:`recomputed_in_backward`,
+  :func:`records_grad`): a chunked mixer whose state is carried chunk to chunk keeps, under plain autograd, every
+  chunk's intermediates until backward; cutting the sequence into segments of a few chunks, each under
+  ``torch.utils.checkpoint``, keeps only the state entering each segment. Results equal one pass.
+- Row-indexed reads of ``(B, H, n, D)`` tensors (:func:`flat_rows`, :func:`take_rows`): one ``index_select`` /
+  ``index_add_`` over a ``(rows, D)`` view instead of an element-wise ``gather`` / ``scatter_add_`` over a
+  ``D``-expanded index (4-9x faster on a CPU).
+- :func:`max_last`: ``max(dim=-1)`` with indices through block maxima, because PyTorch's CPU ``max(dim)`` /
+  ``argmax`` are not vectorised while ``amax`` is (0.44 ms vs 0.03 ms for ``2 x 128 x 2048`` scores on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.utils.checkpoint
+
+__all__ = ["run_segments", "segment_sizes", "optional_carry", "recomputed_in_backward", "records_grad",
+           "flat_rows", "take_rows", "max_last"]
+
+
+def records_grad(tensors) -> bool:
+    """Whether autograd will record work on ``tensors``: gradients enabled and one of them (non-tensors ignored)
+    requires a gradient. The condition under which recomputing in backward saves anything."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def segment_sizes(length: int, pos: int, span: int) -> list[int]:
+    """Lengths of the segments of ``length`` tokens starting at absolute position ``pos``, cut at the multiples of
+    ``span`` (so segments align with chunks wherever a call starts); one segment when ``span`` is 0.
+
+    Example: ``segment_sizes(10, 3, 4) == [1, 4, 4, 1]`` (positions 3 | 4-7 | 8-11 | 12).
+    """
+    if not span:
+        return [length]
+    bounds = list(range(span - pos % span, length, span)) + [length]
+    return [b - a for a, b in zip([0] + bounds[:-1], bounds)]
+
+
+def run_segments(segment: Callable[..., tuple], seqs: Sequence[torch.Tensor], pos: int, carry: Sequence,
+                 span: int, extra: Sequence = (), dim: int = 2, memo: bool = False) -> tuple[torch.Tensor, tuple]:
+    """Run ``segment(*pieces, *extra, [memo,] pos, *carry) -> (out, *carry)`` over ``seqs``: in one piece, or, when
+    training (gradients enabled and an input requires them) with ``span > 0``, in segments cut at the
+    multiples of ``span`` (:func:`segment_sizes`), each under ``torch.utils.checkpoint`` (non-reentrant) so that
+    backward recomputes it from the state entering it.
+
+    Args:
+        segment: the mixer's computation on one piece; ``out`` has the piece's length along ``dim``.
+        seqs: tensors cut along ``dim`` (one ``split`` each, not slices: a slice's backward is a full-length zero
+            gradient per segment).
+        pos: absolute position of the first token; each segment gets its own.
+        carry: the state entering the first piece (tensors); ``extra``: arguments every piece takes.
+        span: tokens per recomputed segment (``chunk_len * checkpoint_chunks``); 0: never recompute.
+        memo: pass each segment one more argument after ``extra``: a dict of its own that its first run may fill
+            with what the recomputation in backward can take instead of computing again (the same dict reaches
+            both runs: discrete choices, an attention read's output and log-sum-exp), or None when the segment
+            will not be recomputed (so nothing is kept for nothing).
+
+    Returns:
+        The pieces' outputs concatenated along ``dim`` and the state after the last one.
+    """
+    recompute = bool(span) and records_grad(seqs)
+    sizes = segment_sizes(seqs[0].shape[dim], pos, span if recompute else 0)
+    outs = []
+    carry = tuple(carry)
+    for pieces in zip(*(t.split(sizes, dim=dim) for t in seqs)):
+        args = (*pieces, *extra, *(({} if recompute else None,) if memo else ()), pos, *carry)
+        if recompute:
+            out, *carry = torch.utils.checkpoint.checkpoint(segment, *args, use_reentrant=False)
+        else:
+            out, *carry = segment(*args)
+        outs.append(out)
+        pos += pieces[0].shape[dim]
+    return torch.cat(outs, dim=dim), tuple(carry)
+
+
+def optional_carry(parts: Sequence | None, used: bool, n: int = 3) -> tuple:
+    """State parts that a layer carries through :func:`run_segments` only when one of its options uses them (short
+    convolutions' caches, a token shift's previous projections): ``()`` when unused, else ``parts``, or ``n`` Nones
+    at a sequence start. The segment gets them last in its carry; ``tuple(rest) or None`` turns them back."""
+    if not used:
+        return ()
+    return tuple(parts) if parts is not None else (None,) * n
+
+
+def recomputed_in_backward(fn: Callable[..., object], *args, also: Sequence[torch.Tensor] = ()):
+    """``fn(*args)``; when training (gradients enabled and a tensor among ``args`` or ``also`` requires them) under
+    ``torch.utils.checkpoint`` (non-reentrant), so autograd keeps only ``args`` and recomputes ``fn``'s
+    intermediates in backward. For cheap pieces whose intermediates are large (a norm, a gate, a short
+    convolution). ``also``: tensors ``fn`` uses without taking them as arguments (its parameters),
+    which decide like ``args`` whether there is anything to keep."""
+    if records_grad((*args, *also)):
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+def flat_rows(target: torch.Tensor, stride: int) -> torch.Tensor:
+    """The flat row indices ``(B H n,)`` of ``target (B, H, n)`` (rows of each head) in a state flattened to
+    ``(B H stride, D)``: row ``r`` of head ``(b, h)`` at ``(b H + h) stride + r``, in the order batch, head, then
+    the target's last axis (the order of the rows an ``index_add_`` / ``index_select`` reads or writes)."""
+    B, H = target.shape[:2]
+    return (target + torch.arange(B * H, device=target.device).view(B, H, 1) * stride).reshape(-1)
+
+
+def take_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t.gather(2, idx[..., None].expand(..., D))`` for ``t (B, H, n, D)`` and ``idx (B, H, m)``: ``(B, H, m,
+    D)``, as one row ``index_select`` (about a fifth of the element-wise gather's time at a 2,048-row dictionary
+    and a 128-token chunk). ``t`` is read where it lies: OVQ's dictionary gradient arrives from the flash backward
+    in ``(B, n, H, D)`` order and a chunk's keys are a view of the layer's, and copying either costs more than the
+    gather saves; any tensor whose rows are whole ``D``-runs (strides multiples of ``D``, the last one 1) is viewed
+    as rows of its own storage, any other is made contiguous first."""
+    B, H, n, D = t.shape
+    sb, sh, sn, sd = t.stride()
+    if sd != 1 or sb % D or sh % D or sn % D:
+        t = t.contiguous()
+        sb, sh, sn, _ = t.stride()
+    span = ((B - 1) * sb + (H - 1) * sh + (n - 1) * sn) // D + 1
+    rows = (torch.arange(B, device=idx.device).view(B, 1, 1) * (sb // D)
+            + torch.arange(H, device=idx.device).view(1, H, 1) * (sh // D) + idx * (sn // D))
+    return t.as_strided((span, D), (D, 1)).index_select(0, rows.reshape(-1)).view(B, H, idx.shape[-1], D)
+
+
+def max_last(x: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.max(dim=-1)`` for finite or ``-inf`` scores: the largest value of each row and the index of its first
+    occurrence, shapes ``x.shape[:-1]`` each.
+
+    Found as the first block of ``block`` columns holding the maximum (``amax`` per block, then ``argmax`` over
+    the blocks' maxima, both small) and the first maximum inside it: the same value and index as ``max`` (ties go
+    to the earliest column), 2.5x faster for KVM's ``256 x 2900`` routing scores and 7x for OVQ's ``128 x 2048``
+    centroid scores on this project's CPU. The last block is the ``block`` columns ending at the last one: where
+    it overlaps the block before, that block's maximum is smaller, or the earlier block would win. Rows shorter
+    than two blocks use ``max`` itself.
+
+    Raises:
+        IndexError: ``x`` has an empty last dimension (as ``max``).
+    """
+    n = x.shape[-1]
+    full = n // block
+    if full < 2:
+        return x.max(dim=-1)
+    maxima = x[..., :full * block].unflatten(-1, (full, block)).amax(dim=-1)
+    if n > full * block:
+        maxima = torch.cat([maxima, x[..., full * block:].amax(dim=-1, keepdim=True)], dim=-1)
+    start = (maxima.argmax(dim=-1, keepdim=True) * block).clamp_max(n - block)
+    inside = x.gather(-1, start + torch.arange(block, device=x.device)).argmax(dim=-1, keepdim=True)
+    return maxima.amax(dim=-1), (start + inside).squeeze(-1)
