@@ -69,9 +69,8 @@ def test_cli_creates_the_plugin_and_refuses_bad_input(tmp_path, capsys):
     target = tmp_path / "plugins" / "mixerzoo-my-attn"
     assert f"created {target}/" in out and "pip install --no-deps -e" in out
     assert {str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()} == {
-        "pyproject.toml", "README.md", "src/mixerzoo_my_attn/__init__.py", "src/mixerzoo_my_attn/ops.py",
-        "src/mixerzoo_my_attn/reference.py", "src/mixerzoo_my_attn/layer.py",
-        "tests/test_my_attn_plugin.py", "recipes/my_attn-mqar-cpu.yaml"}
+        "pyproject.toml", "README.md", "tests/test_my_attn_plugin.py", "recipes/my_attn-mqar-cpu.yaml",
+        *(f"src/mixerzoo_my_attn/{f}.py" for f in ("__init__", "naive", "chunk", "recurrent", "ops", "layer", "state"))}
     assert main(["new-plugin", "my-attn", "--dir", str(tmp_path / "plugins")]) == 2
     assert "already exists" in capsys.readouterr().err
     assert main(["new-plugin", "my.attn", "--dir", str(tmp_path)]) == 2
@@ -165,6 +164,42 @@ def test_conformance_catches_a_state_bug_in_the_generated_mixer(generated_packag
     with pytest.raises(ConformanceError, match="continuation differs at split 5") as e:
         run_conformance(lambda: ForgetsNormaliser(16, n_heads=2, chunk_len=4), 16, seq_len=16, splits=(5,))
     assert e.value.check == "continuation"
+
+
+def _fake_install(target: Path, names, site: Path) -> dict:
+    """What ``pip install -e`` gives the generated package, without pip: a dist-info folder with its entry point
+    on ``PYTHONPATH`` beside its ``src/`` (importlib.metadata finds both), so ``registry.get(name)`` resolves."""
+    info = site / f"{names.pkg}-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {names.dist}\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[mixerzoo.mixers]\n{names.name} = {names.pkg}:{names.Class}\n")
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(site), str(target / "src"), str(REPO)])}
+
+
+def test_generated_package_follows_the_plugin_layout_and_its_tests_check_the_registered_mixer(tmp_path):
+    """The scaffold writes the layout every bundled plugin follows (naive, chunk, recurrent, layer, state; no
+    use_reference), its tests pass, and they test the mixer the package registers: a forward rewritten in
+    layer.py fails them while naive.py still describes the template's linear attention."""
+    from test_architecture import layout_problems
+
+    names = plugin_names(unique_name())
+    clean = generate_plugin(names.name, tmp_path / "clean")
+    assert layout_problems(clean / "src" / names.pkg) == []
+    rewritten = generate_plugin(names.name, tmp_path / "rewritten")
+    layer = rewritten / "src" / names.pkg / "layer.py"
+    layer.write_text(layer.read_text().replace(
+        "        return y, " + names.State, "        y = 2 * y  # a changed mechanism\n        return y, " + names.State))
+    runs = {}
+    for label, target in (("clean", clean), ("rewritten", rewritten)):
+        env = _fake_install(target, names, tmp_path / f"site-{label}")
+        runs[label] = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+                                       cwd=target, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = {label: p.communicate(timeout=600)[0] for label, p in runs.items()}
+    assert runs["clean"].returncode == 0 and " passed" in out["clean"] and "failed" not in out["clean"], out["clean"]
+    assert runs["rewritten"].returncode == 1, out["rewritten"]
+    failed = {line.split("::")[1].split("[")[0] for line in out["rewritten"].splitlines() if line.startswith("FAILED")}
+    assert failed == {"test_registered_mixer_equals_naive"}, out["rewritten"]
 
 
 # -- end to end: install, its tests, training --------------------------------------------------------------------

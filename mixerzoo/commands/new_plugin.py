@@ -14,8 +14,8 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mixerzoo new-plugin", allow_abbrev=False,
-        description="Create a plugin distribution mixerzoo-NAME/ with a working mixer (causal linear attention: "
-                    "chunked form + recurrent reference), its tests, a CPU recipe and a README.")
+        description="Create a plugin distribution mixerzoo-NAME/ with a working mixer (causal linear attention in the "
+                    "naive / chunk / recurrent / layer / state layout), its tests, a CPU recipe and a README.")
     parser.add_argument("name", metavar="NAME",
                         help="mixer name: lowercase letters, digits, '_' or '-' (registered with '-' as '_')")
     parser.add_argument("--dir", default=".", metavar="PATH",

@@ -1,9 +1,11 @@
 """``mixerzoo new-plugin NAME``: generate a working plugin distribution from the templates beside this file.
 
 The generated folder ``mixerzoo-NAME/`` is a complete third-party package: ``pyproject.toml`` with the
-``mixerzoo.mixers`` entry point, a mixer (causal linear attention, elu+1 feature map: a chunked parallel form in
-``ops.py`` beside a recurrent reference in ``reference.py``, the Mixer and its state in ``layer.py``), tests that
-compare the two and run the conformance kit, a CPU recipe on MQAR and a README. ``pip install -e`` it and
+``mixerzoo.mixers`` entry point, a mixer (causal linear attention, elu+1 feature map) in the layout every
+mechanism follows: ``naive.py`` (the paper's equations, the reference), ``chunk.py`` (the parallel form),
+``recurrent.py`` (the one-token step), ``ops.py`` (what those two share), ``layer.py`` (the Mixer: parameters,
+options, choice of form) and ``state.py``; tests that check the forms and the mixer the package registers against
+``naive.py`` and run the conformance kit; a CPU recipe on MQAR and a README. ``pip install -e`` it and
 ``mixerzoo fit --config recipes/NAME-mqar-cpu.yaml`` trains it.
 
 Templates are ``string.Template`` files (``${name}``, ``${pkg}``, ...): rendering fails loudly on a missing key.
@@ -25,9 +27,12 @@ TEMPLATES: dict[str, str] = {
     "pyproject.toml.tmpl": "pyproject.toml",
     "README.md.tmpl": "README.md",
     "init.py.tmpl": "src/{pkg}/__init__.py",
+    "naive.py.tmpl": "src/{pkg}/naive.py",
+    "chunk.py.tmpl": "src/{pkg}/chunk.py",
+    "recurrent.py.tmpl": "src/{pkg}/recurrent.py",
     "ops.py.tmpl": "src/{pkg}/ops.py",
-    "reference.py.tmpl": "src/{pkg}/reference.py",
     "layer.py.tmpl": "src/{pkg}/layer.py",
+    "state.py.tmpl": "src/{pkg}/state.py",
     "test_plugin.py.tmpl": "tests/test_{name}_plugin.py",
     "recipe.yaml.tmpl": "recipes/{name}-mqar-cpu.yaml",
 }
