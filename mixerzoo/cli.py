@@ -462,9 +462,9 @@ def _lightning_cli(args: list[str] | None):
 
 
 USAGE = """usage: mixerzoo {fit,validate,test,predict} --config RECIPE.yaml [--field value ...]
-       mixerzoo import SOURCE OUT_DIR [--gguf-file F]     (transformers folder, .gguf or Hub id)
-       mixerzoo export CKPT OUT_DIR [--repo-id NAME --push] [--private] [--native]
-       mixerzoo generate MODEL --prompt TEXT [--chat] [--max-new-tokens N --temperature T --top-k K --top-p P --seed S]
+       mixerzoo import SOURCE OUT_DIR [--gguf_file F]     (transformers folder, .gguf or Hub id)
+       mixerzoo export CKPT OUT_DIR [--repo_id NAME --push] [--private] [--native]
+       mixerzoo generate MODEL --prompt TEXT [--chat] [--max_new_tokens N --temperature T --top_k K --top_p P --seed S]
        mixerzoo evaluate --ckpt A [B ...] --out DIR [--mixers YAML ...] [--tasks loss,mqar,icr,niah,cost] [--data DOCS ...]
        mixerzoo plugins [NAME]
        mixerzoo new-plugin NAME [--dir PATH]

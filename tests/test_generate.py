@@ -71,7 +71,7 @@ def test_text_checkpoint_and_export_generate_the_same(text, tmp_path, capsys):
 
 def test_generate_errors_are_one_line(recall, capsys):
     assert main(["generate", recall["last"], "--prompt", "1 2", "--max-new-tokens", "0"]) == 2
-    assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
+    assert "--max_new_tokens must be >= 1" in capsys.readouterr().err
     assert main(["generate", recall["last"]]) == 2  # no prompt and no end-of-text token to start from
     assert "--prompt is empty" in capsys.readouterr().err
     assert main(["generate", "no/such/place", "--prompt", "x"]) == 2

@@ -281,7 +281,7 @@ def test_push_without_network_is_a_clear_error(recall, tmp_path, monkeypatch, ca
     with pytest.raises(HubPushError, match="no network access"):
         push_to_hub(out, "me/mqar-tiny")
     assert main(["export", recall["last"], str(tmp_path / "n"), "--push"]) == 2  # --push needs --repo-id
-    assert "--repo-id" in capsys.readouterr().err and not (tmp_path / "n").exists()
+    assert "--repo_id" in capsys.readouterr().err and not (tmp_path / "n").exists()
 
 
 def test_push_uploads_the_folder(recall, tmp_path, monkeypatch, capsys):

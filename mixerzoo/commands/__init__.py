@@ -8,6 +8,26 @@ shows the traceback).
 
 from __future__ import annotations
 
+import argparse
+
 from ..errors import user_errors
 
-__all__ = ["user_errors"]
+__all__ = ["user_errors", "add_option", "RENAMED_FLAGS"]
+
+# Every flag of every subcommand is spelt as LightningCLI spells its own (``--ckpt_path``, ``--max_steps``):
+# words joined by underscores. The spellings with hyphens these flags had earlier are still accepted (hidden
+# from --help), so scripts written for them keep working.
+RENAMED_FLAGS = {"--max-new-tokens": "--max_new_tokens", "--top-k": "--top_k", "--top-p": "--top_p",
+                 "--no-echo": "--no_echo", "--repo-id": "--repo_id", "--gguf-file": "--gguf_file"}
+
+
+def add_option(parser: argparse.ArgumentParser, flag: str, **kwargs) -> argparse.Action:
+    """Add ``flag`` (underscore spelling, e.g. ``--max_new_tokens``) to ``parser``, and its earlier hyphenated
+    spelling from :data:`RENAMED_FLAGS` as a hidden alias with the same destination. Returns the visible action."""
+    action = parser.add_argument(flag, **kwargs)
+    old = next((o for o, n in RENAMED_FLAGS.items() if n == flag), None)
+    if old is not None:
+        hidden = {k: v for k, v in kwargs.items() if k not in ("help", "default", "metavar")}
+        parser.add_argument(old, dest=action.dest, help=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                            **({"metavar": kwargs["metavar"]} if "metavar" in kwargs else {}), **hidden)
+    return action

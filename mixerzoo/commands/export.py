@@ -1,6 +1,6 @@
-"""``mixerzoo export CKPT OUT_DIR [--repo-id NAME --push] [--private]``: a checkpoint -> a Hub folder.
+"""``mixerzoo export CKPT OUT_DIR [--repo_id NAME --push] [--private]``: a checkpoint -> a Hub folder.
 
-``mixerzoo export OUT_DIR --repo-id NAME --push`` pushes a folder exported earlier (e.g. after a push that
+``mixerzoo export OUT_DIR --repo_id NAME --push`` pushes a folder exported earlier (e.g. after a push that
 failed for lack of network).
 """
 
@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from . import user_errors
+from . import add_option, user_errors
 
 __all__ = ["main", "build_parser"]
 
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="the .ckpt file (read with weights_only=True), or an exported folder to push "
                                       "(with --native: any model source, e.g. a `mixerzoo import` folder)")
     p.add_argument("out_dir", nargs="?", help="the folder to write (a previous export there is replaced atomically)")
-    p.add_argument("--repo-id", help="Hub repository owner/name (named in the model card; needed by --push)")
+    add_option(p, "--repo_id", help="Hub repository owner/name (named in the model card; needed by --push)")
     p.add_argument("--push", action="store_true", help="upload the folder with huggingface_hub after writing it")
     p.add_argument("--private", action="store_true", help="create the Hub repository as private")
     p.add_argument("--tokenizer", help="a tokenizer.json to ship instead of the one saved in the checkpoint")
@@ -46,10 +46,10 @@ def main(argv: list[str]) -> int:
         from ..model.config import ConfigError
 
         if args.push and not args.repo_id:
-            raise ConfigError("--push needs --repo-id owner/name (the Hub repository to create or update)")
+            raise ConfigError("--push needs --repo_id owner/name (the Hub repository to create or update)")
         if args.out_dir is None:
             if not (os.path.isdir(args.checkpoint) and args.push):
-                raise ConfigError("give CKPT OUT_DIR to export, or an exported folder with --repo-id NAME --push "
+                raise ConfigError("give CKPT OUT_DIR to export, or an exported folder with --repo_id NAME --push "
                                   "to push it")
             url = push_to_hub(args.checkpoint, args.repo_id, private=args.private)
             print(f"pushed {args.checkpoint} to {url}")
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
             from ..hub.native import export_native
 
             if args.push:
-                raise ConfigError("--native with --push: export first, then push the folder with --repo-id --push")
+                raise ConfigError("--native with --push: export first, then push the folder with --repo_id --push")
             folder = export_native(args.checkpoint, args.out_dir, dtype=args.dtype, quiet=args.quiet)
             print(f"exported {args.checkpoint} -> {folder} (native transformers, no remote code)")
             return 0

@@ -1,4 +1,4 @@
-"""``mixerzoo generate CKPT_OR_DIR --prompt TEXT [--max-new-tokens --temperature --top-k --top-p --seed]``.
+"""``mixerzoo generate CKPT_OR_DIR --prompt TEXT [--max_new_tokens --temperature --top_k --top_p --seed]``.
 
 Streams the continuation to stdout as tokens are produced, carrying every mixer's state from step to step
 (:func:`mixerzoo.model.generation.stream_tokens`: one prefill pass, then one-token steps; the prefix is never
@@ -15,7 +15,7 @@ from typing import IO
 
 import torch
 
-from . import user_errors
+from . import add_option, user_errors
 
 __all__ = ["main", "build_parser", "load_for_generation", "stream_text", "layer_summary"]
 
@@ -107,16 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="a Lightning .ckpt, a folder made by `mixerzoo export`/`import`, a Hub repo id, "
                                   "or a pretrained transformers folder / .gguf file")
     p.add_argument("--prompt", default="", help="the text to continue (default: start after end-of-text)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    add_option(p, "--max_new_tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy; default 1.0")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the smallest set with mass >= p")
+    add_option(p, "--top_k", type=int, default=None, help="sample among the k most likely tokens")
+    add_option(p, "--top_p", type=float, default=None, help="nucleus sampling: the smallest set with mass >= p")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampler (reproducible samples)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: as saved)")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json to use instead of the model's")
-    p.add_argument("--no-echo", action="store_true", help="do not print the prompt before the continuation")
+    add_option(p, "--no_echo", action="store_true", help="do not print the prompt before the continuation")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as one user message in the model's chat template (imported chat models)")
     p.epilog = ("Change layers before generating with --model.mixers.NAME.KEY VALUE, as in `mixerzoo fit`, e.g. "
@@ -164,11 +164,11 @@ def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None
         from ..model.config import ConfigError
 
         if args.max_new_tokens < 1:
-            raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+            raise ConfigError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
         if args.temperature < 0:
             raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
         if args.top_p is not None and not 0 < args.top_p <= 1:
-            raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+            raise ConfigError(f"--top_p must be in (0, 1], got {args.top_p}")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         t0 = time.perf_counter()
         from ..hub.source import load_model
@@ -189,7 +189,7 @@ def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None
             prompt_ids = [eos_id]
         from ..hub.source import warn_if_beyond_context
 
-        warn_if_beyond_context(loaded.trained, len(prompt_ids) + args.max_new_tokens, "prompt + --max-new-tokens")
+        warn_if_beyond_context(loaded.trained, len(prompt_ids) + args.max_new_tokens, "prompt + --max_new_tokens")
         if prompt and not args.no_echo:
             out.write(tok.decode(prompt_ids, skip_special_tokens=False))
         new, t = stream_text(model, tok, prompt_ids, out, args.max_new_tokens, args.temperature, args.top_k,

@@ -1,4 +1,4 @@
-"""``mixerzoo import SOURCE OUT [--gguf-file F] [--revision R] [--dtype D] [--quiet]``: a pretrained transformers
+"""``mixerzoo import SOURCE OUT [--gguf_file F] [--revision R] [--dtype D] [--quiet]``: a pretrained transformers
 causal LM (Llama, Mistral, Qwen2, Qwen3; a local folder, a ``.gguf`` file or a Hub id) -> a mixerzoo export folder
 that every command takes. See :mod:`mixerzoo.hub.pretrained` and docs/pretrained.md.
 """
@@ -10,7 +10,7 @@ import sys
 import time
 import warnings
 
-from . import user_errors
+from . import add_option, user_errors
 
 __all__ = ["main", "build_parser"]
 
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "tokens and chat template). The folder is written atomically; logits equal transformers'.")
     p.add_argument("source", help="a transformers model folder, a .gguf file, or a Hub id owner/name (needs network)")
     p.add_argument("out_dir", help="the folder to write (replaced atomically if it is a previous mixerzoo folder)")
-    p.add_argument("--gguf-file", default=None, help="the .gguf inside SOURCE when SOURCE is a folder or Hub id")
+    add_option(p, "--gguf_file", default=None, help="the .gguf inside SOURCE when SOURCE is a folder or Hub id")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weights' type in the folder (default float32, what GGUF de-quantizes to)")
