@@ -19,13 +19,14 @@ conformance    150     ``pytest -v -k conformance`` over ``tests/test_attention_
                        visible: the kit adds its CUDA bf16 checks; runs beside fla-kernels
 fla-kernels    100     ``plugins/mixerzoo-fla/tests/test_fla_cuda.py -v``: fla's Triton kernels vs the
                        chunked forms (starts with conformance, on the same GPU)
-efficiency     230     ``bench_efficiency.py --processes shared`` in bf16 at d_model 1024, head_dim 128: one
-                       layer of attention, swa-512, kvm-256, kvm-sqrt, ovq, trellis, gdn, gsa (in this order:
-                       fla's, the likeliest to stall, last) at 8k and 32k (fwd+bwd time, peak and kept CUDA
-                       memory), decode ms/token at 1k and 16k; every cell bounded (``--cell-timeout 45``), the
+efficiency     230     ``run.py --processes shared`` (the benchmark runner) in bf16 at d_model 1024, head_dim
+                       128, batch 1: one layer of attention, swa-512, kvm-256, kvm-sqrt, ovq, trellis, gdn, gsa
+                       (in this order: fla's, the likeliest to stall, last) at 8k and 32k (fwd+bwd time, peak
+                       and kept CUDA memory, ratios to SDPA attention), decode ms/token at 1k, 16k and 64k and
+                       the state's bytes; every cell bounded (``--cell-timeout 45``), the
                        whole table by ``--budget`` (the step's timeout less 25 s, so that the table is printed
                        before the step is killed)
-throughput     70      ``bench_train_throughput.py``: the ~120M attention LM vs ``LlamaForCausalLM``, bf16,
+throughput     70      ``run.py throughput``: the ~120M attention LM vs ``LlamaForCausalLM``, bf16,
                        seq 2048, batch 8 (3 repeats, no ``torch.compile`` arm)
 =============  ======  ==================================================================================
 
@@ -185,17 +186,17 @@ def plan(args: argparse.Namespace) -> list[Step]:
     steps.append(Step("conformance", pytest + selection, "conformance.txt", 0, beside_next=True))
     steps.append(Step("fla-kernels", pytest + ["plugins/mixerzoo-fla/tests/test_fla_cuda.py"], "fla_kernels.txt",
                       0))
-    efficiency = [py, "benchmarks/bench_efficiency.py", "--device", device, "--dtype", "bf16", "--processes",
+    efficiency = [py, "benchmarks/run.py", "--device", device, "--dtype", "bf16", "--processes",
                   "shared", "--json", str(out / "efficiency.json")]
     efficiency += (["--d-model", "128", "--head-dim", "64", "--lengths", "1024", "--repeats", "1", "--mixers",
                     "attention", "kvm-256", "--decode-contexts", "256", "--decode-steps", "4", "--decode-rounds",
                     "1", "--cell-timeout", "120"] if dry else
                    ["--d-model", "1024", "--head-dim", "128", "--mixers", "attention", "swa-512", "kvm-256", "kvm-sqrt",
                     "ovq", "trellis", "gdn", "gsa", "--lengths", "8192", "32768", "--max-len", "--repeats", "3",
-                    "--decode-contexts", "1024", "16384", "--decode-steps", "32", "--decode-rounds", "3",
+                    "--decode-contexts", "1024", "16384", "65536", "--decode-steps", "32", "--decode-rounds", "3",
                     "--cell-timeout", "45"])
     steps.append(Step("efficiency", efficiency, "efficiency.md", 0, budget_flag="--budget"))
-    throughput = [py, "benchmarks/bench_train_throughput.py", "--device", device, "--dtype", "bf16"]
+    throughput = [py, "benchmarks/run.py", "throughput", "--device", device, "--dtype", "bf16"]
     throughput += (["--d-model", "64", "--n-layers", "2", "--n-heads", "2", "--seq-len", "64", "--batch", "2",
                     "--vocab", "256", "--repeats", "2", "--matmul-n", "256"] if dry else
                    ["--d-model", "768", "--n-layers", "12", "--n-heads", "12", "--seq-len", "2048", "--batch", "8",

@@ -27,15 +27,18 @@ def in_tmp(tmp_path, monkeypatch):
 
 @pytest.fixture
 def benchmark_script():
-    """``load(name)``: the module of ``benchmarks/<name>.py`` (a script, not a package), imported from its file
-    and registered in ``sys.modules`` (dataclasses look their module up there), with ``benchmarks/`` on
-    ``sys.path`` as when the script runs (it imports its neighbours, such as ``_device``)."""
+    """``load(name)``: the module of ``benchmarks/<name>.py`` (a script, not a package; ``papers/<script>`` for a
+    paper's reproduction), imported from its file and registered in ``sys.modules`` under its file's stem
+    (dataclasses look their module up there), with its folder and ``benchmarks/`` on ``sys.path`` as when the
+    script runs (it imports its neighbours, such as ``_device``)."""
     def load(name: str):
-        if str(REPO / "benchmarks") not in sys.path:
-            sys.path.append(str(REPO / "benchmarks"))
-        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+        path = REPO / "benchmarks" / f"{name}.py"
+        for folder in (str(REPO / "benchmarks"), str(path.parent)):
+            if folder not in sys.path:
+                sys.path.append(folder)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
+        sys.modules[path.stem] = module
         spec.loader.exec_module(module)
         return module
     return load

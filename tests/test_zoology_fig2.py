@@ -1,4 +1,4 @@
-"""``benchmarks/zoology_fig2.py``: the learning-rate sweep (Zoology's protocol) and the report over every scored run."""
+"""``benchmarks/papers/zoology_fig2.py``: the learning-rate sweep (Zoology's protocol) and the report over every scored run."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ def test_best_run_per_mixer_and_width_is_the_highest_mean_accuracy(benchmark_scr
             "b": {"mixer": "gdn", "d_model": 64, "cells": {"64/4": 0.1, "64/8": 0.3}},
             "c": {"mixer": "gdn", "d_model": 128, "cells": {"64/4": 0.0}},
             "d": {"mixer": "kvm", "d_model": 64, "cells": {"64/4": 0.9}}}
-    assert sorted(benchmark_script("zoology_fig2").best_runs(runs)) == ["b", "c", "d"]
+    assert sorted(benchmark_script("papers/zoology_fig2").best_runs(runs)) == ["b", "c", "d"]
 
 
 def test_a_learning_rate_sweep_trains_one_run_per_rate_and_reports_every_scored_run(tmp_path, benchmark_script):
-    fig2 = benchmark_script("zoology_fig2")
+    fig2 = benchmark_script("papers/zoology_fig2")
     out = tmp_path / "fig2"
     earlier = out / "runs" / "kvm-d16"  # scored by an earlier command into the same folder
     earlier.mkdir(parents=True)

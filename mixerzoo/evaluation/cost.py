@@ -25,13 +25,27 @@ For a context of ``L`` tokens in each of ``batch_size`` rows (random token ids, 
 
 Timings synchronise CUDA before reading the clock (``torch.cuda.synchronize``), so they are wall times of the work
 itself, not of its launch.
+
+One layer (a mixer ``layer(x, state) -> (y, state)`` on ``x (B, T, d_model)``), the measurements the benchmark
+runner (``benchmarks/run.py``) tabulates, each measured here and nowhere else:
+
+- :func:`training_step` / :func:`time_training_steps`: forward + backward of ``loss(y)`` (default
+  ``y.float().square().mean()``), wall seconds per step;
+- :func:`training_step_memory`: peak and "kept" (alive when the forward ends: what autograd keeps for backward,
+  and the output) bytes of one step (CUDA allocator statistics, or :class:`LiveTensorBytes` on CPU);
+- :func:`decode_rounds`: ms per one-token step after a no-grad prefill of each context, and the state bytes
+  there (:func:`mixerzoo.protocol.state_nbytes`);
+- :class:`LaunchCount` / :func:`count_launches`: operators dispatched (each a kernel launch on a GPU, less the
+  views and allocations that launch none) and host-device synchronisations of any callable.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import time
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,11 +55,14 @@ from ..model.config import ConfigError
 from ..protocol import state_nbytes, state_tensors
 from .models import model_device, model_vocab, stream_logits
 
-__all__ = ["CudaPeakMemory", "LiveTensorBytes", "kept_for_backward", "measure_cost", "cost_sweep"]
+__all__ = ["CudaPeakMemory", "LiveTensorBytes", "LaunchCount", "count_launches", "kept_for_backward",
+           "training_step", "time_training_steps", "training_step_memory", "decode_rounds", "measure_cost",
+           "cost_sweep", "HOST_SYNC_OPS"]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+def _sync(device: torch.device | str) -> None:
+    """Wait for queued CUDA work, so that a timer measures the work and not its launch (nothing on the CPU)."""
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
@@ -227,3 +244,233 @@ def cost_sweep(model, lengths: Sequence[int], chunk: int = 1024, decode_tokens: 
         if on_length is not None:
             on_length(L)
     return out
+
+
+# One layer: training step, its memory, decode, launches ---------------------------------------------------------
+
+Amp = Callable[[], ContextManager]
+
+
+def _square_mean(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return y.float().square().mean()
+
+
+def training_step(layer, x: torch.Tensor, loss: Callable = _square_mean, amp: Amp = contextlib.nullcontext) -> None:
+    """One training step of ``layer``: ``y = layer(x)[0]`` under ``amp()`` (e.g. bf16 autocast), then
+    ``loss(y, x).backward()``. ``x``: ``(B, T, d_model)`` wanting a gradient (or token ids for a model, with a
+    loss that reads them)."""
+    with amp():
+        y = layer(x)[0]
+    loss(y, x).backward()
+
+
+def _clear_grads(layer, x: torch.Tensor) -> None:
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+
+
+def time_training_steps(layer, x: torch.Tensor, repeats: int, loss: Callable = _square_mean,
+                        amp: Amp = contextlib.nullcontext) -> list[float]:
+    """Wall seconds of each of ``repeats`` :func:`training_step` calls (gradients cleared before each, CUDA
+    synchronised before the clock is read at both ends). No warm-up: the caller runs one first."""
+    device = x.device
+    times = []
+    for _ in range(repeats):
+        _clear_grads(layer, x)
+        _sync(device)
+        t0 = time.perf_counter()
+        training_step(layer, x, loss, amp)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def training_step_memory(layer, x: torch.Tensor, loss: Callable = _square_mean,
+                         amp: Amp = contextlib.nullcontext) -> dict:
+    """Memory of one :func:`training_step`, in MiB, above what was allocated before it (weights and ``x``
+    excluded). CUDA: ``peak_mib`` (``max_memory_allocated`` after ``reset_peak_memory_stats``) and ``kept_mib``
+    (allocated when the forward ends); CPU: ``live_mib`` (peak of the live tensor storages,
+    :class:`LiveTensorBytes`: exact, blind to a kernel's scratch memory) and ``kept_mib``. "kept" is what autograd
+    keeps for backward plus the output: a model of ``n`` such layers holds it ``n`` times before its backward."""
+    _clear_grads(layer, x)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with amp():
+            y = layer(x)[0]
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - base
+        loss(y, x).backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del y
+        _clear_grads(layer, x)
+        return {"peak_mib": peak / 2**20, "kept_mib": kept / 2**20}
+    with LiveTensorBytes(exclude=[*layer.parameters(), x]) as live:
+        with amp():
+            y = layer(x)[0]
+        kept = live.current
+        loss(y, x).backward()
+    _clear_grads(layer, x)
+    return {"live_mib": live.peak / 2**20, "kept_mib": kept / 2**20}
+
+
+def _prefill(layer, x: torch.Tensor, T: int, piece: int = 4096):
+    """The state after ``x[:, :T]`` read in pieces of ``piece`` tokens (no gradient: the caller's)."""
+    state = None
+    for a in range(0, T, piece):
+        _, state = layer(x[:, a:min(a + piece, T)], state)
+    return state
+
+
+def decode_rounds(layer, contexts: Sequence[int], steps: int, rounds: int, d_model: int,
+                  amp: Amp = contextlib.nullcontext, device: str | torch.device = "cpu",
+                  ) -> tuple[dict[int, list[float]], dict[int, int]]:
+    """ms per token of ``steps`` single-token calls after a no-grad prefill of each of ``contexts`` tokens (in
+    pieces of 4,096), ``rounds`` times: every round runs each context's steps from its prefilled state, the
+    contexts in an order rotated by one each round, so that a slow minute of a shared machine falls on all of them
+    alike (a mixer's state is a value: a step returns a new state and leaves the prefilled one as it was).
+
+    Returns:
+        ``({context: [ms per token of each round]}, {context: state bytes after its prefill})``.
+    """
+    layer.eval()
+    x = torch.randn(1, max(contexts) + steps, d_model, device=device)
+    times: dict[int, list[float]] = {c: [] for c in contexts}
+    with torch.no_grad(), amp():
+        states = {T: _prefill(layer, x, T) for T in contexts}
+        layer(x[:, contexts[0]:contexts[0] + 1], states[contexts[0]])  # untimed: a first step's lazy work
+        for r in range(rounds):
+            k = r % len(contexts)
+            for T in list(contexts[k:]) + list(contexts[:k]):
+                state = states[T]
+                _sync(device)
+                t0 = time.perf_counter()
+                for t in range(T, T + steps):
+                    _, state = layer(x[:, t:t + 1], state)
+                _sync(device)
+                times[T].append(1e3 * (time.perf_counter() - t0) / steps)
+    return times, {T: state_nbytes(s) for T, s in states.items()}
+
+
+# Operators that wait for the device: a value read back to the host (``.item()``, ``bool(t)``, ``int(t)`` all
+# reach ``_local_scalar_dense``) or an output whose shape depends on the data (the host must read the size).
+HOST_SYNC_OPS = frozenset({
+    "aten._local_scalar_dense", "aten.nonzero", "aten.argwhere", "aten.masked_select", "aten._unique",
+    "aten._unique2", "aten.unique_dim", "aten.unique_consecutive", "aten.equal", "aten.is_nonzero",
+})
+# Operators that launch no kernel: allocations without a fill, and metadata changes (views are found by
+# ``OpOverload.is_view``).
+_NO_KERNEL = frozenset({
+    "aten.empty", "aten.empty_strided", "aten.empty_like", "aten.detach", "aten.alias", "aten.lift_fresh",
+    "aten.set_", "aten.resize_", "aten._reshape_alias", "aten.t", "aten.unsqueeze_", "aten.squeeze_",
+    "aten.as_strided_", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset",
+    "aten.is_same_size", "aten._has_compatible_shallow_copy_type",
+})
+
+
+def _is_host_sync(name: str, func, args, kwargs) -> bool:
+    if name in HOST_SYNC_OPS:
+        return True
+    if name in ("aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+    if name == "aten.repeat_interleave":  # a tensor of repeats without output_size: the total is read back
+        return func._overloadname == "Tensor" and kwargs.get("output_size") is None
+    return False
+
+
+class LaunchCount(TorchDispatchMode):
+    """Counts what the code inside the ``with`` block dispatches.
+
+    - ``ops``: every operator reaching the dispatcher (``Counter`` by name, e.g. ``aten.mm``), after autograd, so a
+      backward's operators count too;
+    - ``launches``: the operators that launch a kernel on a GPU: ``ops`` less views (``OpOverload.is_view``) and
+      allocations or metadata changes that launch none; a custom operator (a namespace other than ``aten``, e.g.
+      a ``torch.library`` op wrapping a fused kernel) counts as one; a Triton kernel launched from Python
+      (``JITFunction.run``, or the interpreter's under ``TRITON_INTERPRET=1``) counts as one and hides the
+      operators it runs inside;
+    - ``host_syncs``: operators that make the host wait for the device (:data:`HOST_SYNC_OPS`: ``.item()``,
+      ``nonzero``, data-dependent shapes, boolean-mask indexing, ``repeat_interleave`` without ``output_size``).
+
+    Counted on any device; a CPU run counts the same operators as a GPU run of the same code path. A region
+    compiled by ``torch.compile`` is not seen through: run the eager code to count it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.host_syncs: collections.Counter = collections.Counter()
+        self.triton = 0
+        self.no_kernel = 0
+        self._inside_kernel = 0
+        self._patched: list = []
+
+    @property
+    def n_ops(self) -> int:
+        return sum(self.ops.values()) + self.triton
+
+    @property
+    def launches(self) -> int:
+        return sum(self.ops.values()) - self.no_kernel + self.triton
+
+    def summary(self, top: int = 8) -> dict:
+        """``{"ops", "launches", "host_syncs", "triton", "sync_ops": {name: n}, "top": {name: n}}``."""
+        return {"ops": self.n_ops, "launches": self.launches, "host_syncs": sum(self.host_syncs.values()),
+                "triton": self.triton, "sync_ops": dict(self.host_syncs), "top": dict(self.ops.most_common(top))}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self._inside_kernel:
+            name = str(func.overloadpacket)
+            self.ops[name] += 1
+            if getattr(func, "is_view", False) or name in _NO_KERNEL:
+                self.no_kernel += 1
+            if _is_host_sync(name, func, args, kwargs):
+                self.host_syncs[name] += 1
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        self._patch_triton()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for owner, original in self._patched:
+                owner.run = original
+            self._patched.clear()
+
+    def _patch_triton(self) -> None:
+        import sys
+
+        if "triton" not in sys.modules:  # nothing can launch a Triton kernel without importing it first
+            return
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            return
+        for owner in (JITFunction, InterpretedFunction):
+            original = owner.run
+
+            def run(fn_self, *args, _original=original, **kwargs):
+                self.triton += 1
+                self._inside_kernel += 1
+                try:
+                    return _original(fn_self, *args, **kwargs)
+                finally:
+                    self._inside_kernel -= 1
+
+            owner.run = run
+            self._patched.append((owner, original))
+
+
+def count_launches(fn: Callable[[], object]) -> dict:
+    """:meth:`LaunchCount.summary` of one call of ``fn`` (run it once before, so that lazy initialisation is not
+    counted)."""
+    with LaunchCount() as count:
+        fn()
+    return count.summary()

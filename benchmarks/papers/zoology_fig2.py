@@ -24,9 +24,9 @@ Usage (the CPU grid as recorded in docs/results/zoology_fig2/, about 1.5 hours o
 longer, as two-layer attention at that width needed more than 800 steps; the full grid for a GPU is in the
 recipe's header)::
 
-    python benchmarks/zoology_fig2.py --mixers attention swa kvm ovq trellis gdn gsa --steps 1200 600 \
+    python benchmarks/papers/zoology_fig2.py --mixers attention swa kvm ovq trellis gdn gsa --steps 1200 600 \
         --out docs/results/zoology_fig2
-    python benchmarks/zoology_fig2.py --mixers attention gdn --d-models 64 --steps 100 --out /tmp/fig2   # a quick look
+    python benchmarks/papers/zoology_fig2.py --mixers attention gdn --d-models 64 --steps 100 --out /tmp/fig2  # quick
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # measure this checkout
 
 import torch  # noqa: E402

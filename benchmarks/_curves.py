@@ -1,5 +1,6 @@
-"""Short CPU training runs on the books: Trellis (recipe ``recipes/trellis/trellis-cpu.yaml``) and the same
-backbone with other mixers in every layer (GDN, GSA when ``mixerzoo-fla`` is installed; full attention).
+"""``benchmarks/run.py curves``: short CPU training runs on the books: one recipe (default
+``recipes/trellis/trellis-cpu.yaml``) with each mixer of ``--mixers`` in every layer (default Trellis, GDN, GSA
+when ``mixerzoo-fla`` is installed, full attention).
 
 Each run is ``mixerzoo fit --config <recipe>`` with ``--model.layer_types [<mixer>]`` (and the mixer's default
 options) and a CSV logger under ``runs/trellis-cpu-<mixer>/``. Afterwards the script prints a table (parameters,
@@ -7,7 +8,7 @@ wall time, train loss at the start and end, validation loss at every validation)
 
 Usage (the committed output is docs/results/trellis_cpu_training.txt and .png)::
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_trellis_train.py --mixers trellis gdn gsa attention \\
+    OMP_NUM_THREADS=2 python benchmarks/run.py curves --mixers trellis gdn gsa attention \\
         --out docs/results/trellis_cpu_training
 """
 
@@ -60,7 +61,7 @@ def count_params(recipe: Path, mixer: str, options: dict | None, vocab_size: int
     return LanguageModel(LMConfig(vocab_size=vocab_size, **fields)).num_parameters()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default=str(ROOT / "recipes/trellis/trellis-cpu.yaml"))
     ap.add_argument("--mixers", nargs="+", default=["trellis", "gdn", "gsa", "attention"],
@@ -69,7 +70,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=None, help="override trainer.max_steps")
     ap.add_argument("--out", default=None, help="prefix for <out>.png (the table goes to stdout)")
     ap.add_argument("--skip-existing", action="store_true", help="reuse finished runs under runs/")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     recipe = Path(args.recipe)
 
     from mixerzoo import registry

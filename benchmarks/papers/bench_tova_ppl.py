@@ -15,11 +15,11 @@ entry the last query attends to least, averaged over heads). Exact decode-time e
 
 Usage::
 
-    python benchmarks/bench_tova_ppl.py --ckpt runs/tova/.../checkpoints/last.ckpt \\
+    python benchmarks/papers/bench_tova_ppl.py --ckpt runs/tova/.../checkpoints/last.ckpt \\
         --config recipes/tova/books-attention.yaml --chunked 64 --ablation --out docs/results/tova_ppl.md
     # a real pretrained LLM (SmolLM2-135M), 8 held-out book windows of 2048 tokens
     mixerzoo import ../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf smollm2/
-    python benchmarks/bench_tova_ppl.py --ckpt smollm2/ --data ../shared/data/books --windows 8 --length 2048 \\
+    python benchmarks/papers/bench_tova_ppl.py --ckpt smollm2/ --data ../shared/data/books --windows 8 --length 2048 \\
         --sizes 64,128,256,512,1024 --head-sizes 256,512 --threads 2 --out docs/results/tova_smollm2.md
 """
 

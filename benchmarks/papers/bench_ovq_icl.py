@@ -6,7 +6,7 @@ For every context length and function count the table gives the per-token accura
 and for the n-th example of its function (figure 5's x axis; ranks past ``--max-occurrence`` pooled), computed by
 :func:`mixerzoo.evaluation.recall.icl_sweep` on the validation stream, and the state size at that length.
 
-    python benchmarks/bench_ovq_icl.py --ckpt runs/ovq-icl/sw-nope/checkpoints/last.ckpt \\
+    python benchmarks/papers/bench_ovq_icl.py --ckpt runs/ovq-icl/sw-nope/checkpoints/last.ckpt \\
         runs/ovq-icl/sw-ovq/checkpoints/last.ckpt runs/ovq-icl/sw-vq/checkpoints/last.ckpt \\
         --names sw-nope sw-ovq sw-vq --functions 1 4 16 --lengths 256 1024 --json out.json
 """

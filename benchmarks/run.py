@@ -1,64 +1,57 @@
-"""Efficient mixers against full attention on CPU: training step time and peak memory, decode ms/token.
+"""The benchmark runner: every mixer of a registry of configurations against full attention, one layer at a time.
 
-One layer per mixer, d_model 256, 2 heads x 128, batch 1, fp32, built through the registry (so any installed mixer
-can be added with ``--mixers``). Attention and KVM use half RoPE and per-head LayerNorm on q/k (the KVM paper's
-settings), KVM chunk_len 256 with 2 window chunks; OVQ chunk_len 128, N = 2048 (the OVQ paper's); the recurrent
-mixers their defaults.
+    python benchmarks/run.py [--measure train decode launches] [--mixers ...] [--lengths ...] [--device cpu|cuda]
+    python benchmarks/run.py throughput [...]        # training tokens/s and MFU of an LM vs LlamaForCausalLM
+    python benchmarks/run.py curves [...]            # loss curves: one recipe, the mixer swapped in every layer
 
-- **Training step** (forward + backward of ``y.square().mean()``): all mixers of one length in one process,
-  interleaved, ``--repeats`` rounds; the table gives the median time and the median of the per-round ratios to
-  attention (so load swings hit all of them alike).
-- **Peak memory**: a fresh process per mixer and length; one warm-up step at 1,024 tokens first (lazy imports
-  such as ``torch.utils.checkpoint``'s and thread pools are paid once per process, by any training run), then the
-  resident-set high-water mark of one step minus the resident size before it, and (CPU) the peak of the live
-  tensor storages of one more step (:class:`mixerzoo.evaluation.cost.LiveTensorBytes`: exact and repeatable,
-  blind to scratch memory inside a kernel; the resident-set figure moves by 10-20% between runs), and what is
-  still alive when the forward pass ends ("kept": what autograd keeps for backward, and the output). A model of
-  ``n`` layers holds ``n`` times "kept" before its backward starts, but only one layer's backward transient at
-  a time, so at depth "kept" is the figure that decides memory; "live" is the whole one-layer step.
-  ``--memory-only`` skips the timed rounds.
-- ``--model-layers N``: the same training-step columns for a whole language model instead of one layer:
-  ``N`` blocks of the mixer (each with its pre-norm, residual and the default SwiGLU MLP, as
-  :class:`mixerzoo.model.LanguageModel` builds them), a byte-sized vocabulary (256, so that the logits do not
-  dominate) and the next-token cross-entropy as the loss: the peak that a training run of such a model reaches,
-  where the one-layer figures only bound it. No decode table (pass ``--decode-contexts`` with no value).
-  ``--activation-checkpointing``: the model recomputes each block in backward
-  (:attr:`mixerzoo.model.LanguageModel.activation_checkpointing`); its peak is then the blocks' inputs plus one
-  block's forward and backward, so the one-layer "live" figure is the one that decides it.
-- **Decode**: a fresh process per mixer; every context of ``--decode-contexts`` prefilled without gradient (in
-  pieces of 4,096), then ``--decode-rounds`` rounds of ``--decode-steps`` single-token steps from each context's
-  state, the contexts in turn (rotated each round); the table gives the median ms/token and the median of the
-  per-round ratios of the longest context to the shortest (a mean of one run per context in its own process moved
-  by 30% between runs on a shared VM).
-- ``--profile MIXER T``: a ``torch.profiler`` table of one training step (top ops by self CPU time, and the
-  tracked tensor memory), to commit beside the results.
-- ``--op-lines MIXER T``: the time of every operator of one training step summed per line of mixerzoo code that
-  called it (the innermost ``mixerzoo`` frame; a blank line is autograd's own backward nodes), to find which line
-  of a fast path costs what. Timed through a ``TorchDispatchMode``, whose own overhead (tens of microseconds per
-  operator) inflates lines with many small operators: for finding hot spots, not for comparing versions.
-- ``--memory-profile MIXER T``: what is alive at the peak of one training step: the tensor storages created by
-  the step, counted by :class:`mixerzoo.evaluation.cost.LiveTensorBytes`, grouped by the operator that made them,
-  their shape and the line of mixerzoo code that called it (as ``--op-lines``; "(autograd)": made by autograd's
-  engine in backward): the view a memory optimisation needs, independent of the machine's load.
-- ``--device cuda --dtype bf16 --d-model 1024 --head-dim 128`` (the GPU table): the same tables on a GPU
-  under bf16 autocast (weights fp32, as in ``bf16-mixed`` training); time is taken after ``cuda.synchronize``
-  and peak memory is ``torch.cuda.max_memory_allocated`` of the step minus what was allocated before it.
-- ``--processes shared`` (the default on CUDA; ``per-cell`` is the CPU's default, as above): every cell (one
-  mixer's training step at one length, or its decode table) runs in one worker process, mixer after mixer: per
-  length one untimed step (on CUDA), ``--repeats`` timed steps, then one step for the memory columns in the same
-  process (CUDA: ``torch.cuda.reset_peak_memory_stats`` / ``max_memory_allocated``, "kept" is what is still
-  allocated when the forward ends; CPU: the live tensor storages); "speed vs attention" is then the ratio of the
-  medians. A mixer that raises fills its own cells with its error, no other; each cell is bounded by
-  ``--cell-timeout`` seconds (the worker is killed, the mixer's remaining cells are skipped, a fresh worker goes
-  on with the next mixer), and ``--budget`` bounds the whole table (cells not reached are marked so). A worker
-  start costs about 20 s on a GPU machine (imports, CUDA, Triton), which a fresh process per cell paid each time.
-  In either mode a mixer's error (the layer's message, its traceback on stderr) is confined to its own cells.
+A configuration (:data:`MIXERS`) is a name in the tables, a registry name and the layer's options; every layer is
+built as ``mixerzoo.registry.get(name)(d_model, n_heads=..., **options)``, so any installed mixer can be added
+and a variant can force a form through its options (``kvm-256/keep``: ``checkpoint_chunks 0``). Defaults: one
+layer, d_model 256, 2 heads x 128, batch 1, fp32 (``--d-model --head-dim --device --dtype``). Attention and KVM
+use half RoPE and per-head LayerNorm on q/k (the KVM paper's settings), KVM chunk_len 256 with 2 window chunks;
+OVQ chunk_len 128, N = 2048 (the OVQ paper's); the recurrent mixers their defaults. Each quantity is measured by
+:mod:`mixerzoo.evaluation.cost` (one place); this script schedules the cells, bounds them, and prints tables.
 
-    python benchmarks/bench_efficiency.py --threads 2 --json table.json > table.md   # docs/results/efficiency_cpu/
-    python benchmarks/bench_efficiency.py --lengths 4096 --mixers attention kvm-256 --repeats 1     # quick look
-    python benchmarks/bench_efficiency.py --profile kvm-256 8192       # a profiler table of one step
-    python benchmarks/bench_efficiency.py --device cuda --dtype bf16 --d-model 1024 --head-dim 128 \
-        --lengths 8192 32768 --max-len --decode-contexts 1024 16384 --budget 200   # on a GPU (gpu_suite.py)
+Measurements (``--measure``, default ``train decode``):
+
+- **train** (forward + backward of ``y.square().mean()``) at each of ``--lengths``: time (median of
+  ``--repeats``) and memory. With ``--processes per-cell`` (the CPU's default) all mixers of one length are timed
+  in one process, interleaved, and "speed vs attention" is the median of the per-round ratios (load swings hit
+  all of them alike); memory is then measured in a fresh process per mixer and length (after a warm-up step at
+  1,024 tokens): the resident-set growth of one step, the peak of the live tensor storages of one more step
+  ("live": exact, blind to scratch memory inside a kernel) and what is alive when its forward ends ("kept": what
+  autograd keeps for backward and the output; at depth the figure that decides memory). On CUDA: the
+  allocator's peak above what was allocated before the step, and "kept".
+- **decode**: per mixer, every context of ``--decode-contexts`` prefilled without gradient (pieces of 4,096),
+  then ``--decode-rounds`` rounds of ``--decode-steps`` one-token steps from each context's state, the contexts
+  in turn; median ms/token, the median per-round ratio of the longest context to the shortest, and the state
+  bytes at the longest context.
+- **launches** at each of ``--lengths``: operators dispatched by one training step (forward + backward) and by
+  one decode step after a prefill of that length, kernel launches among them (views and allocations launch
+  none; a Triton kernel or a custom operator counts as one), and host-device synchronisations (``.item()``,
+  ``nonzero``, data-dependent shapes): :class:`mixerzoo.evaluation.cost.LaunchCount`, exact and independent of
+  the machine's load, counted after one warm-up step.
+- ``throughput`` (a sub-command, its own flags: ``run.py throughput --help``): training tokens/s and MFU of the
+  core attention LM against transformers' ``LlamaForCausalLM`` of the same shape, interleaved repeats, eager and
+  (``--compile``) compiled arms.
+- ``curves`` (a sub-command, ``run.py curves --help``): ``mixerzoo fit`` of one recipe with each mixer of
+  ``--mixers`` in every layer; a table of train and validation losses and a loss-curve figure.
+
+Processes: ``--processes shared`` (the default on CUDA, always for launches) runs every cell in one worker, mixer
+after mixer, each cell bounded by ``--cell-timeout`` (the worker is killed, the mixer's later cells skipped, a
+fresh worker goes on) and the whole table by ``--budget``; ``per-cell`` (the CPU's default for train and decode)
+a fresh process per memory and decode cell. Either way a mixer's error stays in its own cells.
+
+Diagnostics of one mixer at one length: ``--profile`` (torch.profiler's table), ``--op-lines`` (operators' time
+per calling line of mixerzoo code, through a dispatch mode whose own overhead inflates lines of many small
+operators), ``--memory-profile`` (the storages alive at the step's peak and when its forward ends, by operator,
+shape and calling line). ``--model-layers N``: the training-step columns for an N-block language model of each
+mixer (vocabulary 256, next-token cross-entropy; ``--activation-checkpointing``).
+
+    python benchmarks/run.py --lengths 4096 --mixers attention kvm-256 --repeats 1 --decode-contexts  # quick look
+    python benchmarks/run.py --measure launches --lengths 2048 8192 --mixers all --json l.json > l.md
+    python benchmarks/run.py --device cuda --dtype bf16 --d-model 1024 --head-dim 128 --lengths 8192 32768 \
+        --max-len --decode-contexts 1024 16384 65536 --budget 200          # the GPU table (gpu_suite.py)
 """
 
 from __future__ import annotations
@@ -77,7 +70,7 @@ import threading
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # measure this checkout
 
 from _device import add_device_args, autocast, check_device, kill_process_group, sync  # noqa: E402 - beside this script
 
@@ -85,13 +78,13 @@ D_MODEL, N_HEADS = 256, 2
 MODEL_VOCAB = 256  # --model-layers: byte-sized, so that the logits (T x vocab) do not dominate the memory
 HALF_ROPE = {"name": "rope", "rotary_fraction": 0.5}
 KVM = dict(chunk_len=256, n_bswa_chunks=2, positional=HALF_ROPE, qk_norm="layernorm")
-MIXERS = {  # name in the tables: (registry name, options)
+SQRT = {"name": "power_law", "coef": 16, "exponent": 0.5, "min_size": 256}
+MIXERS = {  # name in the tables: (registry name, layer options)
     "attention": ("attention", dict(positional=HALF_ROPE, qk_norm="layernorm")),
     "kvm-256": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256})),
-    "kvm-sqrt": ("kvm", dict(KVM, schedule={"name": "power_law", "coef": 16, "exponent": 0.5, "min_size": 256})),
+    "kvm-sqrt": ("kvm", dict(KVM, schedule=SQRT)),
     "kvm-256/keep": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, checkpoint_chunks=0)),
-    "kvm-sqrt/keep": ("kvm", dict(KVM, schedule={"name": "power_law", "coef": 16, "exponent": 0.5, "min_size": 256},
-                                  checkpoint_chunks=0)),
+    "kvm-sqrt/keep": ("kvm", dict(KVM, schedule=SQRT, checkpoint_chunks=0)),
     "ovq": ("ovq", dict(chunk_len=128, max_size=2048)),
     "ovq/keep": ("ovq", dict(chunk_len=128, max_size=2048, checkpoint_chunks=0)),
     "trellis": ("trellis", {}),
@@ -103,6 +96,7 @@ MIXERS = {  # name in the tables: (registry name, options)
 }
 TRAINABLE = [m for m in MIXERS if not m.startswith("tova")]  # TOVA is an inference-time policy
 DEFAULT = [m for m in MIXERS if not m.endswith("/keep")]  # "/keep": checkpoint_chunks 0 (no recomputation)
+MEASURES = ["train", "decode", "launches"]
 
 
 def build(name: str, task: dict, spec: tuple[str, dict] | None = None):
@@ -111,13 +105,14 @@ def build(name: str, task: dict, spec: tuple[str, dict] | None = None):
     of that many blocks of it."""
     import torch
     from mixerzoo import registry
-    from mixerzoo.model import LanguageModel
 
     torch.manual_seed(0)
     kind, options = spec or MIXERS[name]
     d_model = task.get("d_model", D_MODEL)
     n_heads = d_model // task.get("head_dim", D_MODEL // N_HEADS)
     if task.get("layers"):
+        from mixerzoo.model import LanguageModel
+
         model = LanguageModel(dict(vocab_size=MODEL_VOCAB, d_model=d_model, n_layers=task["layers"], n_heads=n_heads,
                                    layer_types=["mixer"], mixers={"mixer": {"mixer": kind, **options}}))
         model.activation_checkpointing = bool(task.get("activation_checkpointing"))
@@ -136,19 +131,24 @@ def inputs(task: dict, T: int):
     return torch.randn(1, T, task.get("d_model", D_MODEL), device=device, requires_grad=True)
 
 
-def loss_of(out, x, task: dict):
-    """The step's loss from the forward's first output: the next-token cross-entropy for a model
-    (``task["layers"]``), ``y.square().mean()`` for one layer."""
+def loss_of(task: dict):
+    """The step's loss ``loss(y, x)``: the next-token cross-entropy for a model (``task["layers"]``),
+    ``y.square().mean()`` for one layer."""
     import torch.nn.functional as F
 
     if task.get("layers"):
-        return F.cross_entropy(out[0, :-1].float(), x[0, 1:])
-    return out.float().square().mean()
+        return lambda y, ids: F.cross_entropy(y[0, :-1].float(), ids[0, 1:])
+    return lambda y, x: y.float().square().mean()
 
 
 def on(task: dict) -> tuple[str, str]:
     """The task's ``(device, dtype)``, for :func:`_device.autocast` and (its device) :func:`_device.sync`."""
     return task.get("device", "cpu"), task.get("dtype", "fp32")
+
+
+def amp(task: dict):
+    """The task's autocast as a factory (what :mod:`mixerzoo.evaluation.cost` takes)."""
+    return lambda: autocast(*on(task))
 
 
 def rss_mib() -> float:
@@ -157,17 +157,20 @@ def rss_mib() -> float:
 
 
 def step(layer, x, task: dict | None = None):
-    """One training step: forward under the task's autocast, then :func:`loss_of`'s backward."""
-    with autocast(*on(task or {})):
-        y, _ = layer(x)
-    loss_of(y, x, task or {}).backward()
+    """One training step (:func:`mixerzoo.evaluation.cost.training_step`) under the task's autocast and loss."""
+    from mixerzoo.evaluation.cost import training_step
+
+    training_step(layer, x, loss_of(task or {}), amp(task or {}))
 
 
 def worker(task: dict) -> dict:
+    """``--worker``: one task of ``--processes per-cell`` in this (fresh) process: ``time`` (interleaved rounds of
+    every mixer of one length), ``memory`` (one mixer at one length) or ``decode`` (one mixer)."""
     import torch
+    from mixerzoo.evaluation import cost
 
     torch.set_num_threads(task["threads"])
-    device, d_model = on(task)[0], task.get("d_model", D_MODEL)
+    device = on(task)[0]
     if task["what"] == "time":  # a mixer that raises gets {"error": ...} and leaves the rounds; the others go on
         times, layers = {}, {}
         x = inputs(task, task["T"])
@@ -183,11 +186,7 @@ def worker(task: dict) -> dict:
         for _ in range(task["repeats"]):
             for name, layer in list(layers.items()):
                 try:
-                    sync(device)
-                    t0 = time.perf_counter()
-                    step(layer, x, task)
-                    sync(device)
-                    times[name].append(time.perf_counter() - t0)
+                    times[name] += cost.time_training_steps(layer, x, 1, loss_of(task), amp(task))
                 except Exception as e:
                     times[name] = {"error": error_text(e)}
                     del layers[name]
@@ -199,69 +198,54 @@ def worker(task: dict) -> dict:
         layer.zero_grad(set_to_none=True)
         x = inputs(task, task["T"])
         if device == "cuda":
-            sync(device)
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step(layer, x, task)
-            sync(device)
-            return {"peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
+            return cost.training_step_memory(layer, x, loss_of(task), amp(task))
         base = rss_mib()
         step(layer, x, task)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
         # the same step once more, counting live tensor storages: exact and repeatable, where the resident-set
         # high-water mark moves by 10-20% between runs with the allocator's reuse of freed memory
-        from mixerzoo.evaluation.cost import LiveTensorBytes
-
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        with LiveTensorBytes(exclude=[*layer.parameters(), x]) as live:
-            with autocast(*on(task)):
-                y, _ = layer(x)
-            kept = live.current  # what autograd keeps for backward (and the output): per layer, in a deep model
-            loss_of(y, x, task).backward()
-        return {"peak_mib": rss, "live_mib": live.peak / 2**20, "kept_mib": kept / 2**20}
+        return {"peak_mib": rss, **cost.training_step_memory(layer, x, loss_of(task), amp(task))}
     if task["what"] == "decode":
-        times = decode_rounds(layer, task["contexts"], task["steps"], task["rounds"], d_model, task)
-        return {"ms_per_token_rounds": {str(c): v for c, v in times.items()}}
+        return decode_cell(layer, task["contexts"], task)
     raise ValueError(task)
 
 
-def decode_rounds(layer, contexts: list[int], steps: int, rounds: int, d_model: int = D_MODEL,
-                  task: dict | None = None) -> dict[int, list[float]]:
-    """ms per token of ``steps`` single-token calls after a no-grad prefill of each of ``contexts`` tokens (in
-    pieces of 4,096), ``rounds`` times: every round runs each context's steps from its prefilled state, the
-    contexts in an order rotated by one each round, so that a slow minute of a shared machine falls on all of them
-    alike (the mixers' states are values: a step returns a new state and leaves the prefilled one as it was).
-    Returns ``{context: [ms per token of each round]}``."""
+def decode_cell(layer, contexts: list[int], task: dict) -> dict:
+    """:func:`mixerzoo.evaluation.cost.decode_rounds` with the task's settings, as a cell's JSON result."""
+    from mixerzoo.evaluation.cost import decode_rounds
+
+    times, state = decode_rounds(layer, contexts, task["steps"], task["rounds"], task.get("d_model", D_MODEL),
+                                 amp(task), on(task)[0])
+    return {"ms_per_token_rounds": {str(c): v for c, v in times.items()},
+            "state_bytes": {str(c): v for c, v in state.items()}}
+
+
+def launches_cell(layer, T: int, task: dict, trainable: bool) -> dict:
+    """Operators, kernel launches and host syncs (:func:`mixerzoo.evaluation.cost.count_launches`) of one training
+    step at ``T`` tokens (``trainable`` mixers) and of one decode step after a no-grad prefill of ``T`` tokens,
+    each after one uncounted run of the same (lazy initialisation, caches)."""
     import torch
+    from mixerzoo.evaluation.cost import count_launches
 
-    device, dtype = on(task or {})
+    out = {}
+    x = inputs(task, T)
+    if trainable:
+        layer.train()
+        step(layer, x[:, :min(T, 1024)], task)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        out["train"] = count_launches(lambda: step(layer, x, task))
+        layer.zero_grad(set_to_none=True)
     layer.eval()
-    x = torch.randn(1, max(contexts) + steps, d_model, device=device)
-    times: dict[int, list[float]] = {c: [] for c in contexts}
-    with torch.no_grad(), autocast(device, dtype):
-        states = {}
-        for T in contexts:
-            state = None
-            for a in range(0, T, 4096):
-                _, state = layer(x[:, a:min(a + 4096, T)], state)
-            states[T] = state
-        for r in range(rounds):
-            for T in contexts[r % len(contexts):] + contexts[:r % len(contexts)]:
-                state = states[T]
-                sync(device)
-                t0 = time.perf_counter()
-                for t in range(T, T + steps):
-                    _, state = layer(x[:, t:t + 1], state)
-                sync(device)
-                times[T].append(1e3 * (time.perf_counter() - t0) / steps)
-    return times
-
-
-def decode_ms_per_token(layer, T: int, steps: int, d_model: int = D_MODEL, task: dict | None = None) -> float:
-    """Mean ms of ``steps`` single-token calls after a no-grad prefill of ``T`` tokens in pieces of 4,096 (one
-    round of :func:`decode_rounds`)."""
-    return decode_rounds(layer, [T], steps, 1, d_model, task)[T][0]
+    with torch.no_grad(), autocast(*on(task)):
+        x = x.detach()
+        state = None
+        for a in range(0, T, 4096):
+            _, state = layer(x[:, a:min(a + 4096, T)], state)
+        token = torch.randn_like(x[:, :1])
+        layer(token, state)  # uncounted
+        out["decode"] = count_launches(lambda: layer(token, state))
+    return out
 
 
 def error_text(e: BaseException) -> str:
@@ -290,47 +274,13 @@ def run(task: dict, timeout: float | None = None) -> dict:
 CELL = "@@cell "  # a worker's stdout line: CELL + {"id": ..., "start": true} before a cell, {"id", "result"} after
 
 
-def memory_of_step(layer, x, task: dict) -> dict:
-    """The memory columns of one training step, in the process that timed it. CUDA: ``peak_mib`` (the allocator's
-    high-water mark of the step above what was allocated before it, after ``reset_peak_memory_stats``) and
-    ``kept_mib`` (still allocated when the forward ends); CPU: ``live_mib`` and ``kept_mib`` from the live tensor
-    storages (:class:`mixerzoo.evaluation.cost.LiveTensorBytes`; a resident-set peak needs a fresh process)."""
-    import torch
-
-    layer.zero_grad(set_to_none=True)
-    x.grad = None
-    if on(task)[0] == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        with autocast(*on(task)):
-            y, _ = layer(x)
-        torch.cuda.synchronize()
-        kept = torch.cuda.memory_allocated() - base
-        loss_of(y, x, task).backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        del y
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        return {"peak_mib": peak / 2**20, "kept_mib": kept / 2**20}
-    from mixerzoo.evaluation.cost import LiveTensorBytes
-
-    with LiveTensorBytes(exclude=[*layer.parameters(), x]) as live:
-        with autocast(*on(task)):
-            y, _ = layer(x)
-        kept = live.current
-        loss_of(y, x, task).backward()
-    layer.zero_grad(set_to_none=True)
-    x.grad = None
-    return {"live_mib": live.peak / 2**20, "kept_mib": kept / 2**20}
-
-
 def run_cell(cell: dict, task: dict, held: dict) -> dict:
     """One cell of ``--processes shared``: ``train`` (an untimed step at T on CUDA, ``repeats`` timed steps, then
-    :func:`memory_of_step`) or ``decode`` (:func:`decode_rounds`). ``held`` keeps the current mixer's layer (built
-    and warmed up at 1,024 tokens on its first cell) so that its cells share one build; ``sleep`` is for tests."""
+    the memory of one step), ``decode`` (:func:`decode_cell`) or ``launches`` (:func:`launches_cell`). ``held``
+    keeps the current mixer's layer (built, and warmed up at 1,024 tokens on its first training cell) so that its
+    cells share one build; ``sleep`` is for tests."""
     import torch
+    from mixerzoo.evaluation import cost
 
     if cell["what"] == "sleep":  # the tests of the cell timeout
         time.sleep(cell["seconds"])
@@ -344,9 +294,9 @@ def run_cell(cell: dict, task: dict, held: dict) -> dict:
         held.update(name=cell["mixer"], layer=layer, warm=False)
     layer = held["layer"]
     if cell["what"] == "decode":
-        times = decode_rounds(layer, cell["contexts"], task["steps"], task["rounds"], task.get("d_model", D_MODEL),
-                              task)
-        return {"ms_per_token_rounds": {str(c): v for c, v in times.items()}}
+        return decode_cell(layer, cell["contexts"], task)
+    if cell["what"] == "launches":
+        return launches_cell(layer, cell["T"], task, cell.get("trainable", True))
     layer.train()
     x = inputs(task, cell["T"])
     if not held["warm"]:  # lazy initialisation, thread pools, first kernel compilations
@@ -354,16 +304,8 @@ def run_cell(cell: dict, task: dict, held: dict) -> dict:
         held["warm"] = True
     if device == "cuda":  # kernels autotuned or compiled for this length
         step(layer, x, task)
-    times = []
-    for _ in range(task["repeats"]):
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        sync(device)
-        t0 = time.perf_counter()
-        step(layer, x, task)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return {"times_s": times, **memory_of_step(layer, x, task)}
+    times = cost.time_training_steps(layer, x, task["repeats"], loss_of(task), amp(task))
+    return {"times_s": times, **cost.training_step_memory(layer, x, loss_of(task), amp(task))}
 
 
 def device_ok(device: str) -> bool:
@@ -394,10 +336,10 @@ def cells_worker(payload: dict) -> None:
             registry.get(kind)
         except Exception:
             pass  # the cell reports it
+    from mixerzoo.evaluation import cost  # noqa: F401 - the measurements' (it imports Lightning: seconds, once)
+
     if on(task)[0] == "cuda":
         torch.zeros(1, device="cuda")  # the CUDA context
-    else:
-        import mixerzoo.evaluation.cost  # noqa: F401 - memory_of_step's, which imports Lightning (seconds)
     held: dict = {}
     for cell in payload["cells"]:
         print(CELL + json.dumps({"id": cell["id"], "start": True}), flush=True)
@@ -430,7 +372,9 @@ def run_cells(task: dict, cells: list[dict], cell_timeout: float = 60, budget: f
         what = result.get("error") or ", ".join(
             [f"{k} {statistics.median(v) if isinstance(v, list) else v:.4g}" for k, v in result.items()
              if isinstance(v, (int, float, list)) and v]
-            + [f"{c}: {statistics.median(v):.4g} ms/token" for c, v in rounds.items()])
+            + [f"{c}: {statistics.median(v):.4g} ms/token" for c, v in rounds.items()]
+            + [f"{k} {v['ops']} ops, {v['launches']} launches, {v['host_syncs']} host syncs" for k, v in result.items()
+               if isinstance(v, dict) and "ops" in v])
         print(f"[cell] {cid}: {what}", file=log, flush=True)
 
     while True:
@@ -541,6 +485,8 @@ def is_ours(module: str) -> bool:
     """Whether a frame's module (its ``__name__`` global) belongs to :func:`our_packages`; by name, not by file
     path, so that a checkout or virtual environment in a folder named ``mixerzoo`` does not make torch's own
     frames ours."""
+    if module == "mixerzoo.evaluation.cost":  # the measuring code: its backward() call is no line of a mixer
+        return False
     return any(module == p or module.startswith(p + ".") for p in our_packages())
 
 
@@ -625,7 +571,7 @@ def memory_profile(name: str, T: int, task: dict, rows: int = 20) -> None:
         with autocast(*on(task)):
             y, _ = layer(x)
         kept = {p: (entry[0], mem.made_by.get(p)) for p, entry in mem._live.items()}  # alive when forward ends
-        loss_of(y, x, task).backward()
+        loss_of(task)(y, x).backward()
     for what, alive in (("at the peak of one training step", mem.alive_at_peak),
                         ("kept at the end of the forward pass (for backward, and the output)", kept)):
         total, count = collections.Counter(), collections.Counter()
@@ -661,13 +607,16 @@ def fmt_len(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--cells", help=argparse.SUPPRESS)
-    ap.add_argument("--mixers", nargs="+", default=DEFAULT, choices=list(MIXERS))
+    ap.add_argument("--measure", nargs="+", choices=MEASURES, default=["train", "decode"],
+                    help="what to measure (throughput is a sub-command: run.py throughput --help)")
+    ap.add_argument("--mixers", nargs="+", default=DEFAULT, choices=[*MIXERS, "all"],
+                    help="configurations of MIXERS; all: every one, the /keep variants too")
     ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 16384, 32768],
-                    help="training lengths; none: skip the training table")
+                    help="training (and launch-count) lengths; none: skip the training table")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per length (median reported)")
     ap.add_argument("--memory-only", action="store_true", help="peak memory only, no timed rounds")
     ap.add_argument("--threads", type=int, default=2)
@@ -692,65 +641,126 @@ def main() -> None:
     ap.add_argument("--processes", choices=["shared", "per-cell"],
                     help="shared: every cell in one worker process, memory measured where it is timed (default on "
                          "CUDA); per-cell: the timed rounds of a length in one process, each memory and decode cell "
-                         "in a fresh one (default on the CPU: its resident-set peak needs a fresh process)")
+                         "in a fresh one (default on the CPU: its resident-set peak needs a fresh process); launch "
+                         "counts always run shared")
     ap.add_argument("--cell-timeout", type=float, default=None,
                     help="seconds a cell may take (a worker process killed after it); default: 60 with --processes "
-                         "shared, none per cell")
+                         "shared (600 for launch counts), none per cell")
     ap.add_argument("--budget", type=float, default=None,
                     help="--processes shared: seconds for the whole table; no cell starts after them")
     add_device_args(ap)
     ap.add_argument("--d-model", type=int, default=D_MODEL)
     ap.add_argument("--head-dim", type=int, default=D_MODEL // N_HEADS)
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))))
-        return
-    if args.cells:
-        cells_worker(json.loads(args.cells))
-        return
+    args = ap.parse_args(argv)
+    if args.worker or args.cells:
+        return args
+    if "all" in args.mixers:
+        args.mixers = list(MIXERS)
     if args.d_model % args.head_dim:
         ap.error(f"--d-model {args.d_model} is not a multiple of --head-dim {args.head_dim}")
     if args.model_layers < 0:
         ap.error(f"--model-layers must be >= 0 (0: one layer alone), got {args.model_layers}")
     if args.activation_checkpointing and not args.model_layers:
         ap.error("--activation-checkpointing applies to a model: give --model-layers N")
-    if args.model_layers and args.decode_contexts:
+    if args.model_layers and args.decode_contexts and "decode" in args.measure:
         ap.error("--model-layers measures training steps only: add --decode-contexts with no value")
+    if args.model_layers and "launches" in args.measure:
+        ap.error("--model-layers measures training steps only: leave launches out of --measure")
+    check_device(ap, args.device)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["throughput"], ["curves"]):  # measurements of whole training runs, each with its own flags
+        import importlib
+
+        importlib.import_module(f"_{argv[0]}").main(argv[1:])
+        return
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    if args.cells:
+        cells_worker(json.loads(args.cells))
+        return
     import torch
 
-    check_device(ap, args.device)
     base = {"threads": args.threads, "device": args.device, "dtype": args.dtype, "d_model": args.d_model,
             "head_dim": args.head_dim, "layers": args.model_layers,
             "activation_checkpointing": args.activation_checkpointing}
-    if args.profile:
-        profile(args.profile[0], int(args.profile[1]), base)
-        return
-    if args.memory_profile:
-        memory_profile(args.memory_profile[0], int(args.memory_profile[1]), base)
-        return
-    if args.op_lines:
-        op_lines(args.op_lines[0], int(args.op_lines[1]), base)
-        return
+    for flag, tool in ((args.profile, profile), (args.memory_profile, memory_profile), (args.op_lines, op_lines)):
+        if flag:
+            tool(flag[0], int(flag[1]), base)
+            return
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
-    print(f"# bench_efficiency.py  {' '.join(sys.argv[1:])}")
+    print(f"# benchmarks/run.py  {' '.join(argv)}")
     print(f"# {cpu}{gpu}, {os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f} at start; "
           f"torch {torch.__version__} {platform.machine()}")
     print(f"# {describe(base)}; options: "
           + "; ".join(f"{n}: {MIXERS[n][0]} {MIXERS[n][1]}" for n in args.mixers), flush=True)
+    out = {"settings": {**base, "command": "python benchmarks/run.py " + " ".join(argv), "torch": torch.__version__,
+                        "machine": f"{cpu}{gpu}, {os.cpu_count()} cores"},
+           "train": {}, "decode": {}, "launches": {}, "errors": {}}
+    if "train" in args.measure or "decode" in args.measure:
+        train_and_decode(args, base, out)
+    if "launches" in args.measure:
+        launches_table(args, base, out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def launches_table(args: argparse.Namespace, base: dict, out: dict) -> None:
+    """The launch-count table: every mixer of ``--mixers`` at every length of ``--lengths``, in shared workers."""
+    cells = [{"id": f"launches/{m}/{T}", "what": "launches", "mixer": m, "spec": MIXERS[m], "T": T,
+              "trainable": m in TRAINABLE} for m in args.mixers for T in args.lengths]
+    results = run_cells({**base, "repeats": 0, "steps": 0, "rounds": 0}, cells, args.cell_timeout or 600,
+                        args.budget or math.inf)
+    print("\n## Launch count: operators dispatched by one training step (forward + backward) and by one decode step "
+          "after a prefill of T tokens; launches = operators less views and allocations (a Triton kernel or custom "
+          "operator: one); host syncs = .item(), nonzero, data-dependent shapes (counted with "
+          "mixerzoo.evaluation.cost.LaunchCount)\n")
+    print("| mixer | T | train ops | train launches | train host syncs | decode ops | decode launches | "
+          "decode host syncs |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m in args.mixers:
+        for T in args.lengths:
+            cell = results[f"launches/{m}/{T}"]
+            if "error" in cell:
+                out["errors"][f"launches/{m}/{T}"] = cell["error"]
+                print(f"| {m} | {fmt_len(T)} | error: {cell['error']} | | | | | |", flush=True)
+                continue
+            out["launches"].setdefault(m, {})[T] = cell
+
+            def cols(what: str) -> str:
+                c = cell.get(what)
+                if c is None:
+                    return "- | - | -"
+                syncs = f"{c['host_syncs']:,}" + (" (" + ", ".join(f"{k.removeprefix('aten.')} {v}" for k, v in
+                                                                 sorted(c["sync_ops"].items())) + ")"
+                                                  if c["host_syncs"] else "")
+                return f"{c['ops']:,} | {c['launches']:,} | {syncs}"
+
+            print(f"| {m} | {fmt_len(T)} | {cols('train')} | {cols('decode')} |", flush=True)
+
+
+def train_and_decode(args: argparse.Namespace, base: dict, out: dict) -> None:
+    """The training-step table (``--lengths``) and the decode table (``--decode-contexts``) into ``out``."""
     limits = {m: int(t) for m, t in (s.split("=") for s in args.max_len)}
     trainable = [m for m in args.mixers if m in TRAINABLE]
     shared = (args.processes or ("shared" if args.device == "cuda" else "per-cell")) == "shared"
-    out = {"train": {}, "decode": {}, "errors": {}}
-    ctx = args.decode_contexts
+    lengths = args.lengths if "train" in args.measure else []
+    ctx = args.decode_contexts if "decode" in args.measure else []
     train_mixers = {T: ["attention"] * ("attention" not in trainable) + [m for m in trainable if T <= limits.get(m, T)]
-                    for T in args.lengths}
+                    for T in lengths}
     if shared:
-        cells = shared_cells(args, train_mixers)
+        cells = shared_cells(args.mixers, lengths, ctx, train_mixers)
         task = {**base, "repeats": 0 if args.memory_only else args.repeats, "steps": args.decode_steps,
                 "rounds": args.decode_rounds}
         results = run_cells(task, cells, args.cell_timeout or 60, args.budget or math.inf)
-    if args.lengths:
+    if lengths:
         if shared:
             memory = ("peak = the CUDA memory allocated at the peak of one step above what was allocated before it "
                       "(torch.cuda.reset_peak_memory_stats / max_memory_allocated), kept = allocated when its "
@@ -765,7 +775,7 @@ def main() -> None:
         print("| T | mixer | time s | speed vs attention | peak MiB | memory vs attention | live MiB | "
               "live vs attention | kept MiB | kept vs attention |")
         print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    for T in args.lengths:
+    for T in lengths:
         mixers = train_mixers[T]
         if shared:
             for m in mixers:
@@ -781,10 +791,11 @@ def main() -> None:
             train_row(out, m, T, cell, args.memory_only, shared)
     if ctx:
         print(f"\n## Decode: ms per token after a prefill of T tokens (median of {args.decode_rounds} rounds of "
-              f"{args.decode_steps} steps, the contexts in turn), and the median of the per-round ratios of the "
-              "longest context to the shortest\n")
-        print("| mixer | " + " | ".join(fmt_len(c) for c in ctx) + f" | {fmt_len(ctx[-1])} / {fmt_len(ctx[0])} |")
-        print("|---" * (len(ctx) + 2) + "|", flush=True)
+              f"{args.decode_steps} steps, the contexts in turn), the median of the per-round ratios of the "
+              "longest context to the shortest, and the state's bytes at the longest context\n")
+        print("| mixer | " + " | ".join(fmt_len(c) for c in ctx) + f" | {fmt_len(ctx[-1])} / {fmt_len(ctx[0])} | "
+              f"state KiB at {fmt_len(ctx[-1])} |")
+        print("|---" * (len(ctx) + 3) + "|", flush=True)
     for m in args.mixers if ctx else []:
         cell = (results[f"decode/{m}"] if shared else
                 run({**base, "what": "decode", "mixer": m, "contexts": ctx, "steps": args.decode_steps,
@@ -796,25 +807,27 @@ def main() -> None:
         rounds = {c: cell["ms_per_token_rounds"][str(c)] for c in ctx}
         ms = [statistics.median(rounds[c]) for c in ctx]
         ratio = statistics.median(b / a for a, b in zip(rounds[ctx[0]], rounds[ctx[-1]]))
-        out["decode"][m] = {c: {"ms_per_token": v, "rounds": rounds[c]} for c, v in zip(ctx, ms)}
-        print(f"| {m} | " + " | ".join(f"{v:.2f}" for v in ms) + f" | {ratio:.2f}x |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        state = cell.get("state_bytes", {})
+        out["decode"][m] = {c: {"ms_per_token": v, "rounds": rounds[c], "state_bytes": state.get(str(c))}
+                            for c, v in zip(ctx, ms)}
+        kib = state.get(str(ctx[-1]))
+        print(f"| {m} | " + " | ".join(f"{v:.2f}" for v in ms) + f" | {ratio:.2f}x | "
+              f"{'-' if kib is None else f'{kib / 1024:,.0f}'} |", flush=True)
 
 
-def shared_cells(args: argparse.Namespace, train_mixers: dict[int, list[str]]) -> list[dict]:
+def shared_cells(mixers: list[str], lengths: list[int], contexts: list[int],
+                 train_mixers: dict[int, list[str]]) -> list[dict]:
     """The cells of ``--processes shared``, mixer after mixer (attention first: every ratio needs it): its
     training step at each length it is measured at, then its decode table."""
-    order = list(dict.fromkeys([m for T in args.lengths for m in train_mixers[T]] + list(args.mixers)))
+    order = list(dict.fromkeys([m for T in lengths for m in train_mixers[T]] + list(mixers)))
     order.sort(key=lambda m: m != "attention")
     cells = []
     for m in order:
         cells += [{"id": f"train/{m}/{T}", "what": "train", "mixer": m, "spec": MIXERS[m], "T": T}
-                  for T in args.lengths if m in train_mixers[T]]
-        if args.decode_contexts and m in args.mixers:
+                  for T in lengths if m in train_mixers[T]]
+        if contexts and m in mixers:
             cells.append({"id": f"decode/{m}", "what": "decode", "mixer": m, "spec": MIXERS[m],
-                          "contexts": args.decode_contexts})
+                          "contexts": contexts})
     return cells
 
 

@@ -19,9 +19,9 @@ and at the largest batch whose measured state fits ``--budget-mib`` (capped at `
 
 Usage::
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_tova_memory.py --tokens 2048 --batch 8 \\
+    OMP_NUM_THREADS=1 python benchmarks/papers/bench_tova_memory.py --tokens 2048 --batch 8 \\
         --out docs/results/tova_memory.md
-    python benchmarks/bench_tova_memory.py --model smollm2/ --tokens 2048 --decode 16 --budget-mib 2048 \\
+    python benchmarks/papers/bench_tova_memory.py --model smollm2/ --tokens 2048 --decode 16 --budget-mib 2048 \\
         --max-batch 128 --threads 2 --out docs/results/tova_smollm2_memory.md
 """
 

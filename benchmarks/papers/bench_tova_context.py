@@ -12,23 +12,20 @@ Printed (and written with ``--out``):
 
 Usage::
 
-    python benchmarks/bench_tova_context.py --ckpt <ckpt> --out docs/results/tova_context.md
+    python benchmarks/papers/bench_tova_context.py --ckpt <ckpt> --out docs/results/tova_context.md
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_tova_ppl import heldout_windows, load_model  # noqa: E402
+from bench_tova_ppl import heldout_windows, load_model  # beside this script
 
-from mixerzoo_tova import convert  # noqa: E402
+from mixerzoo_tova import convert
 
 BUCKETS = ((0, 16), (16, 64), (64, 256), (256, 512), (512, 1024))
 

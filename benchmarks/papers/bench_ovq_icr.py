@@ -7,7 +7,7 @@ paper's per-token accuracy over the answer (value) tokens (OVQ paper, sec. 4.1),
 layers, ``--max-sizes`` re-evaluates with other maximum dictionary sizes ``N`` (``OVQAttention.set_max_size``),
 as the paper does at test time; the state size at the longest length is printed beside each row.
 
-    python benchmarks/bench_ovq_icr.py --ckpt runs/ovq-icr/sw-ovq/checkpoints/last.ckpt \\
+    python benchmarks/papers/bench_ovq_icr.py --ckpt runs/ovq-icr/sw-ovq/checkpoints/last.ckpt \\
         runs/ovq-icr/sw-nope/checkpoints/last.ckpt --names sw-ovq sw-nope --lengths 64 256 1024 --max-sizes 128 512
 """
 

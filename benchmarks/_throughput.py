@@ -19,10 +19,10 @@ full ``seq_len x seq_len`` score and value products (no causal discount), as the
 
 Usage (from the repository root)::
 
-    python benchmarks/bench_train_throughput.py                      # d_model 256, 4 layers, batch 4 x 512
-    python benchmarks/bench_train_throughput.py --compile            # + torch.compile'd mixerzoo arm
-    python benchmarks/bench_train_throughput.py --profile            # + torch.profiler top ops per model
-    python benchmarks/bench_train_throughput.py --device cuda --dtype bf16 --d-model 768 --n-layers 12 \
+    python benchmarks/run.py throughput                      # d_model 256, 4 layers, batch 4 x 512
+    python benchmarks/run.py throughput --compile            # + torch.compile'd mixerzoo arm
+    python benchmarks/run.py throughput --profile            # + torch.profiler top ops per model
+    python benchmarks/run.py throughput --device cuda --dtype bf16 --d-model 768 --n-layers 12 \
         --n-heads 12 --seq-len 2048 --batch 8 --vocab 32000 --steps 5 --warmup 2 --repeats 5 --compile \
         --matmul-n 8192                                              # the ~120M GPU comparison
 
@@ -30,7 +30,8 @@ On a GPU the step runs under bf16 autocast (weights fp32, as Lightning's ``bf16-
 timer waits for the device (``cuda.synchronize``), and the peak is a bf16 matmul's measured rate (or
 ``--peak-tflops``, e.g. 989 for an H100 SXM's dense bf16, for MFU against the data sheet).
 
-It prints a table; it is not a test.
+It prints a table; it is not a test. Run through the runner (``benchmarks/run.py throughput``), which puts this
+checkout first on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -46,17 +47,13 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-# Benchmark the checkout this script lives in, not whatever copy of mixerzoo is installed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from _device import add_device_args, autocast, check_device, sync  # noqa: E402 - beside this script
-from mixerzoo.model import LanguageModel, LMConfig  # noqa: E402
-from mixerzoo.model.channel_mixers import default_d_ff  # noqa: E402
+from _device import add_device_args, autocast, check_device, sync  # beside this module
+from mixerzoo.model import LanguageModel, LMConfig
+from mixerzoo.model.channel_mixers import default_d_ff
 
 FLOP_FORMULA = ("FLOPs/token = 6*N + 12*n_layers*d_model*seq_len  (PaLM app. B / nanoGPT; N = params in matmuls = "
                 "all params minus the input-embedding lookup table; attention term without causal discount)")
@@ -249,13 +246,13 @@ def main(argv=None) -> None:
     except (OSError, StopIteration):
         pass
     gpu = f" {torch.cuda.get_device_name()!r}" if args.device == "cuda" else ""
-    print(f"# bench_train_throughput: mixerzoo attention LM vs transformers LlamaForCausalLM, training, "
+    print(f"# run.py throughput: mixerzoo attention LM vs transformers LlamaForCausalLM, training, "
           f"{args.device}{gpu} {args.dtype}")
     print(f"# date {datetime.datetime.now().isoformat(timespec='seconds')}  cpu {cpu!r}  logical cpus "
           f"{os.cpu_count()}  torch threads {args.threads}  load avg {os.getloadavg()[0]:.2f}")
     print(f"# torch {torch.__version__}  transformers {transformers.__version__}  python "
           f"{platform.python_version()}")
-    print(f"# command: python {' '.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}")
+    print(f"# command: python benchmarks/run.py throughput {' '.join(sys.argv[2:] if argv is None else argv)}")
 
     ours = build_ours(args, args.vocab).to(args.device)
     vocab = ours.config.padded_vocab_size

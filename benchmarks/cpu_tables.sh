@@ -1,0 +1,43 @@
+#!/bin/sh
+# Every CPU table of docs/results/efficiency_cpu/ and the launch-count table, through the one runner
+# (benchmarks/run.py), into docs/results/ (or the folder given). Run from the repository root on an otherwise idle
+# machine: the tables compare mixers against attention in interleaved rounds, but absolute times move with load.
+#   sh benchmarks/cpu_tables.sh                  # everything (about 45 minutes on an idle 2-core EPYC VM)
+#   sh benchmarks/cpu_tables.sh launches         # the launch counts only (about 6 minutes; exact, any load)
+set -eu
+OUT=docs/results
+E=$OUT/efficiency_cpu
+RUN="python benchmarks/run.py"
+ONLY=${1:-all}
+mkdir -p "$E"
+
+# Launch count: operators, kernel launches and host syncs of one training step and one decode step, every mixer.
+$RUN --measure launches --mixers all --lengths 2048 8192 --threads 1 \
+    --json $OUT/launch_counts_cpu.json > $OUT/launch_counts_cpu.md
+[ "$ONLY" = launches ] && exit 0
+
+lscpu > $E/machine.txt
+# Training step (time, resident / live / kept memory) at 4k-32k, and a first decode column.
+$RUN --mixers attention kvm-256 kvm-sqrt ovq trellis gdn gsa swa-512 tova-512 \
+    --lengths 4096 8192 16384 32768 --max-len kvm-sqrt=32768 ovq=32768 trellis=16384 gdn=16384 gsa=16384 \
+    swa-512=16384 --repeats 5 --threads 2 --decode-contexts 1024 16384 \
+    --json $E/table.json > $E/table.md
+# Decode ms/token and state bytes at 1k and 16k, 9 rounds of 100 steps, 2 threads then 1 thread.
+for t in 2 1; do
+    $RUN --measure decode --decode-contexts 1024 16384 --decode-steps 100 --decode-rounds 9 --threads $t \
+        --json $E/decode_${t}thread.json > $E/decode_${t}thread.md
+done
+# OVQ's decode as its dictionary fills (up to 128k tokens of context).
+$RUN --measure decode --mixers ovq --decode-contexts 1024 16384 65536 131072 --decode-steps 100 \
+    --decode-rounds 16 --threads 1 --json $E/decode_ovq_plateau.json > $E/decode_ovq_plateau.txt
+# 4-block language models: memory of one training step, without and with activation checkpointing.
+for ac in "" --activation-checkpointing; do
+    name=model4_memory${ac:+_activation_checkpointing}
+    $RUN --measure train --model-layers 4 --mixers attention kvm-256 kvm-sqrt ovq trellis gdn gsa \
+        --lengths 4096 8192 16384 --threads 1 --memory-only $ac --json $E/$name.json > $E/$name.md
+done
+# 4-block language models: step time at 8k, without and with activation checkpointing.
+for ac in "" --activation-checkpointing; do
+    $RUN --measure train --model-layers 4 --mixers attention kvm-256 kvm-sqrt ovq --lengths 8192 --repeats 3 \
+        --threads 2 $ac
+done > $E/model4_speed_8k_activation_checkpointing.txt
