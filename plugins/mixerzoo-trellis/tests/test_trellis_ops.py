@@ -1,5 +1,6 @@
-"""Trellis memory math: chunked form vs the token-loop reference vs the decode step, log-space stability, and
-the identity-phi reduction to a gated delta rule (written out below, independent of the plugin's code)."""
+"""Trellis memory math: the chunked form and the decode step against ``naive`` (the paper's token loop, called
+directly), log-space stability, and the identity-phi reduction to a gated delta rule (written out below,
+independent of the plugin's code)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixerzoo_trellis.ops import FS, PHIS, trellis_chunked, trellis_recurrent
-from mixerzoo_trellis.reference import trellis_reference
+from mixerzoo_trellis.chunk import trellis_chunked
+from mixerzoo_trellis.naive import trellis_naive
+from mixerzoo_trellis.ops import FS, PHIS
+from mixerzoo_trellis.recurrent import trellis_recurrent
 
 B, H, DK, DV, M = 2, 3, 5, 6, 4
 
@@ -44,7 +47,7 @@ def split_run(fn, inputs, cut, **kw):
 
 
 def ref(q, k, v, a, lb, gamma, chunk_len, phi="silu", f="layernorm_silu", **kw):
-    return trellis_reference(q, k, v, a, lb.exp(), gamma, phi=phi, f=f, chunk_len=chunk_len, **kw)
+    return trellis_naive(q, k, v, a, lb.exp(), gamma, phi=phi, f=f, chunk_len=chunk_len, **kw)
 
 
 @pytest.mark.parametrize("phi,f", list(itertools.product(PHIS, FS)))
@@ -208,7 +211,11 @@ def test_silu_inner_gradient_function_matches_its_autograd_form():
     """The inner gradient factor's hand-written backward (``_SiluResidualGrad``, one autograd node per chunk)
     against the readable expression under autograd: values and both gradients, over inputs where SiLU'' changes
     sign, and torch's finite-difference check in float64."""
-    from mixerzoo_trellis.ops import _SiluResidualGrad, silu_residual_grad_reference
+    from mixerzoo_trellis.ops import _SiluResidualGrad
+
+    def silu_residual_grad_reference(z, a):  # SiLU'(z) (SiLU(z) - a), the readable form under autograd
+        s = torch.sigmoid(z)
+        return s * (1 + z * (1 - s)) * (z * s - a)
 
     gen = torch.Generator().manual_seed(0)
     z = (4 * torch.randn(3, 7, 5, generator=gen, dtype=torch.float64)).requires_grad_()

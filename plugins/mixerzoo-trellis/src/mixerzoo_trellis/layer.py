@@ -1,4 +1,5 @@
-"""The Trellis mixer: projections, short convolution, the two-pass memory (``ops``), output norm, gate, projection.
+"""The Trellis mixer: projections, short convolution, the two-pass memory (``chunk`` for ``T > 1``, ``recurrent``
+for one decode token), output norm, gate, projection.
 
 Karami, Behrouz, Kacham, Mirrokni, "Trellis: Learning to Compress Key-Value Memory in Attention Models"
 (COLM 2025), section 3 and figure 1. The paper's copy lost its equations and there is no official code; the
@@ -8,7 +9,6 @@ choice the reconstruction had to make is an option below with the default it giv
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -17,37 +17,20 @@ from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection
 from mixerzoo.ops import run_segments
-from mixerzoo.protocol import Mixer, MixerState
+from mixerzoo.protocol import Mixer
 
-from .ops import FS, PHIS, TrellisMemory, check_choice, trellis_chunked, trellis_step, zero_memory
-from .reference import trellis_reference
+from .chunk import trellis_chunked
+from .ops import FS, PHIS
+from .recurrent import trellis_step
+from .state import TrellisMemory, TrellisState, zero_memory
 
 __all__ = ["Trellis", "TrellisState", "ShortConv"]
 
 
-@dataclasses.dataclass
-class TrellisState(MixerState):
-    """State of a Trellis layer: constant size, whatever the context length.
-
-    Attributes:
-        mk, mv: key and value memories after the last token, ``(B, H, m, d_k)`` and ``(B, H, m, d_v)``.
-        mk_grad, mv_grad: the memories at the start of the current chunk (where the chunk's inner gradients
-            are taken); equal to ``mk``/``mv`` when ``pos`` is a multiple of ``chunk_len``.
-        conv: the last ``conv_size - 1`` pre-convolution q/k projections, ``(B, conv_size - 1, 2 H d_k)``, or
-            None without the short convolution.
-        pos: tokens seen so far (absolute position of the next token).
-    """
-
-    mk: torch.Tensor
-    mk_grad: torch.Tensor
-    mv: torch.Tensor
-    mv_grad: torch.Tensor
-    conv: torch.Tensor | None
-    pos: int
-
-    @property
-    def memory(self) -> TrellisMemory:
-        return TrellisMemory(self.mk, self.mk_grad, self.mv, self.mv_grad)
+def check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` naming ``field`` when ``value`` is not one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(f"trellis option {field}={value!r} is not known; use one of {list(allowed)}")
 
 
 class ShortConv(nn.Module):
@@ -116,7 +99,6 @@ class Trellis(Mixer):
             in backward, so autograd keeps the memory at segment starts instead of every chunk-start memory and
             inner gradient (``(m x d)`` per chunk, several times a token's keys and values); 0 keeps everything
             (faster). Results are identical.
-        use_reference: run the memory through ``reference.trellis_reference`` (token loop; for tests).
 
     State: :class:`TrellisState` (two memories, their chunk-start copies, the convolution cache).
 
@@ -131,7 +113,7 @@ class Trellis(Mixer):
                  forget_init: float = 0.99, gamma_init: float = 1e-2, detach_inner_grad: bool = False,
                  short_conv: bool = True, conv_size: int = 4, qk_norm: str | None = None,
                  write_norm: str | None = "l2", norm_eps: float = 1e-5, bias: bool = False,
-                 checkpoint_chunks: int = 32, use_reference: bool = False, layer_idx: int = 0) -> None:
+                 checkpoint_chunks: int = 32, layer_idx: int = 0) -> None:
         super().__init__()
         check_choice("phi", phi, PHIS)
         if not isinstance(checkpoint_chunks, int) or isinstance(checkpoint_chunks, bool) or checkpoint_chunks < 0:
@@ -155,7 +137,7 @@ class Trellis(Mixer):
         H, D = n_heads, self.qkv.head_dim
         self.n_heads, self.head_dim, self.num_slots, self.chunk_len = H, D, num_slots, chunk_len
         self.phi, self.f, self.forget_gate, self.forget_init = phi, f, forget_gate, forget_init
-        self.detach_inner_grad, self.use_reference, self.layer_idx = detach_inner_grad, use_reference, layer_idx
+        self.detach_inner_grad, self.layer_idx = detach_inner_grad, layer_idx
         self.write_norm = write_norm == "l2"
         self.a_proj = nn.Linear(d_model, H * num_slots, bias=bias)
         if forget_gate:
@@ -192,7 +174,7 @@ class Trellis(Mixer):
                                              x.device), None
         else:
             memory, conv_cache = state.memory, state.conv
-        if self.use_reference or T == 1:
+        if T == 1:
             y, *memory, conv_cache = self._layer(x, pos, *memory, conv_cache)
         else:
             # one pass, or in training segments recomputed in backward, each running the whole layer from its
@@ -205,36 +187,52 @@ class Trellis(Mixer):
 
     def _layer(self, x: torch.Tensor, pos: int, mk, mk_grad, mv, mv_grad, conv_cache):
         """The layer on ``x (B, T, d_model)`` at absolute position ``pos`` from the memories and convolution cache
-        before it: projections, short convolution, write norm, the two-pass memory (token-loop reference, decode
-        step or chunked form), output path. Returns ``(y, mk, mk_grad, mv, mv_grad, conv_cache)``."""
+        before it: :meth:`memory_inputs`, the two-pass memory (decode step for ``T == 1``, chunked form otherwise),
+        output path. Returns ``(y, mk, mk_grad, mv, mv_grad, conv_cache)``."""
         B, T, _ = x.shape
-        H, m = self.n_heads, self.num_slots
-        positions = torch.arange(pos, pos + T, device=x.device)
-        q, k, v, _ = self.qkv(x, positions)  # (B, H, T, D)
-        a = self.a_proj(x).view(B, T, H, m).transpose(1, 2)
-        work = mk.dtype
-        if self.forget_gate:
-            log_beta = F.logsigmoid(self.b_proj(x).to(work)).transpose(1, 2)  # (B, H, T)
-        else:
-            log_beta = x.new_zeros(B, H, T, dtype=work)
-        q, k, v, a = (t.to(work) for t in (q, k, v, a))
+        q, k, v, a, log_beta, gamma, conv_cache = self.memory_inputs(x, pos, conv_cache, mk.dtype)
         memory = TrellisMemory(mk, mk_grad, mv, mv_grad)
         opts = dict(phi=self.phi, f=self.f, pos=pos, detach_inner_grad=self.detach_inner_grad)
         with torch.autocast(x.device.type, enabled=False):  # keep the memory in fp32 under bf16-mixed
-            q, k, conv_cache = self._short_conv(q, k, conv_cache)
-            k, v = self._write_norm(k, v)
-            gamma = self.gamma.to(work)
-            if self.use_reference:
-                o, memory = trellis_reference(q, k, v, a, log_beta.exp(), gamma, chunk_len=self.chunk_len,
-                                              memory=memory, **opts)
-            elif T == 1:  # decode: one step of the same chunked recurrence
+            if T == 1:  # decode: one step of the same chunked recurrence
                 o, memory = trellis_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], a[:, :, 0], log_beta[:, :, 0], gamma,
                                          self.chunk_len, memory=memory, **opts)
                 o = o[:, :, None]
             else:
                 o, memory = trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=memory, **opts)
-        y = self._output(o.transpose(1, 2).reshape(B, T, H * self.head_dim).to(x.dtype), x)
-        return (y, *memory, conv_cache)
+        return (self.output(o, x), *memory, conv_cache)
+
+    def memory_inputs(self, x: torch.Tensor, pos: int, conv_cache: torch.Tensor | None, work: torch.dtype):
+        """What the memory reads and writes, from ``x (B, T, d_model)`` at absolute position ``pos``: projections,
+        short convolution (continuing ``conv_cache``), write norm; in the memory's dtype ``work``.
+
+        Returns:
+            ``q, k (B, H, T, d_k)``, ``v (B, H, T, d_v)``, ``a (B, H, T, m)`` slot targets, ``log_beta (B, H, T)``
+            (zeros without the forget gate), ``gamma (H,)`` and the new convolution cache: the arguments of
+            :func:`~mixerzoo_trellis.chunk.trellis_chunked` (and, with ``log_beta.exp()``, of
+            :func:`~mixerzoo_trellis.naive.trellis_naive`).
+        """
+        B, T, _ = x.shape
+        H, m = self.n_heads, self.num_slots
+        positions = torch.arange(pos, pos + T, device=x.device)
+        q, k, v, _ = self.qkv(x, positions)  # (B, H, T, D)
+        a = self.a_proj(x).view(B, T, H, m).transpose(1, 2)
+        if self.forget_gate:
+            log_beta = F.logsigmoid(self.b_proj(x).to(work)).transpose(1, 2)  # (B, H, T)
+        else:
+            log_beta = x.new_zeros(B, H, T, dtype=work)
+        q, k, v, a = (t.to(work) for t in (q, k, v, a))
+        with torch.autocast(x.device.type, enabled=False):
+            q, k, conv_cache = self._short_conv(q, k, conv_cache)
+            k, v = self._write_norm(k, v)
+            gamma = self.gamma.to(work)
+        return q, k, v, a, log_beta, gamma, conv_cache
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The memory's reads ``o (B, H, T, d_v)`` to the layer output ``(B, T, d_model)``: heads concatenated, then
+        :meth:`_output`, in ``x``'s dtype."""
+        B, H, T, D = o.shape
+        return self._output(o.transpose(1, 2).reshape(B, T, H * D).to(x.dtype), x)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``o_proj(RMSNorm(o) * GELU(W_g x))``, ``(B, T, H D) -> (B, T, d_model)``: the heads' reads normalised,
