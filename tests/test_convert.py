@@ -218,7 +218,7 @@ def test_load_model_converts_without_training_where_a_mixer_changes(tiny_llama):
     with torch.no_grad():
         want, got = teacher(x)[0], loaded.model(x)[0]
     assert (got[:, :16] - want[:, :16]).abs().max().item() < 1e-4
-    assert load_model(tiny_llama, mixers={"attention": {"use_reference": True}}).converted is None
+    assert load_model(tiny_llama, mixers={"attention": {"mixer": "attention"}}).converted is None
     tova = load_model(tiny_llama, mixers={"attention": {"mixer": "tova", "multi_state": 8}}).converted
     assert tova is None or tova["new"] == []        # a cache policy on the same weights: nothing new
     with pytest.raises(ConfigError, match="no place"):

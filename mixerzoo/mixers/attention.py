@@ -73,7 +73,6 @@ class Attention(Mixer):
         token_shift, value_residual: backbone options of the KVM paper (see :class:`QKVProjection`).
         bias: biases on the q/k/v projections, and on o unless ``o_bias`` says otherwise.
         o_bias: bias on the output projection (default: ``bias``; Qwen2 has q/k/v biases and none on o).
-        use_reference: compute with :func:`attention_reference` instead of SDPA (for tests).
 
     State: :class:`KVCache`; grows by one key/value per token (bounded for ``swa``/``bswa``).
     """
@@ -83,13 +82,12 @@ class Attention(Mixer):
 
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, head_dim: int | None = None,
                  positional: Any = "rope", qk_norm: str | None = None, token_shift: bool = False,
-                 value_residual: bool = False, bias: bool = False, use_reference: bool = False,
+                 value_residual: bool = False, bias: bool = False,
                  layer_idx: int = 0, o_bias: bool | None = None, qk_norm_eps: float | None = None) -> None:
         super().__init__()
         self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim, positional, qk_norm, token_shift,
                                  value_residual, bias, qk_norm_eps)
         self.o_proj = nn.Linear(n_heads * self.qkv.head_dim, d_model, bias=bias if o_bias is None else o_bias)
-        self.use_reference = use_reference
         self.layer_idx = layer_idx
 
     # -- visibility rule: overridden by the windowed variants --------------------------------------------
@@ -103,6 +101,24 @@ class Attention(Mixer):
         return 0
 
     sink_len = 0  # attention sinks kept in the cache forever (windowed variants)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_pos: torch.Tensor,
+               p0: int) -> torch.Tensor:
+        """The attention of queries ``q (B, H, T, D)`` at ``positions (T,)`` over keys/values ``k, v (B, H_kv, S, D)``
+        at ``k_pos (S,)`` that :meth:`visible` allows: ``(B, H, T, D)``. The fast form (SDPA, causal or masked, or
+        block by block for long windowed inputs); :func:`attention_reference` computes the same with an explicit
+        softmax, and the tests compare the two."""
+        T = q.shape[2]
+        pure_causal = k.shape[2] == T and type(self).visible is Attention.visible
+        windowed = type(self).keep_from is not Attention.keep_from
+        if pure_causal:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        elif windowed and T > 2 * self._block_len(p0 + T):
+            o = self._windowed_attention(q, k, v, positions, k_pos, p0)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.visible(positions, k_pos),
+                                               enable_gqa=q.shape[1] != k.shape[1])
+        return o
 
     def forward(self, x: torch.Tensor, state: KVCache | None = None, shared: dict | None = None
                 ) -> tuple[torch.Tensor, KVCache]:
@@ -118,17 +134,7 @@ class Attention(Mixer):
             k_pos = torch.cat([self._cached_positions(p0, S - T, x.device), torch.arange(p0, p0 + T, device=x.device)])
         else:
             k_pos = torch.arange(p0 + T - S, p0 + T, device=x.device)
-        pure_causal = S == T and type(self).visible is Attention.visible
-        windowed = type(self).keep_from is not Attention.keep_from
-        if self.use_reference:
-            o = attention_reference(q, k, v, self.visible(positions, k_pos))
-        elif pure_causal:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        elif windowed and T > 2 * self._block_len(p0 + T):
-            o = self._windowed_attention(q, k, v, positions, k_pos, p0)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.visible(positions, k_pos),
-                                               enable_gqa=q.shape[1] != k.shape[1])
+        o = self.attend(q, k, v, positions, k_pos, p0)
         y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         if self.sink_len:
             kept = (k_pos < self.sink_len) | (k_pos >= self.keep_from(p0 + T))
