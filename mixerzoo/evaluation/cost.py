@@ -23,8 +23,8 @@ For a context of ``L`` tokens in each of ``batch_size`` rows (random token ids, 
 - **state_bytes_per_token**: ``state_bytes / (batch_size * L)``: what each token of context costs to keep
   (constant for attention, falling as ``1/L`` for a bounded state).
 
-Timings synchronise CUDA before reading the clock (``torch.cuda.synchronize``), so they are wall times of the work
-itself, not of its launch.
+Timings synchronise CUDA before reading the clock (:class:`Timer`, ``torch.cuda.synchronize``), so they are wall
+times of the work itself, not of its launch.
 
 One layer (a mixer ``layer(x, state) -> (y, state)`` on ``x (B, T, d_model)``), the measurements the benchmark
 runner (``benchmarks/run.py``) tabulates, each measured here and nowhere else:
@@ -55,7 +55,7 @@ from ..model.config import ConfigError
 from ..protocol import state_nbytes, state_tensors
 from .models import model_device, model_vocab, stream_logits
 
-__all__ = ["CudaPeakMemory", "LiveTensorBytes", "LaunchCount", "count_launches", "kept_for_backward",
+__all__ = ["Timer", "CudaPeakMemory", "LiveTensorBytes", "LaunchCount", "count_launches", "kept_for_backward",
            "training_step", "time_training_steps", "training_step_memory", "decode_rounds", "measure_cost",
            "cost_sweep", "HOST_SYNC_OPS"]
 
@@ -159,25 +159,39 @@ class _NotMeasured:
     peak_bytes = None
 
 
+class Timer:
+    """Wall seconds of the ``with`` block (``seconds``), CUDA synchronised at both ends, so that it measures the
+    work and not its launch: every timing of this module goes through it."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = device
+        self.seconds = float("nan")
+
+    def __enter__(self) -> "Timer":
+        _sync(self.device)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _sync(self.device)
+        self.seconds = time.perf_counter() - self._t0
+
+
 def _run(model, ids: torch.Tensor, chunk: int, decode_tokens: int, device: torch.device) -> dict:
     """Prefill ``ids`` then greedy-decode ``decode_tokens`` steps (after one untimed warm-up step), timing both."""
     vocab = model_vocab(model)
-    t0 = time.perf_counter()
     states = logits = None
-    for _, logits, states in stream_logits(model, ids, chunk):
-        pass
-    _sync(device)
-    prefill_s = time.perf_counter() - t0
+    with Timer(device) as prefill:
+        for _, logits, states in stream_logits(model, ids, chunk):
+            pass
     state_bytes = state_nbytes(states)
     nxt = logits[:, -1, :vocab].argmax(-1)
     step_logits, states = model(nxt[:, None].to(device), states)  # warm-up step, untimed
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(decode_tokens):
-        nxt = step_logits[:, -1, :vocab].argmax(-1)
-        step_logits, states = model(nxt[:, None], states)
-    _sync(device)
-    return {"prefill_s": prefill_s, "decode_s": time.perf_counter() - t0, "state_bytes": state_bytes,
+    with Timer(device) as decode:
+        for _ in range(decode_tokens):
+            nxt = step_logits[:, -1, :vocab].argmax(-1)
+            step_logits, states = model(nxt[:, None], states)
+    return {"prefill_s": prefill.seconds, "decode_s": decode.seconds, "state_bytes": state_bytes,
             "state_bytes_after_decode": state_nbytes(states)}
 
 
@@ -277,11 +291,9 @@ def time_training_steps(layer, x: torch.Tensor, repeats: int, loss: Callable = _
     times = []
     for _ in range(repeats):
         _clear_grads(layer, x)
-        _sync(device)
-        t0 = time.perf_counter()
-        training_step(layer, x, loss, amp)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+        with Timer(device) as timer:
+            training_step(layer, x, loss, amp)
+        times.append(timer.seconds)
     return times
 
 
@@ -345,12 +357,10 @@ def decode_rounds(layer, contexts: Sequence[int], steps: int, rounds: int, d_mod
             k = r % len(contexts)
             for T in list(contexts[k:]) + list(contexts[:k]):
                 state = states[T]
-                _sync(device)
-                t0 = time.perf_counter()
-                for t in range(T, T + steps):
-                    _, state = layer(x[:, t:t + 1], state)
-                _sync(device)
-                times[T].append(1e3 * (time.perf_counter() - t0) / steps)
+                with Timer(device) as timer:
+                    for t in range(T, T + steps):
+                        _, state = layer(x[:, t:t + 1], state)
+                times[T].append(1e3 * timer.seconds / steps)
     return times, {T: state_nbytes(s) for T, s in states.items()}
 
 
