@@ -9,7 +9,7 @@ TF32 (its default; fla sets no precision; measured on an H100: output errors 4e-
 allow 2e-4 but make the fp32 tests compile for up to 80 s); in bf16 both paths round their matmul inputs to bf16 at
 different places.
 
-Where fla refuses GDN's backward (:func:`mixerzoo_fla.backend.fla_backward_refused`: a Hopper GPU, Triton in
+Where fla refuses GDN's backward (:func:`mixerzoo_fla.backends.fla.fla_backward_refused`: a Hopper GPU, Triton in
 [3.4.0, 3.7.1), no usable TileLang), the GDN comparisons check the forward and skip the gradients with fla's
 reason, and :func:`test_gdn_trains_where_fla_refuses_its_backward` checks the ``auto`` fallback instead.
 
@@ -28,7 +28,7 @@ import torch
 
 from mixerzoo.protocol import state_tensors
 from mixerzoo_fla import GatedDeltaNet, GatedSlotAttention
-from mixerzoo_fla import backend as fla_backend
+from mixerzoo_fla.backends import fla as fla_backend
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and fla_backend.fla_installed()),
                                 reason="needs a CUDA GPU and flash-linear-attention (benchmarks/gpu_suite.py)")

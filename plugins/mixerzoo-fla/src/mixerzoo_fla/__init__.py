@@ -1,8 +1,10 @@
 """mixerzoo-fla: Gated DeltaNet (``gdn``) and Gated Slot Attention (``gsa``) mixers.
 
-On CUDA they run flash-linear-attention's Triton kernels; on CPU (and with ``backend="torch"``) the chunked
-PyTorch forms in :mod:`mixerzoo_fla.ops`, tested against the token loops in :mod:`mixerzoo_fla.reference`
-and against fla's own ``fla.ops.*.naive`` references. ``fla`` is only imported when a CUDA forward needs it.
+One package per mechanism, each laid out as flash-linear-attention lays out an op: ``naive`` (the paper's
+recurrence as a token loop, the reference), ``chunk`` (the parallel form: training, prefill), ``recurrent`` (the
+one-token decode step), ``layer`` (parameters, options, choice of form), ``state``. On CUDA the layers run
+flash-linear-attention's Triton kernels (:mod:`mixerzoo_fla.backends.fla`); ``fla`` is only imported when a CUDA
+forward needs it.
 """
 
 from .gdn import GatedDeltaNet, GDNState

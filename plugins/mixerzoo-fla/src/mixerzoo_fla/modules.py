@@ -4,6 +4,7 @@
   ``ShortConvolution``; parameters ``weight [D, 1, W]`` and optional ``bias [D]``).
 - :class:`GatedRMSNorm`: per-head RMSNorm times a swish/sigmoid output gate (fla's ``FusedRMSNormGated``;
   parameter ``weight [D]``).
+- :func:`check_checkpoint_chunks`: both layers' ``checkpoint_chunks`` option.
 """
 
 from __future__ import annotations
@@ -12,10 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import backend as _backend
-from .ops import accum_dtype
+from mixerzoo.protocol import accumulation_dtype
 
-__all__ = ["ShortConvolution", "GatedRMSNorm", "short_conv_qkv"]
+from .backends import fla as fla_backend
+
+__all__ = ["ShortConvolution", "GatedRMSNorm", "short_conv_qkv", "check_checkpoint_chunks"]
+
+
+def check_checkpoint_chunks(value, mixer: str) -> int:
+    """The layers' ``checkpoint_chunks`` option: an integer >= 0, else ValueError naming the mixer and the fix."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{mixer} checkpoint_chunks must be an integer >= 0 (0: no recomputation), got {value!r}")
+    return value
 
 
 class ShortConvolution(nn.Conv1d):
@@ -56,7 +65,7 @@ class ShortConvolution(nn.Conv1d):
         """
         T = x.shape[1]
         if use_fla and T > 1:
-            y, new_cache = _backend.fla_kernels().causal_conv1d(
+            y, new_cache = fla_backend.fla_kernels().causal_conv1d(
                 x=x, weight=self.weight.squeeze(1), bias=self.bias,
                 initial_state=None if cache is None else cache.to(x.dtype),
                 output_final_state=True, activation=self.activation)
@@ -99,7 +108,7 @@ class GatedRMSNorm(nn.Module):
     """``RMSNorm(x) * weight * act(gate)`` over the last dimension (fla's ``FusedRMSNormGated``, in PyTorch).
 
     ``act`` is ``swish``/``silu`` (``g * sigmoid(g)``) or ``sigmoid``. The norm is computed in float32 (float64 for
-    float64 inputs, :func:`mixerzoo_fla.ops.accum_dtype`):
+    float64 inputs, :func:`mixerzoo.protocol.accumulation_dtype`):
     ``x / sqrt(mean(x^2) + eps)``. Output dtype follows ``x``.
 
     Args:
@@ -120,7 +129,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # no recomputation of its own: on CPU, GDN recomputes whole segments of the layer in training
-        dtype = accum_dtype(x)
+        dtype = accumulation_dtype(x)
         xf, gf = x.to(dtype), gate.to(dtype)
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.to(dtype)
         y = y * (torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf))

@@ -1,15 +1,18 @@
-"""Gated Slot Attention as a mixerzoo mixer (registered as ``gsa``).
+"""Gated Slot Attention as a mixerzoo mixer (registered as ``gsa``): parameters, options, and the choice of form.
 
 Zhang, Yang, Zhu, Zhang, Cui, Wang, Wang, Shi, Wang, Bi, Zhou & Fu, "Gated Slot Attention for Efficient
 Linear-Time Sequence Modeling", NeurIPS 2024 (arXiv:2409.07146). The layer mirrors flash-linear-attention
 0.6.0's ``fla.layers.GatedSlotAttention``: same parameters (names and shapes, so fla state dicts load), same
-definitions. On CUDA it calls fla's Triton kernels; elsewhere the chunked two-pass PyTorch form of
-:func:`mixerzoo_fla.ops.chunk_gsa`.
+definitions. Forms, by device and mode:
+
+- CUDA with fla importable: fla's Triton kernels (:mod:`mixerzoo_fla.backends.fla`);
+- elsewhere (and with ``backend="torch"``): :func:`~mixerzoo_fla.gsa.chunk.chunk_gsa` for ``T > 1``,
+  :func:`~mixerzoo_fla.gsa.recurrent.gsa_step` for one token continuing a state.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -18,33 +21,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.ops import optional_carry, run_segments
-from mixerzoo.protocol import Mixer, MixerState
+from mixerzoo.protocol import Mixer, accumulation_dtype
 
-from . import backend as _backend
-from .modules import ShortConvolution, short_conv_qkv
-from .ops import accum_dtype, check_checkpoint_chunks, chunk_gsa
+from ..backends import fla as fla_backend
+from ..modules import ShortConvolution, check_checkpoint_chunks, short_conv_qkv
+from .chunk import chunk_gsa
+from .recurrent import gsa_step
+from .state import GSAState
 
 __all__ = ["GatedSlotAttention", "GSAState"]
 
 FEATURE_MAPS = {"swish": F.silu, "relu": F.relu}
-
-
-@dataclasses.dataclass
-class GSAState(MixerState):
-    """Decoding state of :class:`GatedSlotAttention` (constant size in the sequence length).
-
-    Attributes:
-        hk: key memory ``[B, n_kv_heads, head_k_dim, num_slots]``.
-        hv: value memory ``[B, n_kv_heads, num_slots, head_v_dim]``. (One memory per key/value head; with grouped
-            queries the query heads of a group read the same memory.) Both float32; float64 for float64 inputs
-            (:func:`mixerzoo_fla.ops.accum_dtype`).
-        conv: short-convolution caches ``(q [B, key_dim, W], k [B, n_kv_heads * head_k_dim, W],
-            v [B, n_kv_heads * head_v_dim, W])``, or None without short convolutions.
-    """
-
-    hk: torch.Tensor
-    hv: torch.Tensor
-    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class GatedSlotAttention(Mixer):
@@ -70,7 +57,7 @@ class GatedSlotAttention(Mixer):
         scale: query scale in the slot scores; fla's layer uses 1.0.
         chunk_len: chunk length of the CPU/PyTorch path (the fla kernels choose their own tiling).
         checkpoint_chunks: training memory of the CPU/PyTorch path: segments of this many chunks are recomputed
-            in backward (:func:`mixerzoo_fla.ops.chunk_gsa`); 0 keeps everything (faster, more memory).
+            in backward (:func:`mixerzoo_fla.gsa.chunk.chunk_gsa`); 0 keeps everything (faster, more memory).
         backend: ``auto`` (fla kernels on CUDA, PyTorch elsewhere), ``torch`` or ``fla``.
 
     fla 0.6.0 also takes ``use_output_gate`` and ``use_norm`` but its forward ignores them; they are not
@@ -107,7 +94,7 @@ class GatedSlotAttention(Mixer):
         if chunk_len < 1:
             raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
         check_checkpoint_chunks(checkpoint_chunks, "gsa")
-        _backend.check_backend(backend)
+        fla_backend.check_backend(backend)
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.key_dim, self.value_dim = round(key_dim), round(value_dim)
         self.head_k_dim, self.head_v_dim = self.key_dim // n_heads, self.value_dim // n_heads
@@ -151,23 +138,25 @@ class GatedSlotAttention(Mixer):
 
     def forward(self, x: torch.Tensor, state: GSAState | None = None) -> tuple[torch.Tensor, GSAState]:
         """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given."""
-        B = x.shape[0]
+        B, T, _ = x.shape
         conv = None if state is None else state.conv
-        if _backend.resolve_backend(self.backend, x.device, dtype=x.dtype) == "fla":
+        if fla_backend.resolve_backend(self.backend, x.device, dtype=x.dtype) == "fla":
             q, k, v, f, conv = self._inputs(x, conv, use_fla=True)
-            o, (hk, hv) = self._fla_gsa(q, k, v, *self._gates(f), None if state is None else (state.hk, state.hv))
+            o, (hk, hv) = fla_backend.gated_slot_attention(q, k, v, *self._gates(f),
+                                                           None if state is None else (state.hk, state.hv),
+                                                           scale=self.scale)
             return self._output(o.to(x.dtype).flatten(2)), GSAState(hk=hk, hv=hv, conv=conv)
-        # CPU: one pass, or in training segments of checkpoint_chunks chunks recomputed in backward, each running
-        # the whole layer from its slice of x: autograd keeps x, the two memories entering each
-        # segment and the output, not the projections, convolutions, feature maps, gates and output path
-        dtype = accum_dtype(x)  # the memories': float32, float64 kept
+        # PyTorch forms: one pass, or in training segments of checkpoint_chunks chunks recomputed in backward, each
+        # running the whole layer from its slice of x: autograd keeps x, the two memories entering each segment and
+        # the output, not the projections, convolutions, feature maps, gates and output path
+        dtype = accumulation_dtype(x)  # the memories': float32, float64 kept
         if state is None:
             hk = x.new_zeros(B, self.n_kv_heads, self.head_k_dim, self.num_slots, dtype=dtype)
             hv = x.new_zeros(B, self.n_kv_heads, self.num_slots, self.head_v_dim, dtype=dtype)
         else:
             hk, hv = state.hk.to(dtype), state.hv.to(dtype)
-        y, (hk, hv, *caches) = run_segments(self._cpu_layer, (x,), 0,
-                                            (hk, hv, *optional_carry(conv, self.use_short_conv)),
+        layer = functools.partial(self._torch_layer, step=T == 1 and state is not None)
+        y, (hk, hv, *caches) = run_segments(layer, (x,), 0, (hk, hv, *optional_carry(conv, self.use_short_conv)),
                                             span=self.chunk_len * self.checkpoint_chunks, dim=1)
         return y, GSAState(hk=hk, hv=hv, conv=tuple(caches) or None)
 
@@ -183,12 +172,18 @@ class GatedSlotAttention(Mixer):
         return (*self._feature_maps(q, k, v, B, T), self.f_proj(x).view(B, T, self.n_kv_heads, self.num_slots),
                 conv)
 
-    def _cpu_layer(self, x: torch.Tensor, _pos: int, hk: torch.Tensor, hv: torch.Tensor, *caches) -> tuple:
-        """The CPU form of the layer on ``x [B, t, d_model]`` from the memories ``hk, hv`` and the convolution
-        caches (none without short convolutions): ``(y, hk after, hv after, *caches after)``."""
+    def _torch_layer(self, x: torch.Tensor, _pos: int, hk: torch.Tensor, hv: torch.Tensor, *caches, step: bool
+                     ) -> tuple:
+        """The PyTorch form of the layer on ``x [B, t, d_model]`` from the memories ``hk, hv`` and the convolution
+        caches (none without short convolutions): ``(y, hk after, hv after, *caches after)``. ``step``: one decode
+        token (``t == 1``) through the recurrent step, else the chunk form."""
         q, k, v, f, conv = self._inputs(x, caches, use_fla=False)
-        o, (hk, hv) = chunk_gsa(q, k, v, *self._gates(f.to(hk.dtype)), scale=self.scale, initial_state=(hk, hv),
-                                chunk_len=self.chunk_len)
+        s, g = self._gates(f.to(hk.dtype))
+        if step:
+            o, (hk, hv) = gsa_step(q[:, 0], k[:, 0], v[:, 0], s[:, 0], g[:, 0], (hk, hv), scale=self.scale)
+            o = o[:, None]
+        else:
+            o, (hk, hv) = chunk_gsa(q, k, v, s, g, scale=self.scale, initial_state=(hk, hv), chunk_len=self.chunk_len)
         return (self._output(o.to(x.dtype).flatten(2)), hk, hv, *(conv or ()))
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
@@ -206,23 +201,6 @@ class GatedSlotAttention(Mixer):
         return (phi(q.reshape(B, T, self.n_heads, self.head_k_dim)),
                 phi(k.reshape(B, T, self.n_kv_heads, self.head_k_dim)),
                 F.silu(v.reshape(B, T, self.n_kv_heads, self.head_v_dim)))
-
-    def _fla_gsa(self, q, k, v, s, g, initial_state):
-        """fla's kernels as fla's layer calls them: key/value/slot heads repeated to the query heads,
-        ``fused_recurrent`` for T <= 64, ``chunk`` otherwise. The memories of a group are identical, so the
-        state keeps the first of each group."""
-        group = self.n_heads // self.n_kv_heads
-        if group > 1:
-            k, v, s, g = (t.repeat_interleave(group, dim=2) for t in (k, v, s, g))
-            if initial_state is not None:
-                initial_state = tuple(t.repeat_interleave(group, dim=1) for t in initial_state)
-        kernels = _backend.fla_kernels()
-        fn = kernels.fused_recurrent_gsa if q.shape[1] <= 64 else kernels.chunk_gsa
-        # the slot weights s are the "values" of the key memory: fla's chunk_fwd_h multiplies k and s in one tl.dot,
-        # which needs one dtype (under autocast the gates come out of exp in fp32 while k is bf16)
-        o, (hk, hv) = fn(q=q, k=k, v=v, s=s.to(k.dtype), g=g, scale=self.scale, initial_state=initial_state,
-                         output_final_state=True)
-        return o, (hk[:, ::group].float(), hv[:, ::group].float())
 
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_k_dim={self.head_k_dim}, "

@@ -1,4 +1,4 @@
-"""Which implementation runs: flash-linear-attention's Triton kernels (CUDA) or our PyTorch forms (anywhere).
+"""flash-linear-attention's Triton kernels (CUDA only): whether they run, and the calls into them.
 
 ``fla`` is imported lazily, only when a CUDA forward needs it: importing it costs seconds (it pulls in
 ``transformers``) and, without a GPU, it prints a warning and every kernel launch fails ("0 active
@@ -8,12 +8,17 @@ Backends (the ``backend`` option of both mixers):
 
 - ``"auto"`` (default): ``fla`` kernels for CUDA tensors when ``fla`` and ``triton`` are importable, else
   ``torch``; always ``torch`` for float64 inputs (fla's kernels do not take float64).
-- ``"torch"``: the chunked PyTorch forms of :mod:`mixerzoo_fla.ops` on every device (a reference on CUDA).
+- ``"torch"``: our PyTorch forms (:mod:`mixerzoo_fla.gdn.chunk`, :mod:`mixerzoo_fla.gsa.chunk` and their
+  ``recurrent`` decode steps) on every device.
 - ``"fla"``: the ``fla`` kernels, and an error if they cannot run (CPU tensors, float64 inputs, ``fla`` not
   installed, fla refusing the backward that a GDN training call needs).
 
 fla refuses one backward on some machines: :func:`fla_backward_refused` predicts it without running a kernel, and
 ``auto`` then trains GDN with the PyTorch form (one warning says how to get the kernels back).
+
+:func:`gated_delta_rule` and :func:`gated_slot_attention` call fla's kernels as fla's own layers do; they are
+functions of tensors (never of a layer) and are tested against the ``naive`` references through stand-ins for
+the kernels on CPU (``tests/test_fla_dispatch.py``) and against our chunked forms on a GPU (``test_fla_cuda.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import warnings
 
 import torch
 
-__all__ = ["BACKENDS", "fla_installed", "fla_backward_refused", "resolve_backend", "fla_kernels"]
+__all__ = ["BACKENDS", "check_backend", "fla_installed", "fla_backward_refused", "resolve_backend", "fla_kernels",
+           "gated_delta_rule", "gated_slot_attention"]
 
 BACKENDS = ("auto", "torch", "fla")
 
@@ -51,7 +57,8 @@ def resolve_backend(backend: str, device: torch.device, delta_rule_backward: boo
     """The implementation to run for tensors on ``device``: ``"fla"`` or ``"torch"``.
 
     ``dtype``: the input's dtype, if known. fla's kernels do not take float64, so float64 inputs (references,
-    gradient checks) run the PyTorch forms, which keep float64 states (:func:`mixerzoo_fla.ops.accum_dtype`).
+    gradient checks) run the PyTorch forms, which keep float64 states
+    (:func:`mixerzoo.protocol.accumulation_dtype`).
 
     ``delta_rule_backward``: the call will run backward through fla's chunked gated delta rule (a GDN forward
     with autograd recording). Where fla refuses that backward (:func:`fla_backward_refused`), ``auto`` answers
@@ -174,3 +181,62 @@ def fla_kernels() -> types.SimpleNamespace:
                                  fused_recurrent_gated_delta_rule=fused_recurrent_gated_delta_rule,
                                  chunk_gsa=chunk_gsa, fused_recurrent_gsa=fused_recurrent_gsa,
                                  causal_conv1d=causal_conv1d)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor,
+                     initial_state: torch.Tensor | None, *, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                     allow_neg_eigval: bool, recurrent: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule (Yang, Kautz & Hatamizadeh, ICLR 2025, section 3.1) on fla's kernels, with the decay
+    gate, the beta sigmoid and the q/k L2 norm fused in, as ``fla.layers.GatedDeltaNet`` calls them.
+
+    Args:
+        q, k: ``[B, T, H, K]`` before the L2 norm; v: ``[B, T, HV, V]`` (``HV`` a multiple of ``H``).
+        a: decay logits ``[B, T, HV]`` (``a_proj(x)``; the kernel computes ``-exp(A_log) softplus(a + dt_bias)``),
+            or None for DeltaNet (``alpha_t = 1``: a zero log decay, no ``A_log``/``dt_bias``).
+        b: beta logits ``[B, T, HV]`` (the kernel applies the sigmoid, times 2 with ``allow_neg_eigval``).
+        initial_state: ``[B, HV, K, V]`` or None.
+        recurrent: fla's ``fused_recurrent`` kernel (short inference calls) instead of ``chunk``.
+
+    Returns:
+        ``o [B, T, HV, V]`` (q/k dtype) and the final state ``[B, HV, K, V]`` in float32.
+    """
+    kernels = fla_kernels()
+    fn = kernels.fused_recurrent_gated_delta_rule if recurrent else kernels.chunk_gated_delta_rule
+    if a is not None:
+        gate = dict(g=a, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    else:  # DeltaNet: a zero log decay, no gate computation in the kernel
+        gate = dict(g=b.new_zeros(b.shape, dtype=torch.float32))
+    o, s = fn(q=q, k=k, v=v, beta=b, initial_state=initial_state, output_final_state=True,
+              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=allow_neg_eigval, **gate)
+    return o, s.float()
+
+
+def gated_slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
+                         initial_state: tuple[torch.Tensor, torch.Tensor] | None, *, scale: float
+                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Gated Slot Attention (Zhang et al., NeurIPS 2024, section 3) on fla's kernels, as
+    ``fla.layers.GatedSlotAttention`` calls them: key/value/slot heads repeated to the query heads,
+    ``fused_recurrent`` for ``T <= 64``, ``chunk`` otherwise.
+
+    Args:
+        q: ``[B, T, HQ, K]``; k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; s, g: ``[B, T, H, M]`` (slot write
+            weights and log forget gates); ``HQ`` a multiple of ``H``.
+        initial_state: ``(Hk [B, H, K, M], Hv [B, H, M, V])`` or None.
+        scale: query scale of the slot scores.
+
+    Returns:
+        ``o [B, T, HQ, V]`` and ``(Hk, Hv)`` per key/value head in float32 (the memories of a group of query
+        heads are identical, so the first of each group is kept).
+    """
+    group = q.shape[2] // k.shape[2]
+    if group > 1:
+        k, v, s, g = (t.repeat_interleave(group, dim=2) for t in (k, v, s, g))
+        if initial_state is not None:
+            initial_state = tuple(t.repeat_interleave(group, dim=1) for t in initial_state)
+    kernels = fla_kernels()
+    fn = kernels.fused_recurrent_gsa if q.shape[1] <= 64 else kernels.chunk_gsa
+    # the slot weights s are the "values" of the key memory: fla's chunk_fwd_h multiplies k and s in one tl.dot,
+    # which needs one dtype (under autocast the gates come out of exp in fp32 while k is bf16)
+    o, (hk, hv) = fn(q=q, k=k, v=v, s=s.to(k.dtype), g=g, scale=scale, initial_state=initial_state,
+                     output_final_state=True)
+    return o, (hk[:, ::group].float(), hv[:, ::group].float())

@@ -1,16 +1,19 @@
-"""Gated DeltaNet as a mixerzoo mixer (registered as ``gdn``).
+"""Gated DeltaNet as a mixerzoo mixer (registered as ``gdn``): parameters, options, and the choice of form.
 
 Yang, Kautz & Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule", ICLR 2025
 (arXiv:2412.06464). The layer mirrors flash-linear-attention 0.6.0's ``fla.layers.GatedDeltaNet``:
 same parameters (names and shapes, so fla state dicts load), same definitions, same defaults for the
-mechanism's options. On CUDA it calls fla's Triton kernels; elsewhere the chunked PyTorch form of
-:func:`mixerzoo_fla.ops.chunk_gated_delta_rule`, which also trains on CUDA where fla refuses its backward
-(:func:`mixerzoo_fla.backend.fla_backward_refused`).
+mechanism's options. Forms, by device and mode:
+
+- CUDA with fla importable: fla's Triton kernels (:mod:`mixerzoo_fla.backends.fla`), except for training calls
+  where fla refuses its backward (:func:`~mixerzoo_fla.backends.fla.fla_backward_refused`);
+- elsewhere (and with ``backend="torch"``): :func:`~mixerzoo_fla.gdn.chunk.chunk_gated_delta_rule` for ``T > 1``,
+  :func:`~mixerzoo_fla.gdn.recurrent.gated_delta_rule_step` for one token continuing a state.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -19,29 +22,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.ops import optional_carry, run_segments
-from mixerzoo.protocol import Mixer, MixerState
+from mixerzoo.protocol import Mixer, accumulation_dtype
 
-from . import backend as _backend
-from .modules import GatedRMSNorm, ShortConvolution, short_conv_qkv
-from .ops import accum_dtype, check_checkpoint_chunks, chunk_gated_delta_rule, gdn_log_decay
+from ..backends import fla as fla_backend
+from ..modules import GatedRMSNorm, ShortConvolution, check_checkpoint_chunks, short_conv_qkv
+from .chunk import chunk_gated_delta_rule
+from .ops import gdn_log_decay
+from .recurrent import gated_delta_rule_step
+from .state import GDNState
 
 __all__ = ["GatedDeltaNet", "GDNState"]
-
-
-@dataclasses.dataclass
-class GDNState(MixerState):
-    """Decoding state of :class:`GatedDeltaNet` (constant size in the sequence length).
-
-    Attributes:
-        recurrent: the delta-rule memory ``[B, HV, head_k_dim, head_v_dim]`` (``S_t`` of the paper transposed,
-            fla's default ``[K, V]`` layout), float32; float64 for float64 inputs
-            (:func:`mixerzoo_fla.ops.accum_dtype`).
-        conv: short-convolution caches ``(q [B, key_dim, W], k [B, key_dim, W], v [B, value_dim, W])``
-            (the last ``W = conv_size`` projected inputs, most recent last), or None without short convolutions.
-    """
-
-    recurrent: torch.Tensor
-    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class GatedDeltaNet(Mixer):
@@ -75,11 +65,11 @@ class GatedDeltaNet(Mixer):
         output_gate_activation: ``swish`` (= ``silu``) or ``sigmoid``.
         chunk_len: chunk length of the CPU/PyTorch path (the fla kernels choose their own tiling).
         checkpoint_chunks: training memory of the CPU/PyTorch path: segments of this many chunks are recomputed
-            in backward (:func:`mixerzoo_fla.ops.chunk_gated_delta_rule`); 0 keeps everything (faster, more
+            in backward (:func:`mixerzoo_fla.gdn.chunk.chunk_gated_delta_rule`); 0 keeps everything (faster, more
             memory). The fla kernels have their own backward and ignore it.
         backend: ``auto`` (fla kernels on CUDA, PyTorch elsewhere, and PyTorch for training calls where fla
             refuses its backward: Hopper, Triton in [3.4.0, 3.7.1), no usable TileLang; one warning), ``torch``
-            or ``fla`` (see :mod:`mixerzoo_fla.backend`).
+            or ``fla`` (see :mod:`mixerzoo_fla.backends.fla`).
 
     State: :class:`GDNState`; ``n_v_heads * d_k * d_v * 4`` bytes per sequence plus the conv caches.
 
@@ -115,7 +105,7 @@ class GatedDeltaNet(Mixer):
         check_checkpoint_chunks(checkpoint_chunks, "gdn")
         if output_gate_activation not in ("swish", "silu", "sigmoid"):
             raise ValueError(f"output_gate_activation must be swish, silu or sigmoid, got {output_gate_activation!r}")
-        _backend.check_backend(backend)
+        fla_backend.check_backend(backend)
         self.d_model, self.n_heads, self.n_v_heads = d_model, n_heads, n_v_heads
         self.head_k_dim, self.head_v_dim = head_dim, round(head_v_dim)
         self.key_dim, self.value_dim = n_heads * head_dim, n_v_heads * self.head_v_dim
@@ -163,24 +153,30 @@ class GatedDeltaNet(Mixer):
 
     def forward(self, x: torch.Tensor, state: GDNState | None = None) -> tuple[torch.Tensor, GDNState]:
         """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given."""
-        B = x.shape[0]
+        B, T, _ = x.shape
         conv = None if state is None else state.conv
         # fla refuses its chunked backward on some machines (Hopper, Triton 3.4.0-3.7.0, no TileLang): there the
         # resolver answers "torch" for calls that record autograd, while inference keeps fla's kernels
         records_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
-        if _backend.resolve_backend(self.backend, x.device, dtype=x.dtype, delta_rule_backward=records_grad) == "fla":
+        form = fla_backend.resolve_backend(self.backend, x.device, dtype=x.dtype, delta_rule_backward=records_grad)
+        if form == "fla":
             q, k, v, a, b, conv = self._inputs(x, conv, use_fla=True)
-            o, s = self._fla_delta_rule(q, k, v, a, b, None if state is None else state.recurrent)
+            # fla's layer: fused_recurrent for short inference calls (decode, T <= 64 without autograd), else chunk
+            o, s = fla_backend.gated_delta_rule(
+                q, k, v, a, b, None if state is None else state.recurrent, A_log=getattr(self, "A_log", None),
+                dt_bias=getattr(self, "dt_bias", None), allow_neg_eigval=self.allow_neg_eigval,
+                recurrent=T <= 64 and not torch.is_grad_enabled() and not self.training)
             return self._output(o.to(x.dtype), x), GDNState(recurrent=s, conv=conv)
-        # PyTorch form (CPU; CUDA training where fla refuses its backward; backend "torch"), the whole layer so that
+        # PyTorch forms (CPU; CUDA training where fla refuses its backward; backend "torch"), the whole layer so that
         # its memory stays bounded: one pass, or in training segments of checkpoint_chunks chunks recomputed in
         # backward, each running the whole layer from its slice of x: autograd keeps x, the state entering each
         # segment and the output, not the projections, convolutions, gates and output path (value-width tensors, twice
         # attention's width with expand_v 2), and backward's gradients of q, k, v exist one segment at a time
-        dtype = accum_dtype(x)  # the state's: float32, float64 kept
+        dtype = accumulation_dtype(x)  # the state's: float32, float64 kept
         s0 = (x.new_zeros(B, self.n_v_heads, self.head_k_dim, self.head_v_dim, dtype=dtype)
               if state is None else state.recurrent.to(dtype))
-        y, (s, *caches) = run_segments(self._cpu_layer, (x,), 0, (s0, *optional_carry(conv, self.use_short_conv)),
+        layer = functools.partial(self._torch_layer, step=T == 1 and state is not None)
+        y, (s, *caches) = run_segments(layer, (x,), 0, (s0, *optional_carry(conv, self.use_short_conv)),
                                        span=self.chunk_len * self.checkpoint_chunks, dim=1)
         return y, GDNState(recurrent=s, conv=tuple(caches) or None)
 
@@ -197,15 +193,20 @@ class GatedDeltaNet(Mixer):
         v = v.view(B, T, self.n_v_heads, self.head_v_dim)
         return q, k, v, self.a_proj(x) if self.use_decay else None, self.b_proj(x), conv
 
-    def _cpu_layer(self, x: torch.Tensor, _pos: int, s: torch.Tensor, *caches) -> tuple:
-        """The CPU form of the layer on ``x [B, t, d_model]`` from the delta-rule state ``s`` and the convolution
-        caches (none without short convolutions): ``(y, s after, *caches after)``; gates and state in ``s``'s dtype."""
+    def _torch_layer(self, x: torch.Tensor, _pos: int, s: torch.Tensor, *caches, step: bool) -> tuple:
+        """The PyTorch form of the layer on ``x [B, t, d_model]`` from the delta-rule state ``s`` and the convolution
+        caches (none without short convolutions): ``(y, s after, *caches after)``; gates and state in ``s``'s dtype.
+        ``step``: one decode token (``t == 1``) through the recurrent step, else the chunk form."""
         q, k, v, a, b, conv = self._inputs(x, caches, use_fla=False)
         beta = b.to(s.dtype).sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)
         g = gdn_log_decay(a, self.A_log, self.dt_bias) if self.use_decay else \
             b.new_zeros(b.shape, dtype=s.dtype)  # DeltaNet: log alpha = 0
-        o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s, chunk_len=self.chunk_len,
-                                      use_qk_l2norm=True)
+        if step:
+            o, s = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s, use_qk_l2norm=True)
+            o = o[:, None]
+        else:
+            o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s, chunk_len=self.chunk_len,
+                                          use_qk_l2norm=True)
         return (self._output(o.to(x.dtype), x), s, *(conv or ()))
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -217,21 +218,6 @@ class GatedDeltaNet(Mixer):
         else:
             o = self.o_norm(o)
         return self.o_proj(o.reshape(B, T, self.value_dim))
-
-    def _fla_delta_rule(self, q, k, v, a, b, initial_state):
-        """fla's kernels with the gate, beta sigmoid and q/k L2 norm fused in, as fla's layer calls them:
-        ``fused_recurrent`` for short inference calls (decode, T <= 64 without autograd), ``chunk`` otherwise."""
-        kernels = _backend.fla_kernels()
-        recurrent = q.shape[1] <= 64 and not torch.is_grad_enabled() and not self.training
-        fn = kernels.fused_recurrent_gated_delta_rule if recurrent else kernels.chunk_gated_delta_rule
-        if self.use_decay:
-            gate = dict(g=a, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
-        else:  # DeltaNet: a zero log decay, no gate computation in the kernel
-            gate = dict(g=b.new_zeros(b.shape, dtype=torch.float32))
-        o, s = fn(q=q, k=k, v=v, beta=b, initial_state=initial_state, output_final_state=True,
-                  use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                  allow_neg_eigval=self.allow_neg_eigval, **gate)
-        return o, s.float()
 
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, n_v_heads={self.n_v_heads}, head_k_dim={self.head_k_dim}, "
