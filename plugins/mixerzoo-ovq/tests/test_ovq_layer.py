@@ -1,4 +1,4 @@
-"""The OVQ mixer: protocol conformance, fast == reference == decode, schedule, N at evaluation, config errors."""
+"""The OVQ mixer: protocol conformance, layer == naive == decode, schedule, N at evaluation, config errors."""
 
 import dataclasses
 
@@ -10,7 +10,8 @@ from mixerzoo.model import LanguageModel
 from mixerzoo.schedules import SaturatingSchedule
 from mixerzoo.evaluation.cost import kept_for_backward
 from mixerzoo.testing import OperatorCalls, decode_stepwise, run_conformance
-from mixerzoo_ovq import OVQAttention, ovq_attention_reference
+from mixerzoo_ovq import OVQAttention, naive, ops
+from mixerzoo_ovq import layer as ovq_layer
 
 D_MODEL = 32
 CONFIGS = {
@@ -37,44 +38,62 @@ def test_conformance(name):
     assert report.state_bytes[0] < report.state_bytes[1]
 
 
+def naive_layer(m: OVQAttention, x: torch.Tensor):
+    """The layer computed with :func:`mixerzoo_ovq.naive.ovq_attention` on its projections: ``y (B, T, d_model)``,
+    the final ``(dk, dv, counts)`` and the projected keys and values ``k, v (B, H_kv, T, D)``."""
+    B, T, _ = x.shape
+    q, k, v, _ = m.project(x, torch.arange(T))
+    L, Hkv = m.chunk_len, k.shape[1]
+    scores = ((lambda c: ops.random_scores(c, B, Hkv, L, m.seed, m.layer_idx)) if m.new_centroids == "random"
+              else None)
+    o, dictionary = naive.ovq_attention(q, k, v, L, m.schedule, m.centroid_lr, m.renormalize, scores)
+    return m.o_proj(o.transpose(1, 2).reshape(B, T, -1)), dictionary, k, v
+
+
+@pytest.mark.parametrize("read", ["backend", "sdpa"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_fast_equals_reference_ops(name):
-    fast = make(name)
-    ref = make(name, use_reference=True)
-    ref.load_state_dict(fast.state_dict())
-    x = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(1))
-    y_fast, s_fast = fast(x)
-    y_ref, s_ref = ref(x)
-    torch.testing.assert_close(y_fast, y_ref, atol=1e-5, rtol=1e-5)
-    for f in ("dk", "dv", "counts", "buf_k", "buf_v"):
-        torch.testing.assert_close(getattr(s_fast, f), getattr(s_ref, f), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("name", ["default", "gqa", "random_new", "linear_growth", "constant_lr", "renormalize"])
-def test_layer_equals_whole_sequence_reference(name):
-    """The layer's chunk/state machinery against the plain appendix-8.3 loop over chunks."""
+def test_layer_equals_naive(name, read, monkeypatch):
+    """The layer (chunk loop, merges, state) against the paper's loop over chunks written plainly (appendix 8.3), for
+    every ablation, GQA and the backbone options, ending mid-chunk; ``sdpa``: with the portable read that runs
+    off the CPU (CUDA) instead of the CPU flash backend."""
+    if read == "sdpa":
+        monkeypatch.setattr(OVQAttention, "read_for", staticmethod(lambda device: ops.chunk_attention))
     m = make(name)
-    x = torch.randn(2, 45, D_MODEL, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         y, state = m(x)
-        q, k, v, _ = m.project(x, torch.arange(45))
-        o, (dk, dv, counts) = ovq_attention_reference(q, k, v, m.chunk_len, m.schedule, m.new_centroids,
-                                                      m.centroid_lr, m.renormalize, m.seed, m.layer_idx)
-        y_ref = m.o_proj(o.transpose(1, 2).reshape(2, 45, -1))
+        y_ref, (dk, dv, counts), k, v = naive_layer(m, x)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state.dk, dk, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.dv, dv, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state.counts, counts)
+    done = 37 // m.chunk_len * m.chunk_len
+    torch.testing.assert_close(state.buf_k, k[:, :, done:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.buf_v, v[:, :, done:], atol=1e-5, rtol=1e-5)
 
 
-def test_gradients_fast_equal_reference():
-    fast, ref = make("default"), make("default", use_reference=True)
-    ref.load_state_dict(fast.state_dict())
+def test_gradients_equal_naive():
+    m = make("default")
     x = torch.randn(1, 30, D_MODEL, generator=torch.Generator().manual_seed(4))
     w = torch.randn(1, 30, D_MODEL, generator=torch.Generator().manual_seed(5))
-    for m in (fast, ref):
-        (m(x)[0] * w).sum().backward()
-    for (name, p), (_, p_ref) in zip(fast.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
+    params = dict(m.named_parameters())
+    g_layer = torch.autograd.grad((m(x)[0] * w).sum(), list(params.values()))
+    g_naive = torch.autograd.grad((naive_layer(m, x)[0] * w).sum(), list(params.values()))
+    for name, a, b in zip(params, g_layer, g_naive):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_one_token_with_a_state_takes_the_decode_step(monkeypatch):
+    """Forms by mode: a call of several tokens runs the chunk loop, one token with a state the recurrent step."""
+    calls = []
+    step = ovq_layer.recurrent_step
+    monkeypatch.setattr(ovq_layer, "recurrent_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    m = make("default")
+    with torch.no_grad():
+        _, st = m(torch.randn(1, 9, D_MODEL))
+        assert not calls
+        m(torch.randn(1, 1, D_MODEL), st)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("kind", ["ovq", "vq"])

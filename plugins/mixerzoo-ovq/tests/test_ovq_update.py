@@ -1,4 +1,5 @@
-"""OVQ dictionary update and chunk attention: hand-computed cases and fast == reference."""
+"""OVQ dictionary update and chunk attention (eq. 15, 17-19): hand-computed cases, and the shared ops and the CPU
+backend against :mod:`mixerzoo_ovq.naive`."""
 
 import math
 
@@ -6,10 +7,13 @@ import pytest
 import torch
 
 from mixerzoo.schedules import LinearSchedule, SaturatingSchedule
-from mixerzoo_ovq import (chunk_attention, chunk_attention_reference, new_centroid_count, update_dictionary,
-                          update_dictionary_reference)
+from mixerzoo_ovq import naive, ops
+from mixerzoo_ovq.backends import cpu
+from mixerzoo_ovq.ops import new_centroid_count, update_dictionary
 
-BOTH = [update_dictionary, update_dictionary_reference]
+update_dictionary_naive = naive.update_dictionary
+BOTH = [update_dictionary, update_dictionary_naive]
+READS = [ops.chunk_attention, cpu.chunk_attention]  # the portable read (CUDA, bf16) and the CPU flash backend
 
 
 def t(x):
@@ -105,43 +109,44 @@ def test_bad_new_centroid_count_is_refused():
         update_dictionary(dk[:, :, :0], dv[:, :, :0], counts[:, :, :0], kc, vc, n_new=0)
 
 
-def test_new_centroid_count_follows_eq_17_18():
+@pytest.mark.parametrize("count", [new_centroid_count, naive.new_centroid_count])
+def test_new_centroid_count_follows_eq_17_18(count):
     sched = SaturatingSchedule(2048)
     # N_t = floor(2048 t / (2048 + t)): N_128 = 120, N_256 = 227, so chunk 1 adds 107
-    assert [new_centroid_count(sched, c, 128, s) for c, s in [(0, 0), (1, 120)]] == [120, 107]
-    assert new_centroid_count(SaturatingSchedule(8), 100, 128, 8) == 0           # plateau reached
-    assert new_centroid_count(LinearSchedule(rate=4.0), 0, 16, 0) == 16           # capped at chunk_len
-    assert new_centroid_count(LinearSchedule(rate=0.01), 0, 16, 0) == 1           # empty dict takes >= 1
-    assert new_centroid_count(SaturatingSchedule(8), 3, 16, 20) == 0             # never shrinks
+    assert [count(sched, c, 128, s) for c, s in [(0, 0), (1, 120)]] == [120, 107]
+    assert count(SaturatingSchedule(8), 100, 128, 8) == 0           # plateau reached
+    assert count(LinearSchedule(rate=4.0), 0, 16, 0) == 16           # capped at chunk_len
+    assert count(LinearSchedule(rate=0.01), 0, 16, 0) == 1           # empty dict takes >= 1
+    assert count(SaturatingSchedule(8), 3, 16, 20) == 0             # never shrinks
 
 
 @pytest.mark.parametrize("n,lr,renorm,random", [(0, None, False, False), (5, None, False, False),
                                                 (5, 0.25, False, False), (5, None, True, False),
                                                 (5, None, False, True), (0, 0.25, False, True)])
-def test_update_fast_equals_reference(n, lr, renorm, random):
+def test_update_equals_naive(n, lr, renorm, random):
     g = torch.Generator().manual_seed(n + 7)
     H, L = 3, 8
     dk, dv, counts, kc, vc = random_update(n, g, H=H, L=L)
     scores = torch.rand(H, L, generator=g) if random else None
     for n_new in (1, 3, L if n == 0 else 0):
         fast = update_dictionary(dk, dv, counts, kc, vc, n_new, scores, lr, renorm)
-        ref = update_dictionary_reference(dk, dv, counts, kc, vc, n_new, scores, lr, renorm)
+        ref = update_dictionary_naive(dk, dv, counts, kc, vc, n_new, scores, lr, renorm)
         for a, b in zip(fast, ref):
             torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("n,lr,renorm", [(0, None, False), (5, None, False), (5, 0.25, False), (5, None, True),
                                          (0, 0.25, True)])
-def test_update_gradients_equal_reference(n, lr, renorm):
+def test_update_gradients_equal_naive(n, lr, renorm):
     """The fast update's written-out backward (``_MergeChunk``) gives the gradients autograd finds through the
-    plain one-key-at-a-time reference, for the old dictionaries and the chunk's keys and values."""
+    one-key-at-a-time naive form, for the old dictionaries and the chunk's keys and values."""
     g = torch.Generator().manual_seed(n + 3)
     dk, dv, counts, kc, vc = random_update(n, g)
     B, H, _, D = kc.shape
     for n_new in (1, 3):
         w_k, w_v = torch.randn(B, H, n + n_new, D, generator=g), torch.randn(B, H, n + n_new, D, generator=g)
         grads = []
-        for fn in (update_dictionary, update_dictionary_reference):
+        for fn in (update_dictionary, update_dictionary_naive):
             inputs = [t.clone().requires_grad_() for t in (dk, dv, kc, vc)]
             out_k, out_v, _ = fn(inputs[0], inputs[1], counts, inputs[2], inputs[3], n_new, None, lr, renorm)
             ((out_k * w_k).sum() + (out_v * w_v).square().sum()).backward()
@@ -171,11 +176,12 @@ def test_update_reuses_recorded_decisions(n):
     assert not torch.equal(fresh[2], first[2])
 
 
+@pytest.mark.parametrize("read", READS, ids=["sdpa", "cpu_flash"])
 @pytest.mark.parametrize("n,Lq,Lk,H,Hkv", [(0, 5, 5, 2, 2), (4, 5, 5, 2, 2), (4, 1, 6, 4, 2), (3, 3, 7, 4, 1)])
 @pytest.mark.parametrize("unused_codes", [False, True], ids=["counts", "zero_counts"])
-def test_chunk_attention_fast_equals_reference(n, Lq, Lk, H, Hkv, unused_codes):
-    """The fast path (the dictionary and the chunk as two flash calls merged by log-sum-exp) against eq. 15
-    written out. ``zero_counts``: rows of a static codebook no key has been assigned to (log-count -inf), a whole
+def test_chunk_attention_equals_naive(n, Lq, Lk, H, Hkv, unused_codes, read):
+    """Both reads (one SDPA call over ``[D ; chunk]`` with an additive mask; the CPU backend's two flash calls
+    merged by log-sum-exp) against eq. 15 written out. ``zero_counts``: rows of a static codebook no key has been assigned to (log-count -inf), a whole
     batch row of them included (the dictionary call then returns lse 0 and must weigh nothing)."""
     g = torch.Generator().manual_seed(n + Lq + Lk)
     B, D = 2, 4
@@ -185,14 +191,14 @@ def test_chunk_attention_fast_equals_reference(n, Lq, Lk, H, Hkv, unused_codes):
     if unused_codes:
         counts[0] = 0
     kc, vc = torch.randn(B, Hkv, Lk, D, generator=g), torch.randn(B, Hkv, Lk, D, generator=g)
-    fast = chunk_attention(q, dk, dv, counts.log(), kc, vc)
-    ref = chunk_attention_reference(q, dk, dv, counts.log(), kc, vc)
+    fast = read(q, dk, dv, counts.log(), kc, vc)
+    ref = naive.chunk_attention(q, dk, dv, counts.log(), kc, vc)
     torch.testing.assert_close(fast, ref)
-    # gradients: the fast path's backward rebuilds [D ; chunk] and the mask instead of storing them
+    # gradients: the CPU backend's backward rebuilds [D ; chunk] and the mask instead of storing them
     leaves = [t.clone().requires_grad_(True) for t in (q, dk, dv, kc, vc)]
     w = torch.randn(fast.shape, generator=g)
     grads = []
-    for fn in (chunk_attention, chunk_attention_reference):
+    for fn in (read, naive.chunk_attention):
         out = fn(leaves[0], leaves[1], leaves[2], counts.log(), leaves[3], leaves[4])
         grads.append(torch.autograd.grad((out * w).sum(), [x for x in leaves if x.numel()], allow_unused=True))
     for a, b in zip(*grads):
@@ -206,7 +212,7 @@ def test_chunk_attention_by_hand():
     q = t([[1, 0], [0, 0]])[None, None]
     dk, dv, counts = t([[1, 0]])[None, None], t([[2, 0]])[None, None], t([3])[None, None]
     kc, vc = t([[0, 0], [5, 0]])[None, None], t([[0, 4], [9, 9]])[None, None]
-    for fn in (chunk_attention, chunk_attention_reference):
+    for fn in (*READS, naive.chunk_attention):
         o = fn(q, dk, dv, counts.log(), kc, vc)
         w = 3 * math.e / (3 * math.e + 1)            # exp(1 + log 3) vs exp(0 + log 1)
         torch.testing.assert_close(o[0, 0, 0], t([2 * w, 4 * (1 - w)]))
@@ -215,17 +221,17 @@ def test_chunk_attention_by_hand():
 
 @pytest.mark.parametrize("n", [0, 5])
 def test_update_gradients_with_the_layouts_of_a_training_step(n):
-    """As :func:`test_update_gradients_equal_reference`, with the layouts a training step gives the merge: the
+    """As :func:`test_update_gradients_equal_naive`, with the layouts a training step gives the merge: the
     chunk's keys and values are slices of the layer's, and the incoming gradient of the new dictionary is in the
     flash backward's ``(B, n, H, D)`` order (the fast path reads its rows where they lie:
-    ``mixerzoo.mixers.rows.take_rows``)."""
+    ``mixerzoo.ops.take_rows``)."""
     g = torch.Generator().manual_seed(n + 11)
     dk, dv, counts, kc, vc = random_update(n, g)
     B, H, L, D = kc.shape
     n_new = 3
     w = torch.randn(B, n + n_new, H, D, generator=g).transpose(1, 2)  # the gradient arrives in this layout
     grads = []
-    for fn in (update_dictionary, update_dictionary_reference):
+    for fn in (update_dictionary, update_dictionary_naive):
         seq_k, seq_v = (torch.cat([torch.zeros(B, H, 5, D), t, torch.zeros(B, H, 2, D)], dim=2).requires_grad_()
                         for t in (kc, vc))
         old = [t.clone().requires_grad_() for t in (dk, dv)]

@@ -1,5 +1,5 @@
 """The VQ-attention baseline (sw-vq's VQ layer): the chunked form equals softmax attention over quantized keys
-(eq. 3), the value merge against a by-hand example and its reference, conformance, errors."""
+(eq. 3), the value merge against a by-hand example and the naive form, conformance, errors."""
 
 import pytest
 import torch
@@ -7,9 +7,8 @@ import torch
 from mixerzoo import registry
 from mixerzoo.model import LanguageModel
 from mixerzoo.testing import decode_stepwise, run_conformance
-from mixerzoo_ovq import OVQAttention, VQAttention
+from mixerzoo_ovq import OVQAttention, VQAttention, naive
 from mixerzoo_ovq.ops import vq_merge
-from mixerzoo_ovq.reference import vq_attention_reference, vq_merge_reference
 from mixerzoo_ovq.vq import quantize_keys
 
 D_MODEL = 32
@@ -33,20 +32,20 @@ def test_merge_by_hand():
     counts = torch.tensor([2.0, 0.0, 1.0])[None, None]
     index = torch.tensor([0, 1, 0])[None, None]
     vc = torch.tensor([[0.0, 1.0], [3.0, 3.0], [0.0, 1.0]])[None, None]
-    for fn in (vq_merge, vq_merge_reference):
+    for fn in (vq_merge, naive.vq_merge):
         new_dv, new_c = fn(dv, counts, index, vc)
         torch.testing.assert_close(new_dv[0, 0], torch.tensor([[0.5, 0.5], [3.0, 3.0], [5.0, 5.0]]))
         assert new_c[0, 0].tolist() == [4.0, 1.0, 1.0]
 
 
-def test_merge_fast_equals_reference():
+def test_merge_equals_naive():
     g = torch.Generator().manual_seed(4)
     dv = torch.randn(2, 3, 5, 4, generator=g)
     counts = torch.randint(0, 4, (2, 3, 5), generator=g).float()
     dv = dv * (counts > 0)[..., None]
     index = torch.randint(0, 5, (2, 3, 9), generator=g)
     vc = torch.randn(2, 3, 9, 4, generator=g)
-    for a, b in zip(vq_merge(dv, counts, index, vc), vq_merge_reference(dv, counts, index, vc)):
+    for a, b in zip(vq_merge(dv, counts, index, vc), naive.vq_merge(dv, counts, index, vc)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
@@ -63,12 +62,11 @@ def test_quantize_picks_the_nearest_codeword_and_passes_gradients_through():
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("use_reference", [False, True])
-def test_chunked_form_equals_attention_over_quantized_keys(name, use_reference):
+def test_chunked_form_equals_attention_over_quantized_keys(name):
     """Past chunks folded into per-codeword value means with log-count priors give exactly eq. 3's quadratic
     form; gradients (codebook and inputs) are those of eq. 3 with the keys' straight-through path only inside
     their own chunk (a folded key is its codeword)."""
-    m = make(name, use_reference=use_reference)
+    m = make(name)
     T = 23
     x = torch.randn(2, T, D_MODEL, generator=torch.Generator().manual_seed(2), requires_grad=True)
     y, state = m(x)
@@ -76,9 +74,9 @@ def test_chunked_form_equals_attention_over_quantized_keys(name, use_reference):
     q, k = OVQAttention.normalize_qk(m, q, k)                            # unit keys, not yet quantized
     k_hat, index = quantize_keys(k, m.codes())
     k_code = m.codes()[None].expand(2, -1, -1, -1).gather(2, index[..., None].expand(*index.shape, k.shape[-1]))
-    torch.testing.assert_close(y, m.o_proj(vq_attention_reference(q, k_hat, v).transpose(1, 2).reshape(2, T, -1)),
+    torch.testing.assert_close(y, m.o_proj(naive.vq_attention(q, k_hat, v).transpose(1, 2).reshape(2, T, -1)),
                                atol=1e-5, rtol=1e-5)                      # values: eq. 3 exactly
-    o = vq_attention_reference(q, k_hat, v, m.chunk_len, k_code)
+    o = naive.vq_attention(q, k_hat, v, m.chunk_len, k_code)
     y_ref = m.o_proj(o.transpose(1, 2).reshape(2, T, -1))
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     w = torch.randn_like(y)

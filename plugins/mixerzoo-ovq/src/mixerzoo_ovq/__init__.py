@@ -1,14 +1,17 @@
 """mixerzoo-ovq: OVQ-attention (Online Vector-Quantized attention, arXiv 2602.03922) as a mixerzoo plugin.
 
-Registered as mixers ``ovq`` and ``vq`` (entry point group ``mixerzoo.mixers``). Layout: ``ops.py`` the fast
-batched math, ``reference.py`` the same math written plainly, ``layer.py`` the :class:`OVQAttention` mixer,
-``vq.py`` :class:`VQAttention`, the paper's static-codebook baseline (sw-vq) on the same chunk loop.
+Registered as mixers ``ovq`` and ``vq`` (entry point group ``mixerzoo.mixers``). Layout:
+
+- ``naive.py``: the paper's equations in plain PyTorch, the reference every other form is tested against;
+- ``chunk.py``: the chunked form (training, prefill); ``recurrent.py``: the one-token decode step;
+- ``ops.py``: what both share (eq. 15's read, the dictionary growth and update of eq. 17-19);
+- ``backends/cpu/``: eq. 15's read on the CPU flash-attention kernels;
+- ``layer.py``: :class:`OVQAttention` (parameters, options, choice of form); ``state.py``: the states;
+- ``vq.py``: :class:`VQAttention`, the paper's static-codebook baseline (sw-vq) on the same forms.
 """
 
-from .layer import OVQAttention, OVQState
-from .ops import chunk_attention, new_centroid_count, update_dictionary
-from .reference import chunk_attention_reference, ovq_attention_reference, update_dictionary_reference
-from .vq import VQAttention, VQState
+from .layer import OVQAttention
+from .state import OVQState, VQState
+from .vq import VQAttention
 
-__all__ = ["OVQAttention", "OVQState", "VQAttention", "VQState", "chunk_attention", "update_dictionary",
-           "new_centroid_count", "chunk_attention_reference", "update_dictionary_reference", "ovq_attention_reference"]
+__all__ = ["OVQAttention", "OVQState", "VQAttention", "VQState"]

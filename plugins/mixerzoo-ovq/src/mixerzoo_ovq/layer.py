@@ -1,4 +1,5 @@
-"""The OVQ-attention mixer ("Online Vector Quantized Attention", arXiv 2602.03922, section 3).
+"""The OVQ-attention mixer ("Online Vector Quantized Attention", arXiv 2602.03922, section 3): parameters, options
+and the choice of form.
 
 One layer, per key/value head, keeps a key dictionary ``D_k (n, D)``, a value dictionary ``D_v (n, D)`` and
 counts ``c (n)``. The sequence is cut into chunks of ``chunk_len`` tokens at absolute positions
@@ -6,14 +7,15 @@ counts ``c (n)``. The sequence is cut into chunks of ``chunk_len`` tokens at abs
 chunk is complete its keys and values are merged into the dictionaries (eq. 17-19), whose size follows a
 state-budget schedule (the plateau ``N t / (t + N)`` by default) up to ``max_size = N`` rows.
 
-The state carries the dictionaries plus the raw keys/values of the unfinished chunk, so a call may stop
-anywhere: continuation and token-by-token decode go through exactly the same chunk logic as one pass.
+Forms: :mod:`~mixerzoo_ovq.chunk` for a call of several tokens (training, prefill, continuation),
+:mod:`~mixerzoo_ovq.recurrent` for one token with a state (decode); both read eq. 15 with the CPU backend
+(:mod:`~mixerzoo_ovq.backends.cpu`) on CPU and ``scaled_dot_product_attention`` elsewhere. The reference they are
+tested against is :mod:`~mixerzoo_ovq.naive`.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from typing import Any
 
@@ -21,51 +23,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.mixers.qkv import QKVProjection, StreamState
+from mixerzoo.mixers.qkv import QKVProjection
 from mixerzoo.ops import optional_carry, run_segments
 from mixerzoo.protocol import Mixer
 from mixerzoo.schedules import build_schedule
 
-from . import ops, reference
+from . import ops
+from .backends import cpu
+from .chunk import chunk_forward
+from .recurrent import recurrent_step
+from .state import OVQState, state_log_counts
 
 __all__ = ["OVQState", "OVQAttention"]
 
 N_CARRY = 6  # what the chunk loop carries: dk, dv, counts, log_counts, buf_k, buf_v (OVQAttention._carry)
-
-
-@dataclasses.dataclass
-class OVQState(StreamState):
-    """State of :class:`OVQAttention` after ``next_pos`` tokens.
-
-    Attributes:
-        dk, dv: key and value dictionaries ``(B, H_kv, n, D)``; ``n`` follows the schedule, at most ``max_size``.
-        counts: ``(B, H_kv, n)``, how many keys each centroid has absorbed.
-        The dictionary and the counts are float32 at least (float64 for float64 inputs;
-        :func:`~mixerzoo_ovq.ops.accumulation_dtype`), whatever the compute dtype.
-        buf_k, buf_v: raw keys (unit norm) and values of the unfinished chunk, ``(B, H_kv, next_pos % L, D)``.
-        log_counts: ``log(counts)``, the read's prior (eq. 15), kept beside the counts because they change only at
-            merges: a decoding step would otherwise take ``n`` logs per key/value head per token (at 16k tokens
-            a twentieth of the step). None (a state made by hand): computed from ``counts``.
-        next_pos: tokens seen so far.
-        shift: previous-token projections for the token-shift option, else None.
-    """
-
-    dk: torch.Tensor
-    dv: torch.Tensor
-    counts: torch.Tensor
-    buf_k: torch.Tensor
-    buf_v: torch.Tensor
-    log_counts: torch.Tensor | None = None
-
-    @property
-    def dict_size(self) -> int:
-        """Current dictionary rows ``n``."""
-        return self.dk.shape[2]
-
-
-def state_log_counts(st) -> torch.Tensor:
-    """The state's ``log_counts``, from its counts where it has none (``OVQState``, ``VQState``)."""
-    return st.counts.log() if st.log_counts is None else st.log_counts
 
 
 class OVQAttention(Mixer):
@@ -100,7 +71,6 @@ class OVQAttention(Mixer):
             value list and bias per chunk (the paper's "memory independent of N" training, sec. 3.4, by
             recomputation; the recomputation reuses the first run's reads and choices). 0 keeps everything.
             Results are identical.
-        use_reference: compute with the readable reference ops (slow; for tests).
 
     State: :class:`OVQState`; grows with the schedule and plateaus at ``max_size`` rows (+ < L buffered tokens).
 
@@ -118,7 +88,7 @@ class OVQAttention(Mixer):
                  new_centroids: str = "spread", centroid_lr: float | None = None, renormalize: bool = False,
                  beta_init: float = 1.0, positional: Any = "nope", token_shift: bool = False,
                  value_residual: bool = False, bias: bool = False, seed: int = 0, checkpoint_chunks: int = 16,
-                 use_reference: bool = False, layer_idx: int = 0) -> None:
+                 layer_idx: int = 0) -> None:
         super().__init__()
         if not isinstance(chunk_len, int) or chunk_len < 1:
             raise ValueError(f"{self.mixer_name} chunk_len must be a positive integer (paper: 128), got {chunk_len!r}")
@@ -141,7 +111,7 @@ class OVQAttention(Mixer):
         if not isinstance(checkpoint_chunks, int) or isinstance(checkpoint_chunks, bool) or checkpoint_chunks < 0:
             raise ValueError(f"{self.mixer_name} checkpoint_chunks must be an integer >= 0 (0: no recomputation), "
                              f"got {checkpoint_chunks!r}")
-        self.renormalize, self.seed, self.use_reference, self.layer_idx = renormalize, seed, use_reference, layer_idx
+        self.renormalize, self.seed, self.layer_idx = renormalize, seed, layer_idx
         self.checkpoint_chunks = checkpoint_chunks
         self._schedule_spec = schedule
         self.set_max_size(max_size)
@@ -207,9 +177,25 @@ class OVQAttention(Mixer):
         return OVQState(dk=z, dv=z, counts=torch.zeros(batch, Hkv, 0, device=device, dtype=acc), buf_k=z, buf_v=z,
                         next_pos=0)
 
+    @staticmethod
+    def read_for(device: torch.device):
+        """Eq. 15's read for ``device``: the CPU flash backend on CPU, ``scaled_dot_product_attention`` elsewhere."""
+        return cpu.chunk_attention if device.type == "cpu" and cpu.available() else ops.chunk_attention
+
+    def spec(self, device: torch.device) -> ops.Spec:
+        """The options the chunk loop and the decode step read (:class:`mixerzoo_ovq.ops.Spec`) on ``device``."""
+        return ops.Spec(self.chunk_len, self.schedule, self.new_centroids, self.centroid_lr, self.renormalize,
+                        self.seed, self.layer_idx, read=self.read_for(device))
+
     def forward(self, x: torch.Tensor, state: OVQState | None = None, shared: dict | None = None
                 ) -> tuple[torch.Tensor, OVQState]:
-        """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given."""
+        """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given: one token with a state takes
+        the decode step (:func:`~mixerzoo_ovq.recurrent.recurrent_step`), anything else the chunked form
+        (:func:`~mixerzoo_ovq.chunk.chunk_forward`).
+
+        Raises:
+            ValueError: a state whose buffered tokens do not match ``chunk_len``.
+        """
         B, T, _ = x.shape
         L = self.chunk_len
         acc = ops.accumulation_dtype(x.dtype)
@@ -218,34 +204,49 @@ class OVQAttention(Mixer):
         if st.buf_k.shape[2] != p0 % L:
             raise ValueError(f"{self.mixer_name} state holds {st.buf_k.shape[2]} buffered tokens at position {p0}, "
                              f"expected {p0 % L}: was chunk_len changed mid-sequence?")
+        spec, carry = self.spec(x.device), self._carry(st, acc)
+        if T == 1 and state is not None:
+            q, k, v, _, shift = self.qkv.stream(x, st, shared)
+            q, k = self.normalize_qk(q, k)
+            o, *carry = recurrent_step(spec, q, k, v, p0, *carry)
+            return self._output(o), self._state(carry, p0 + T, shift)
         # training: segments of checkpoint_chunks chunks recomputed in backward, so autograd keeps one dictionary
         # per segment instead of one [dictionary ; chunk] key list, value list and bias per chunk (paper
         # sec. 3.4)
         # memo: what backward's recomputation of a segment takes from its first run instead of computing again:
-        # each chunk's discrete dictionary choices (ops.update_dictionary) and read (ops.chunk_attention)
+        # each chunk's discrete dictionary choices (ops.update_dictionary) and read (the CPU backend's)
         span = L * self.checkpoint_chunks
-        carry = self._carry(st, acc)
         if self.qkv.value_residual and shared is not None:
             # the first layer's values are shared with the later layers for the whole call: project it here
             q, k, v, _, shift = self.qkv.stream(x, st, shared)
-            o, carry = run_segments(self._segment, (q, k, v), p0, carry, span=span, memo=True)
+            o, carry = run_segments(self._segment, (q, k, v), p0, carry, span=span, extra=(spec,), memo=True)
             return self._output(o), self._state(carry, p0 + T, shift)
         # each segment runs the whole layer from its slice of x (projections, token shift carried, reads and
         # merges, output projection): autograd keeps x, the dictionary entering each segment and the output, not
         # the projections, and backward's q/k/v gradients exist one segment at a time
         shift = optional_carry(st.shift, self.qkv.token_shift)
-        y, carry = run_segments(self._layer_segment, (x,), p0, (*carry, *shift), span=span, dim=1, memo=True)
+        y, carry = run_segments(self._layer_segment, (x,), p0, (*carry, *shift), span=span, extra=(spec,), dim=1,
+                                memo=True)
         carry, shift = carry[:N_CARRY], tuple(carry[N_CARRY:]) or None
         return y, self._state(carry, p0 + T, shift)
 
-    def _layer_segment(self, x: torch.Tensor, memo: dict | None, pos: int, *carry) -> tuple:
+    def _layer_segment(self, x: torch.Tensor, spec: ops.Spec, memo: dict | None, pos: int, *carry) -> tuple:
         """The layer on ``x (B, T, d_model)`` at absolute position ``pos``: the projections (continuing the token
         shift carried after the ``N_CARRY`` dictionary tensors of :meth:`_carry`, none without ``token_shift``), then
         :meth:`_segment`, then the output projection. Returns ``(y, *carry after)``."""
         positions = torch.arange(pos, pos + x.shape[1], device=x.device)
         q, k, v, shift = self.qkv(x, positions, tuple(carry[N_CARRY:]) or None)
-        o, *dictionary = self._segment(q, k, v, memo, pos, *carry[:N_CARRY])
+        o, *dictionary = self._segment(q, k, v, spec, memo, pos, *carry[:N_CARRY])
         return (self._output(o), *dictionary, *(shift or ()))
+
+    def _segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ops.Spec, memo: dict | None,
+                 pos: int, *carry) -> tuple:
+        """:func:`~mixerzoo_ovq.chunk.chunk_forward` on the projections ``q (B, H, T, D)``, ``k, v (B, H_kv, T,
+        D)`` before :meth:`normalize_qk`, which runs here: in training it is recomputed with the segment, so
+        autograd keeps the projections only, not also their normalised copies (two ``(B, H, T, D)`` tensors a
+        layer). Returns ``(o (B, H, T, D), *carry after)``."""
+        q, k = self.normalize_qk(q, k)
+        return chunk_forward(spec, q, k, v, memo, pos, *carry)
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         """The heads' reads ``o (B, H, T, D)`` concatenated and projected: ``(B, T, d_model)``."""
@@ -253,9 +254,10 @@ class OVQAttention(Mixer):
 
     def _carry(self, st: OVQState, acc: torch.dtype) -> tuple:
         """What the chunk loop carries: ``(dk, dv, counts, log_counts, buf_k, buf_v)`` (``N_CARRY``). The
-        dictionary and its counts are kept in ``acc`` (:func:`~mixerzoo_ovq.ops.accumulation_dtype`: float32 under
+        dictionary and its counts are kept in ``acc`` (:func:`mixerzoo.protocol.accumulation_dtype`: float32 under
         autocast, as bf16 running means drift ~1.5% after 8k merges; float64 for float64 inputs); attention reads
-        them in the compute dtype, and the buffered tokens join the new ones in theirs (:meth:`_segment`)."""
+        them in the compute dtype, and the buffered tokens join the new ones in theirs
+        (:func:`mixerzoo_ovq.ops.advance`)."""
         return (st.dk.to(acc), st.dv.to(acc), st.counts.to(acc), state_log_counts(st).to(acc), st.buf_k,
                 st.buf_v)
 
@@ -264,60 +266,6 @@ class OVQAttention(Mixer):
         dk, dv, counts, log_counts, buf_k, buf_v = carry
         return OVQState(dk=dk, dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, log_counts=log_counts,
                         next_pos=next_pos, shift=shift)
-
-    def _merge(self, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
-               vc: torch.Tensor, decisions: dict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Merge the complete chunk ``chunk_idx`` (keys/values ``(B, H_kv, L, D)``, in the dictionary's dtype) into
-        the dictionary (eq. 17-19); returns ``dk, dv, counts``. ``decisions``: where the fast path keeps this chunk's
-        discrete choices for the segment's recomputation (None: not recomputed)."""
-        B, L = kc.shape[0], self.chunk_len
-        n_new = ops.new_centroid_count(self.schedule, chunk_idx, L, dk.shape[2])
-        scores = (ops.random_scores(chunk_idx, B, kc.shape[1], L, self.seed, self.layer_idx, kc.device)
-                  if self.new_centroids == "random" else None)
-        if self.use_reference:
-            return reference.update_dictionary_reference(dk, dv, counts, kc, vc, n_new, scores, self.centroid_lr,
-                                                         self.renormalize)
-        return ops.update_dictionary(dk, dv, counts, kc, vc, n_new, scores, self.centroid_lr, self.renormalize,
-                                     decisions)
-
-    def _segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, memo: dict | None, pos: int,
-                 dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, log_counts: torch.Tensor,
-                 buf_k: torch.Tensor, buf_v: torch.Tensor) -> tuple:
-        """Tokens at absolute positions ``pos .. pos + T`` (``q, k, v (B, H, T, D)``), chunk by chunk: each piece
-        attends over ``[D_k ; K_c]`` (eq. 15), each completed chunk is merged into the dictionary (eq. 17-19).
-        ``memo``: a dict the segment's first run fills and its recomputation in backward reads (each piece's read
-        and choices), or None. ``q, k`` are the projections before :meth:`normalize_qk`, which runs here: in
-        training it is recomputed with the segment, so autograd keeps the projections only, not also their
-        normalised copies (two ``(B, H, T, D)`` tensors a layer). ``log_counts``: ``counts.log()``,
-        taken again after each merge only. Returns ``(o (B, H, T, D), dk, dv, counts, log_counts, buf_k,
-        buf_v)``."""
-        q, k = self.normalize_qk(q, k)
-        buf_k, buf_v = buf_k.to(k.dtype), buf_v.to(v.dtype)
-        L = self.chunk_len
-        attend = reference.chunk_attention_reference if self.use_reference else ops.chunk_attention
-        T = q.shape[2]
-        first = min(L - buf_k.shape[2], T)  # the rest of the unfinished chunk, then whole chunks
-        sizes = [first] + [min(L, T - t) for t in range(first, T, L)]
-        outs, t = [], 0
-        # one split, not slices (a slice's backward is a segment-length zero tensor per chunk)
-        for qc, kn, vn in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)):
-            # a chunk that starts here is a view of k and v: a copy would be kept for backward, one per chunk
-            kc = kn if buf_k.shape[2] == 0 else torch.cat([buf_k, kn], dim=2)
-            vc = vn if buf_v.shape[2] == 0 else torch.cat([buf_v, vn], dim=2)
-            read, decisions = (None, None) if memo is None else (memo.setdefault(("read", t), {}),
-                                                                  memo.setdefault(("merge", t), {}))
-            outs.append(attend(qc, dk.to(q.dtype), dv.to(q.dtype), log_counts, kc, vc, reuse=read))
-            t += qc.shape[2]
-            if kc.shape[2] == L:                          # the chunk is complete: merge it (eq. 17-19)
-                dk, dv, counts = self._merge((pos + t) // L - 1, dk, dv, counts, kc.to(dk.dtype), vc.to(dk.dtype),
-                                             decisions)
-                log_counts = counts.log()
-                # new empty tensors, not empty views: a view would keep the whole segment's keys alive in the
-                # state that autograd keeps for the next segment
-                buf_k, buf_v = kc.new_empty(*kc.shape[:2], 0, kc.shape[3]), vc.new_empty(*vc.shape[:2], 0, vc.shape[3])
-            else:
-                buf_k, buf_v = kc, vc
-        return torch.cat(outs, dim=2), dk, dv, counts, log_counts, buf_k, buf_v
 
     def extra_repr(self) -> str:
         opts = f"chunk_len={self.chunk_len}, max_size={self.max_size}, schedule={self.schedule!r}"

@@ -1,26 +1,56 @@
-"""OVQ-attention math, fast path: chunk attention over ``[dictionary ; chunk]`` and the dictionary update.
+"""What OVQ-attention's chunked form (:mod:`~mixerzoo_ovq.chunk`) and its decode step
+(:mod:`~mixerzoo_ovq.recurrent`) share: the read of eq. 15, the dictionary growth and update of eq. 17-19, and
+:func:`advance`, one piece of a chunk (read, then merge once the chunk is complete).
 
-Both functions work on whole batches and heads at once with matrix products, ``topk``, row ``index_select`` /
-``index_add_`` and ``scatter_add`` (no Python loop over tokens, heads or centroids). The plain readable versions
-they are tested against live in :mod:`mixerzoo_ovq.reference`.
+Paper: "Online Vector Quantized Attention", arXiv 2602.03922 (v2), sec. 3.2, appendix 8.3. Every function works
+on whole batches and heads at once with matrix products, ``topk``, row gathers and ``index_add_`` /
+``scatter_add`` (no Python loop over tokens, heads or centroids); all are tested against :mod:`~mixerzoo_ovq.naive`.
 
-Notation (paper, arXiv 2602.03922): ``B`` batch, ``H`` query heads, ``H_kv`` key/value heads (the
-dictionary is per key/value head), ``D`` head_dim, ``n`` current dictionary size, ``L`` chunk_len.
+Notation: ``B`` batch, ``H`` query heads, ``H_kv`` key/value heads (the dictionary is per key/value head), ``D``
+head_dim, ``n`` current dictionary size, ``L`` chunk_len.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
 
-from mixerzoo.protocol import accumulation_dtype
-from mixerzoo.ops import max_last
-from mixerzoo.ops import flat_rows, take_rows
 from mixerzoo.decisions import decision
+from mixerzoo.ops import flat_rows, max_last, take_rows
+from mixerzoo.protocol import accumulation_dtype
 
-__all__ = ["accumulation_dtype", "chunk_attention", "update_dictionary", "new_centroid_count", "random_scores",
-           "vq_merge"]
+__all__ = ["Spec", "accumulation_dtype", "chunk_attention", "update_dictionary", "new_centroid_count",
+           "random_scores", "vq_merge", "merge", "advance"]
 
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What the chunk loop and the decode step need besides tensors: the layer's options, frozen.
+
+    Attributes:
+        chunk_len: ``L``.
+        schedule: ``N_t``, the dictionary rows after ``t`` tokens (eq. 17); unused with ``static_codebook``.
+        new_centroids: ``spread`` (paper) or ``random`` (ablation). centroid_lr: None (``1 / count``, eq. 19) or a
+            constant rate (ablation). renormalize: the paper's optional renormalisation.
+        seed, layer_idx: the random ablation's draw (:func:`random_scores`).
+        static_codebook: VQ-attention (sec. 2.2): the key dictionary is a fixed codebook and a finished chunk only
+            adds its values to their codewords' means (:func:`vq_merge`).
+        read: eq. 15, ``read(q, dk, dv, log_counts, kc, vc, reuse) -> (B, H, Lq, D)``: :func:`chunk_attention` or a
+            device backend's (chosen by the layer).
+    """
+
+    chunk_len: int
+    schedule: Any = None
+    new_centroids: str = "spread"
+    centroid_lr: float | None = None
+    renormalize: bool = False
+    seed: int = 0
+    layer_idx: int = 0
+    static_codebook: bool = False
+    read: Callable[..., torch.Tensor] | None = None
 
 
 def new_centroid_count(schedule, chunk_idx: int, chunk_len: int, size: int) -> int:
@@ -69,122 +99,28 @@ def _keys_values_mask(dk, dv, log_counts, kc, vc, G: int, Lq: int, dtype):
     return keys, values, mask
 
 
-def _causal_chunk_mask(Lq: int, Lk: int, dtype, device) -> torch.Tensor | None:
-    """The additive mask of the last ``Lq`` of ``Lk`` chunk positions over the chunk's keys, ``(Lq, Lk)``
-    (query ``i`` sees keys ``j <= Lk - Lq + i``), or None when ``Lq == Lk`` (the kernels' own ``is_causal``)."""
-    if Lq == Lk:
-        return None
-    i = torch.arange(Lk - Lq, Lk, device=device)[:, None]
-    return torch.zeros(Lq, Lk, dtype=dtype, device=device).masked_fill(torch.arange(Lk, device=device) > i,
-                                                                       float("-inf"))
-
-
-class _LeanChunkAttention(torch.autograd.Function):
-    """Eq. 15 on PyTorch's CPU flash-attention kernels as two calls whose softmaxes are merged by their
-    log-sum-exps: the queries against the dictionary (no causal structure; the log-prior is a mask broadcast over
-    the queries, never materialised) and against the chunk's own keys (the kernel's causal mode). Nothing of size
-    ``[D ; chunk]`` is built, in forward or backward (the concatenated keys, values and the
-    ``queries x (n + L)`` prior/causal mask were rebuilt for every chunk three times a step). Backward runs each
-    part's flash backward with the *merged* output and log-sum-exp, which gives each part's exact gradients
-    (``P = exp(S - lse)`` and ``rowsum(dO * O)`` are those of the whole softmax). Keeps for backward only the
-    sources (queries, the dictionary, the chunk's keys and values, which exist anyway), the output and the
-    log-sum-exp. The counts get no gradient (they count assignments). Dtypes: queries, dictionary and chunk in one
-    dtype, fp32 or float64 (:func:`chunk_attention` takes this path only then), the log-prior cast to it, so the
-    log-sum-exp and every gradient are in that dtype too."""
-
-    @staticmethod
-    def read(q, dk, dv, log_counts, kc, vc):
-        """The forward's two flash calls and their merge: ``out (B, H, Lq, D)``, ``lse (B, H, Lq)``."""
-        B, H, Lq, D = q.shape
-        Hkv, n, Lk = kc.shape[1], dk.shape[2], kc.shape[2]
-        G = H // Hkv
-        kch, vch = (t.repeat_interleave(G, dim=1) if G > 1 else t for t in (kc, vc))  # chunk-sized, small
-        cmask = _causal_chunk_mask(Lq, Lk, q.dtype, q.device)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, kch, vch, is_causal=cmask is None, attn_mask=cmask, scale=1.0)
-        if n:
-            qs = q.reshape(B, Hkv, G * Lq, D)  # query head h = kv head h // G (repeat_interleave's order)
-            prior = log_counts.to(q.dtype)[:, :, None, :].expand(B, Hkv, G * Lq, n)
-            out_d, lse_d = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, dk, dv, attn_mask=prior,
-                                                                                      scale=1.0)
-            # a row whose dictionary is all masked (a static codebook with no key assigned yet: every log-count
-            # -inf) comes back with lse 0 and output 0; its weight in the merge must be 0
-            # (the largest log-count above -inf: one pass over the counts, where isfinite().any() took three)
-            seen = (log_counts.amax(dim=-1) > float("-inf"))[:, :, None]  # (B, H_kv, 1)
-            lse_d = lse_d.reshape(B, Hkv, G * Lq).masked_fill(~seen, float("-inf")).view(B, H, Lq)
-            merged = torch.logaddexp(lse, lse_d)
-            out = (out * (lse - merged).exp()[..., None].to(out.dtype)
-                   + out_d.reshape(B, H, Lq, D) * (lse_d - merged).exp()[..., None].to(out.dtype))
-            lse = merged
-        return out, lse
-
-    @staticmethod
-    def forward(ctx, q, dk, dv, log_counts, kc, vc, reuse):
-        if reuse:  # the recomputation of a checkpointed segment: the read's output is already known
-            out, lse = reuse.pop("out"), reuse.pop("lse")
-        else:
-            out, lse = _LeanChunkAttention.read(q, dk, dv, log_counts, kc, vc)
-            if reuse is not None:
-                reuse.update(out=out.detach(), lse=lse)
-        ctx.save_for_backward(q, dk, dv, log_counts, kc, vc, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, dk, dv, log_counts, kc, vc, out, lse = ctx.saved_tensors
-        B, H, Lq, D = q.shape
-        Hkv, n, Lk = kc.shape[1], dk.shape[2], kc.shape[2]
-        G = H // Hkv
-        grad_out = grad_out.contiguous()
-        kch, vch = (t.repeat_interleave(G, dim=1) if G > 1 else t for t in (kc, vc))
-        cmask = _causal_chunk_mask(Lq, Lk, q.dtype, q.device)
-        gq, gkc, gvc = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, kch, vch, out, lse, 0.0, cmask is None, attn_mask=cmask, scale=1.0)
-        if G > 1:
-            gkc, gvc = (g.reshape(B, Hkv, G, Lk, D).sum(dim=2) for g in (gkc, gvc))
-        if n:
-            prior = log_counts.to(q.dtype)[:, :, None, :].expand(B, Hkv, G * Lq, n)
-            gq_d, gdk, gdv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out.view(B, Hkv, G * Lq, D), q.reshape(B, Hkv, G * Lq, D), dk, dv,
-                out.reshape(B, Hkv, G * Lq, D), lse.reshape(B, Hkv, G * Lq), 0.0, False, attn_mask=prior, scale=1.0)
-            gq = gq + gq_d.reshape(B, H, Lq, D)
-        else:  # an empty dictionary (the first chunk): empty gradients
-            gdk, gdv = torch.zeros_like(dk), torch.zeros_like(dv)
-        return gq, gdk, gdv, None, gkc, gvc, None
-
-
 def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_counts: torch.Tensor,
                     kc: torch.Tensor, vc: torch.Tensor, reuse: dict | None = None) -> torch.Tensor:
-    """Eq. 15: ``softmax(q [D_k ; K_c]^T + [log c ; 0] + M) [D_v ; V_c]`` (scale 1).
+    """Eq. 15: ``softmax(q [D_k ; K_c]^T + [log c ; 0] + M) [D_v ; V_c]`` (scale 1), through
+    ``scaled_dot_product_attention`` with the prior and the causal mask as one additive mask (any device, any dtype).
 
     The dictionary rows are visible to every query; the chunk's own raw (never quantized) keys are causal.
     The chunk may have started earlier (decode, continuation): the ``Lq`` queries are the last ``Lq`` of the
-    ``Lk`` chunk positions, so query ``i`` sees chunk keys ``j <= Lk - Lq + i``. On CPU with one dtype throughout,
-    fp32 or float64, it runs on the flash kernels with a backward that rebuilds the concatenated keys
-    (:class:`_LeanChunkAttention`); elsewhere (CUDA, bf16, mixed dtypes) through ``scaled_dot_product_attention``
-    with autograd.
+    ``Lk`` chunk positions, so query ``i`` sees chunk keys ``j <= Lk - Lq + i``.
 
     Args:
         q: ``(B, H, Lq, D)`` queries, already unit-norm and multiplied by the precision ``beta * sqrt(D)``.
         dk, dv: ``(B, H_kv, n, D)`` key and value dictionaries (``n`` may be 0).
         log_counts: ``(B, H_kv, n)`` log of the counts (the log-prior of eq. 14; no gradient flows to it).
         kc, vc: ``(B, H_kv, Lk, D)`` the chunk's keys and values so far, ``Lk >= Lq``.
-        reuse: for a call in a segment that backward recomputes (:func:`mixerzoo.ops.run_segments`'
-            ``memo``): an empty dict keeps the read's output and log-sum-exp, and the recomputation, given the same
-            dict, takes them instead of running the two flash calls again (backward needs exactly those two; the
-            CPU flash path only, where a training step otherwise ran every forward read twice).
+        reuse: accepted for the signature of :attr:`Spec.read` and ignored (a backend may keep its read in it for a
+            recomputation in backward).
 
     Returns:
         ``(B, H, Lq, D)``.
     """
     H, Lq, Hkv = q.shape[1], q.shape[2], kc.shape[1]
-    # the lean path's kernels take one dtype throughout: fp32 or float64 (for bf16 the CPU flash kernel keeps the
-    # log-sum-exp in fp32, which its backward would then get beside bf16 tensors)
-    lean = (q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-            and q.dtype in (torch.float32, torch.float64) and all(t.dtype == q.dtype for t in (dk, dv, kc, vc)))
-    if lean:
-        return _LeanChunkAttention.apply(q, dk, dv, log_counts.detach(), kc, vc, reuse)
-    keys, values, mask = _keys_values_mask(dk, dv, log_counts, kc, vc, 1, Lq, q.dtype)
+    keys, values, mask = _keys_values_mask(dk, dv, log_counts.detach(), kc, vc, 1, Lq, q.dtype)
     if H != Hkv:
         g = H // Hkv
         keys, values, mask = (t.repeat_interleave(g, dim=1) for t in (keys, values, mask))
@@ -344,3 +280,52 @@ def vq_merge(dv: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, vc: to
     sums = torch.zeros_like(dv).scatter_add(2, index[..., None].expand(B, Hkv, index.shape[-1], D), vc.to(dv.dtype))
     denom = new.clamp(min=1)[..., None]
     return dv * (counts[..., None] / denom) + sums / denom, new
+
+
+def merge(spec: Spec, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
+          vc: torch.Tensor, decisions: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge the complete chunk ``chunk_idx`` (keys/values ``(B, H_kv, L, D)``, in the dictionary's dtype) into the
+    dictionary: OVQ's growth and update (eq. 17-19, :func:`update_dictionary`), or, with ``spec.static_codebook``,
+    VQ-attention's value means (:func:`vq_merge`; the keys are codewords, so each one's index is recovered by its
+    best match). Returns ``dk, dv, counts``. ``decisions``: see :func:`update_dictionary`."""
+    if spec.static_codebook:
+        index = decision("vq.codeword", max_last(kc @ dk.transpose(-1, -2))[1])
+        dv, counts = vq_merge(dv, counts, index, vc)
+        return dk, dv, counts
+    B, L = kc.shape[0], spec.chunk_len
+    n_new = new_centroid_count(spec.schedule, chunk_idx, L, dk.shape[2])
+    scores = (random_scores(chunk_idx, B, kc.shape[1], L, spec.seed, spec.layer_idx, kc.device)
+              if spec.new_centroids == "random" else None)
+    return update_dictionary(dk, dv, counts, kc, vc, n_new, scores, spec.centroid_lr, spec.renormalize, decisions)
+
+
+def advance(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, dk: torch.Tensor,
+            dv: torch.Tensor, counts: torch.Tensor, log_counts: torch.Tensor, buf_k: torch.Tensor,
+            buf_v: torch.Tensor, read: dict | None = None, decisions: dict | None = None) -> tuple:
+    """One piece of one chunk: tokens at absolute positions ``pos .. pos + T`` that lie in one chunk and continue its
+    buffered keys/values. They attend over ``[D_k ; K_c]`` (eq. 15, ``spec.read``); if the chunk is then complete it
+    is merged (:func:`merge`). A whole chunk of a training pass and one decoded token are the same call, which is
+    why decode equals the chunked pass.
+
+    Args:
+        q: ``(B, H, T, D)`` (unit norm times the precision); k, v: ``(B, H_kv, T, D)``; ``T <= L - buffered``.
+        dk, dv, counts, log_counts: the dictionary (``log_counts = counts.log()``, taken again after a merge only).
+        buf_k, buf_v: ``(B, H_kv, pos % L, D)``, the chunk's earlier keys and values.
+        read, decisions: what a recomputation in backward may take from the first run (the read's output, the
+            merge's discrete choices), or None.
+
+    Returns:
+        ``(o (B, H, T, D), dk, dv, counts, log_counts, buf_k, buf_v)``.
+    """
+    buf_k, buf_v = buf_k.to(k.dtype), buf_v.to(v.dtype)
+    # a chunk that starts here is a view of k and v: a copy would be kept for backward, one per chunk
+    kc = k if buf_k.shape[2] == 0 else torch.cat([buf_k, k], dim=2)
+    vc = v if buf_v.shape[2] == 0 else torch.cat([buf_v, v], dim=2)
+    o = (spec.read or chunk_attention)(q, dk.to(q.dtype), dv.to(q.dtype), log_counts, kc, vc, read)
+    if kc.shape[2] < spec.chunk_len:
+        return o, dk, dv, counts, log_counts, kc, vc
+    dk, dv, counts = merge(spec, pos // spec.chunk_len, dk, dv, counts, kc.to(dk.dtype), vc.to(dk.dtype), decisions)
+    # new empty tensors, not empty views: a view would keep the whole segment's keys alive in the state that
+    # autograd keeps for the next segment
+    return (o, dk, dv, counts, counts.log(), kc.new_empty(*kc.shape[:2], 0, kc.shape[3]),
+            vc.new_empty(*vc.shape[:2], 0, vc.shape[3]))

@@ -7,7 +7,8 @@ quantized key, past chunks collapse into per-codeword value means and counts (eq
 ``exp(q d_i + log c_i) mean_i(v)`` is the sum of their terms, so the chunked form below is *exactly* the
 quadratic form, with a state of ``codebook_size`` value rows and counts per kv head, whatever the context.
 
-It shares OVQ-attention's chunk loop (:class:`~mixerzoo_ovq.layer.OVQAttention`): queries of chunk ``c``
+It shares OVQ-attention's layer and forms (:class:`~mixerzoo_ovq.layer.OVQAttention`,
+:mod:`~mixerzoo_ovq.chunk`, :mod:`~mixerzoo_ovq.recurrent`; ``Spec.static_codebook``): queries of chunk ``c``
 attend over ``[codebook ; K_hat_c]`` with the log-count prior (codewords no key has reached yet have count 0,
 prior ``-inf``); a complete chunk is merged by adding its values to their codewords' running means. What
 differs from OVQ is only where ``D_k`` comes from: a parameter trained by backpropagation, never updated
@@ -20,41 +21,20 @@ instead of space-filling DiVeQ with a dead-codeword penalty; codewords and keys 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.mixers.qkv import StreamState
-from mixerzoo.ops import max_last
 from mixerzoo.decisions import decision
+from mixerzoo.ops import max_last
 
-from . import ops, reference
-from .layer import OVQAttention, state_log_counts
+from . import ops
+from .layer import OVQAttention
+from .state import VQState, state_log_counts
 
 __all__ = ["VQState", "VQAttention", "quantize_keys"]
-
-
-@dataclasses.dataclass
-class VQState(StreamState):
-    """State of :class:`VQAttention` after ``next_pos`` tokens.
-
-    Attributes:
-        dv: ``(B, H_kv, N, D)``, the mean value of the keys each codeword absorbed (0 where none).
-        counts: ``(B, H_kv, N)``, how many keys each codeword absorbed.
-        ``dv`` and ``counts`` are float32 at least (float64 for float64 inputs;
-        :func:`~mixerzoo_ovq.ops.accumulation_dtype`).
-        buf_k, buf_v: quantized keys and values of the unfinished chunk, ``(B, H_kv, next_pos % L, D)``.
-        log_counts: ``log(counts)`` (see :class:`~mixerzoo_ovq.layer.OVQState`), or None.
-    """
-
-    dv: torch.Tensor
-    counts: torch.Tensor
-    buf_k: torch.Tensor
-    buf_v: torch.Tensor
-    log_counts: torch.Tensor | None = None
 
 
 def quantize_keys(k: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +61,7 @@ class VQAttention(OVQAttention):
 
     Args:
         d_model, n_heads, n_kv_heads, head_dim, chunk_len, beta_init, positional, token_shift, value_residual,
-            bias, checkpoint_chunks, use_reference: as :class:`~mixerzoo_ovq.layer.OVQAttention`.
+            bias, checkpoint_chunks: as :class:`~mixerzoo_ovq.layer.OVQAttention`.
         codebook_size: ``N`` codewords per kv head (paper's sw-vq: 1k-3k), fixed: the state is ``N`` value rows
             and counts from the first token on.
 
@@ -97,14 +77,14 @@ class VQAttention(OVQAttention):
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, head_dim: int | None = None,
                  chunk_len: int = 128, codebook_size: int = 2048, beta_init: float = 1.0, positional: Any = "nope",
                  token_shift: bool = False, value_residual: bool = False, bias: bool = False,
-                 checkpoint_chunks: int = 16, use_reference: bool = False, layer_idx: int = 0) -> None:
+                 checkpoint_chunks: int = 16, layer_idx: int = 0) -> None:
         if not isinstance(codebook_size, int) or isinstance(codebook_size, bool) or codebook_size < 1:
             raise ValueError(f"vq codebook_size (N codewords per kv head) must be a positive integer, "
                              f"got {codebook_size!r}")
         super().__init__(d_model, n_heads, n_kv_heads, head_dim, chunk_len, codebook_size, "saturating",
                          beta_init=beta_init, positional=positional, token_shift=token_shift,
                          value_residual=value_residual, bias=bias, checkpoint_chunks=checkpoint_chunks,
-                         use_reference=use_reference, layer_idx=layer_idx)
+                         layer_idx=layer_idx)
         self.codebook = nn.Parameter(F.normalize(torch.randn(self.qkv.n_kv_heads, codebook_size, self.qkv.head_dim),
                                                  dim=-1))
 
@@ -148,14 +128,10 @@ class VQAttention(OVQAttention):
         return VQState(dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, log_counts=log_counts, next_pos=next_pos,
                        shift=shift)
 
-    def _merge(self, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
-               vc: torch.Tensor, decisions: dict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Add the complete chunk's values to their codewords' running means (eq. 7-10); the codebook stays
-        (``decisions`` is not needed: finding each key's codeword is one product, kept as it is)."""
-        merge = reference.vq_merge_reference if self.use_reference else ops.vq_merge
-        index = decision("vq.codeword", max_last(kc @ dk.transpose(-1, -2))[1])  # kc are codewords: recovers each key's codeword
-        dv, counts = merge(dv, counts, index, vc)
-        return dk, dv, counts
+    def spec(self, device: torch.device) -> ops.Spec:
+        """OVQ's options with ``static_codebook``: a finished chunk adds its values to their codewords' means and the
+        codebook stays (:func:`mixerzoo_ovq.ops.merge`)."""
+        return ops.Spec(self.chunk_len, static_codebook=True, read=self.read_for(device))
 
     def extra_repr(self) -> str:
         return f"chunk_len={self.chunk_len}, codebook_size={self.codebook.shape[1]}"

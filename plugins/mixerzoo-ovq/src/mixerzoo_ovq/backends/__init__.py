@@ -1,0 +1,1 @@
+"""Device backends of OVQ-attention (chosen in :mod:`mixerzoo_ovq.layer` by device)."""
