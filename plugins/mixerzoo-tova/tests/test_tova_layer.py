@@ -158,10 +158,10 @@ def test_multi_state_none_is_full_attention():
 
 @pytest.mark.parametrize("policy,per_head", [("tova", False), ("tova", True), ("window", False),
                                              ("window+3", False), ("h2o", True), ("h2o+1", False)])
-def test_layer_eval_matches_reference_policy(policy, per_head):
-    # the mixer's eval path (decode mode; window policies through the static mask) against the plain per-token
-    # reference applied to the same projected q, k, v
-    from mixerzoo_tova import evicting_attention_reference
+def test_layer_eval_matches_naive_policy(policy, per_head):
+    # the mixer's eval path (decode mode; window policies through the static mask) against naive, the plain
+    # per-token loop, applied to the same projected q, k, v
+    from mixerzoo_tova.naive import evicting_attention_naive
 
     _, tova = pair(policy=policy, multi_state=9, per_head=per_head)
     tova.eval()
@@ -170,7 +170,7 @@ def test_layer_eval_matches_reference_policy(policy, per_head):
         y, st = tova(x[:, :20])
         y2, st = tova(x[:, 20:], st)
         q, k, v, _ = tova.qkv(x, torch.arange(33))
-        o, kept = evicting_attention_reference(q, k, v, tova.policy)
+        o, kept = evicting_attention_naive(q, k, v, tova.policy)
         y_ref = tova.o_proj(o.transpose(1, 2).reshape(2, 33, -1))
     torch.testing.assert_close(torch.cat([y, y2], 1), y_ref, atol=1e-5, rtol=1e-5)
     assert st.pos.tolist() == kept

@@ -1,4 +1,5 @@
-"""The eviction policies: hand-checked small examples, the batched step against the plain reference, options."""
+"""The eviction policies: hand-checked small examples; the prefill (chunk), the decode step (recurrent) and the
+batched step they share against ``naive`` (the paper's per-token loop, called directly); options."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import math
 import pytest
 import torch
 
-from mixerzoo_tova import (EvictionPolicy, TOVAAttention, attend_and_evict, empty_cache,
-                           evicting_attention_reference, parse_policy)
+from mixerzoo_tova import EvictionPolicy, TOVAAttention, attend_and_evict, empty_cache, parse_policy
+from mixerzoo_tova.chunk import prefill
+from mixerzoo_tova.naive import evicting_attention_naive
+from mixerzoo_tova.recurrent import evict_step
 
 
 def identity_mixer(n_heads: int, **options) -> TOVAAttention:
@@ -99,27 +102,44 @@ CASES += [("tova", False, 4, 1), ("tova", True, 4, 1), ("h2o", True, 4, 3)]  # M
 
 
 @pytest.mark.parametrize("policy,per_head,n_kv_heads,chunk_len", CASES)
-def test_batched_step_matches_reference(policy, per_head, n_kv_heads, chunk_len):
+def test_forms_match_naive(policy, per_head, n_kv_heads, chunk_len):
+    """``chunk_len == 1``: the decode step token by token, and the exact prefill in one call (and in two, split
+    before and after the first overflow); ``chunk_len > 1``: the chunked prefill in one call; each against naive."""
     torch.manual_seed(0)
     B, H, T, D = 2, 4, 19, 8
     q, k, v = torch.randn(B, H, T, D), torch.randn(B, n_kv_heads, T, D), torch.randn(B, n_kv_heads, T, D)
     pol = EvictionPolicy.build(policy, 6, per_head=per_head)
-    ref, kept = evicting_attention_reference(q, k, v, pol, chunk_len=chunk_len)
-    cache, outs = empty_cache(B, n_kv_heads, D, pol, k), []
-    for a in range(0, T, chunk_len):
-        b = min(a + chunk_len, T)
-        o, cache = attend_and_evict(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], torch.arange(a, b), cache, pol)
-        outs.append(o)
-    torch.testing.assert_close(torch.cat(outs, 2), ref, atol=1e-5, rtol=1e-5)
-    assert cache.pos.tolist() == kept
-    assert cache.k.shape[2] == 6
+    ref, kept = evicting_attention_naive(q, k, v, pol, chunk_len=chunk_len)
+    runs = []
+    if chunk_len == 1:
+        cache, outs = empty_cache(B, n_kv_heads, D, pol, k), []
+        for t in range(T):
+            o, cache = evict_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], torch.arange(t, t + 1), cache,
+                                  pol)
+            cache.next_pos = t + 1
+            outs.append(o)
+        runs.append((torch.cat(outs, 2), cache))
+        for cuts in ((0, T), (0, 4, T), (0, 9, T)):
+            cache, outs = empty_cache(B, n_kv_heads, D, pol, k), []
+            for a, b in zip(cuts, cuts[1:]):
+                o, cache = prefill(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], torch.arange(a, b), cache, pol, "decode")
+                cache.next_pos = b
+                outs.append(o)
+            runs.append((torch.cat(outs, 2), cache))
+    else:
+        runs.append(prefill(q, k, v, torch.arange(T), empty_cache(B, n_kv_heads, D, pol, k), pol, "chunked",
+                            chunk_len))
+    for out, cache in runs:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert cache.pos.tolist() == kept
+        assert cache.k.shape[2] == 6
 
 
 def test_protect_current_keeps_newest():
     torch.manual_seed(1)
     q, k, v = torch.randn(1, 2, 30, 4), torch.randn(1, 2, 30, 4), torch.randn(1, 2, 30, 4)
     pol = EvictionPolicy.build("tova", 3, protect_current=True)
-    ref, kept = evicting_attention_reference(q, k, v, pol)
+    ref, kept = evicting_attention_naive(q, k, v, pol)
     assert kept[0][0][-1] == 29
     cache = empty_cache(1, 2, 4, pol, k)
     for t in range(30):

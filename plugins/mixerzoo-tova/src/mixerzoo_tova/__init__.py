@@ -7,15 +7,21 @@ trained attention checkpoint is evaluated as a bounded multi-state RNN without r
     from mixerzoo_tova import convert
     bounded = convert(model, policy="tova", multi_state=256)   # same weights, eval mode
 
-Layout: ``policies.py`` (the policies' scores), ``ops.py`` (the batched attend-and-evict step),
-``reference.py`` (a plain per-token loop it is tested against), ``layer.py`` (the mixer), ``convert.py``.
+Layout: ``naive.py`` (the paper's policies as a plain per-token loop: the reference), ``chunk.py`` (a call of
+several tokens: prefill, exact or chunked), ``recurrent.py`` (one decoding step), ``ops.py`` (the batched
+attend-and-evict step both use), ``state.py`` (the bounded cache), ``layer.py`` (the mixer); plugin-wide:
+``policies.py`` (the policies' options and scores), ``convert.py`` and ``__main__.py`` (switching a model).
 """
 
+from .chunk import prefill
 from .convert import convert, convert_checkpoint, convert_config
 from .layer import EVAL_MODES, TOVAAttention
-from .ops import EvictionCache, attend_and_evict, empty_cache
+from .naive import evicting_attention_naive, evicting_attention_reference
+from .ops import attend_and_evict, compressed_positions
 from .policies import POLICIES, EvictionPolicy, parse_policy
-from .reference import evicting_attention_reference
+from .recurrent import evict_step
+from .state import EvictionCache, empty_cache
 
 __all__ = ["TOVAAttention", "EvictionCache", "EvictionPolicy", "POLICIES", "EVAL_MODES", "attend_and_evict",
-           "empty_cache", "evicting_attention_reference", "convert", "convert_config", "convert_checkpoint", "parse_policy"]
+           "evict_step", "prefill", "empty_cache", "compressed_positions", "evicting_attention_naive",
+           "evicting_attention_reference", "convert", "convert_config", "convert_checkpoint", "parse_policy"]

@@ -14,8 +14,10 @@ import torch
 
 from mixerzoo.mixers.attention import Attention, KVCache
 
-from .ops import EvictionCache, attend_and_evict, attend_window_static, empty_cache
+from .chunk import prefill
 from .policies import EvictionPolicy
+from .recurrent import evict_step
+from .state import EvictionCache, empty_cache
 
 __all__ = ["TOVAAttention", "EVAL_MODES"]
 
@@ -66,7 +68,7 @@ class TOVAAttention(Attention):
             section 7.2, for reading past the trained context): gaps above 10 positions between kept entries
             shrink to ``ln(ln(gap))`` (:func:`mixerzoo_tova.ops.compressed_positions`). Needs RoPE. Off by default.
         **attention_options: :class:`Attention`'s (``n_heads``, ``n_kv_heads``, ``head_dim``, ``positional``,
-            ``qk_norm``, ``token_shift``, ``value_residual``, ``bias``, ``use_reference``, ``layer_idx``).
+            ``qk_norm``, ``token_shift``, ``value_residual``, ``bias``, ``layer_idx``).
 
     Raises:
         ValueError: a bad policy option (message names the field) or ``eval_mode``/``chunk_len``.
@@ -115,37 +117,16 @@ class TOVAAttention(Attention):
         q, k, v, positions, shift = self.qkv.stream(x, state, shared)
         cache = state if state is not None else empty_cache(B, k.shape[1], k.shape[-1], self.policy, k)
         rotate = self.qkv.pos.apply if self.positional_compression else None
-        if self.policy.name == "window" and self.eval_mode == "decode" and rotate is None:  # exact, closed form
-            o, cache = attend_window_static(q, k, v, positions, cache, self.policy)
-            y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-            cache.next_pos, cache.shift = p0 + T, shift
-            return y, cache
-        outs = []
-        for a, b in self._chunks(p0, T, cache.size):
-            o, cache = attend_and_evict(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], positions[a:b], cache, self.policy,
-                                        rotate=rotate)
-            outs.append(o)
-        o = torch.cat(outs, dim=2)
+        # window / window+i in decode mode: the static mask of appendix D, exact and one pass
+        static_window = self.policy.name == "window" and self.eval_mode == "decode" and rotate is None
+        if T == 1:  # one decoding step (recurrent form)
+            o, cache = evict_step(q, k, v, positions, cache, self.policy, rotate, static_window)
+        else:  # several tokens: prefill in the chosen evaluation mode (chunk form)
+            o, cache = prefill(q, k, v, positions, cache, self.policy, self.eval_mode, self.chunk_len, rotate,
+                               static_window)
         y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         cache.next_pos, cache.shift = p0 + T, shift
         return y, cache
-
-    def _chunks(self, p0: int, T: int, cached: int) -> list[tuple[int, int]]:
-        """Index ranges of ``x`` processed per eviction decision.
-
-        ``decode``: the tokens that fit without overflow in one range, then one token per range.
-        ``chunked``: ranges ending at absolute positions that are multiples of ``chunk_len``.
-        """
-        if self.eval_mode == "decode":
-            free = min(max(self.policy.multi_state - cached, 0), T)
-            ranges = [(0, free)] if free else []
-            return ranges + [(t, t + 1) for t in range(free, T)]
-        ranges, a = [], 0
-        while a < T:
-            b = min(T, (p0 + a) // self.chunk_len * self.chunk_len + self.chunk_len - p0)
-            ranges.append((a, b))
-            a = b
-        return ranges
 
     def extra_repr(self) -> str:
         if self.policy is None:

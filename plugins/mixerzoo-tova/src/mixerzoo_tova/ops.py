@@ -1,65 +1,28 @@
-"""The vectorised step of an evicting KV cache: attend, then cut the cache back to ``multi_state`` entries.
+"""Pieces the prefill (``chunk.py``) and the decode step (``recurrent.py``) share: attend over the bounded cache
+plus the new tokens, then evict back to ``multi_state`` entries (Oren et al., "Transformers are Multi-State RNNs",
+eq. 9 and algorithm 1; the baselines of section 5.1), the static-mask closed form of the window policies
+(appendix D), and TOVA's positional compression (section 7.2).
 
-One function, :func:`attend_and_evict`, does the work of both evaluation modes of :class:`TOVAAttention`:
-``decode`` (exact) calls it one token at a time, ``chunked`` (approximation) one chunk at a time. It is
-batched over the batch and the heads; :mod:`mixerzoo_tova.reference` is the plain per-token loop it is
-tested against.
+:func:`attend_and_evict` is batched over the batch and the heads; ``naive.py`` is the plain per-token loop it is
+tested against. The policy is passed in (an :class:`~mixerzoo_tova.policies.EvictionPolicy`: its ``priority``
+and ``accumulate`` give each policy's scores).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 
-from mixerzoo.mixers.qkv import StreamState
 from mixerzoo.decisions import decision
+from mixerzoo.protocol import accumulation_dtype
 
-from .policies import EvictionPolicy, accumulation_dtype
+from .state import EvictionCache
 
-__all__ = ["EvictionCache", "empty_cache", "attend_and_evict", "attend_window_static", "compressed_positions",
-           "COMPRESSION_THRESHOLD"]
+__all__ = ["attend_and_evict", "attend_window_static", "compressed_positions", "COMPRESSION_THRESHOLD"]
 
 COMPRESSION_THRESHOLD = 10  # gaps up to this many positions are kept as they are (paper section 7.2)
-
-
-@dataclasses.dataclass
-class EvictionCache(StreamState):
-    """State of :class:`TOVAAttention` in eval mode: a KV cache of at most ``multi_state`` entries per KV head.
-
-    Attributes:
-        k, v: kept keys (after RoPE, at their true positions; never re-rotated) and values,
-            ``(B, H_kv, S, D)``, ``S <= multi_state``, ordered by position.
-        pos: absolute positions of the kept entries, ``(B, G, S)`` int64; ``G = H_kv`` for per-head policies
-            (each KV head keeps its own entries), else 1 (one keep-set for the layer).
-        acc: ``h2o`` only: accumulated attention per entry ``(B, G, S)``, float32 at least (float64 for float64
-            inputs; :func:`~mixerzoo_tova.policies.accumulation_dtype`); else None.
-        next_pos: tokens seen so far (the position of the next token).
-        shift: previous-token projections for the token-shift option, else None.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    pos: torch.Tensor
-    acc: torch.Tensor | None
-
-    @property
-    def size(self) -> int:
-        """Entries per KV head (the multi-state size in use)."""
-        return self.k.shape[2]
-
-
-def empty_cache(batch: int, n_kv_heads: int, head_dim: int, policy: EvictionPolicy, like: torch.Tensor
-                ) -> EvictionCache:
-    """An empty cache at position 0 with the dtype/device of ``like``."""
-    g = policy.groups(n_kv_heads)
-    kv = like.new_zeros(batch, n_kv_heads, 0, head_dim)
-    return EvictionCache(k=kv, v=kv.clone(), pos=torch.zeros(batch, g, 0, dtype=torch.long, device=like.device),
-                         acc=(like.new_zeros(batch, g, 0, dtype=accumulation_dtype(like.dtype))
-                              if policy.uses_accumulated else None),
-                         next_pos=0)
 
 
 def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -100,7 +63,7 @@ def _rerotate(x: torch.Tensor, delta: torch.Tensor, rotate) -> torch.Tensor:
 
 
 def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     cache: EvictionCache, policy: EvictionPolicy, scale: float | None = None,
+                     cache: EvictionCache, policy: "EvictionPolicy", scale: float | None = None,
                      rotate=None) -> tuple[torch.Tensor, EvictionCache]:
     """New queries attend over ``[cache ; new keys]`` (causal among the new ones); then the policy evicts
     down to ``multi_state`` entries (paper eq. 9 applied ``S + C - multi_state`` times at once).
@@ -113,7 +76,7 @@ def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     Args:
         q: ``(B, H, C, D)`` new queries; k, v: ``(B, H_kv, C, D)`` new keys (RoPE applied) and values.
         positions: ``(C,)`` absolute positions of the new tokens, following ``cache.next_pos``.
-        cache: the state before these tokens (:func:`empty_cache` at the start).
+        cache: the state before these tokens (:func:`~mixerzoo_tova.state.empty_cache` at the start).
         policy: the eviction policy.
         scale: softmax scale, default ``1 / sqrt(D)``.
         rotate: positional compression (paper section 7.2): the layer's RoPE ``apply(x, positions)``. Keys stay
@@ -166,7 +129,7 @@ def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 
 def attend_window_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                         cache: EvictionCache, policy: EvictionPolicy) -> tuple[torch.Tensor, EvictionCache]:
+                         cache: EvictionCache, policy: "EvictionPolicy") -> tuple[torch.Tensor, EvictionCache]:
     """Exact ``window`` / ``window+i`` decoding in one parallel pass (the paper's static mask, appendix D).
 
     The window policies' decisions do not depend on attention, so token-by-token eviction has a closed form:

@@ -1,5 +1,9 @@
-"""Plain, readable reference of the eviction policies: one batch element, one token (or chunk) at a time,
-Python lists of kept positions, float64. :func:`mixerzoo_tova.ops.attend_and_evict` is tested against it.
+"""TOVA, naively: the eviction policies as the paper states them, one batch element and one token (or chunk) at a
+time, Python lists of kept positions, float64; the reference the prefill (``chunk.py``), the decode step
+(``recurrent.py``) and the layer are tested against. Written from the paper alone (Oren et al., "Transformers are
+Multi-State RNNs", section 4, eq. 9, algorithm 1, appendix A; baselines of section 5.1), sharing no code with
+``ops.py``, ``chunk.py``, ``recurrent.py`` or ``policies.py``: the policy object is read for its fields only
+(``name``, ``multi_state``, ``n_sinks``, ``per_head``, ``recent``, ``protect_current``).
 
 Algorithm 1 of the paper (TOVA), per decoding step ``t`` and keep-set (the layer, or one KV head):
 
@@ -17,19 +21,16 @@ import math
 
 import torch
 
-from .policies import EvictionPolicy
-
-__all__ = ["evicting_attention_reference"]
+__all__ = ["evicting_attention_naive", "evicting_attention_reference"]
 
 
-def evicting_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: EvictionPolicy,
-                                 chunk_len: int = 1, scale: float | None = None
-                                 ) -> tuple[torch.Tensor, list[list[list[int]]]]:
+def evicting_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy, chunk_len: int = 1,
+                             scale: float | None = None) -> tuple[torch.Tensor, list[list[list[int]]]]:
     """Attention under an eviction policy from an empty cache, computed slowly and plainly.
 
     Args:
         q: ``(B, H, T, D)``; k, v: ``(B, H_kv, T, D)`` for positions ``0 .. T-1`` (RoPE already applied).
-        policy: the eviction policy.
+        policy: the eviction policy (a :class:`~mixerzoo_tova.policies.EvictionPolicy`; only its fields are read).
         chunk_len: tokens appended before each eviction decision; 1 is the exact policy, larger values are
             the ``chunked`` approximation (chunks start at multiples of ``chunk_len``).
         scale: softmax scale, default ``1 / sqrt(D)``.
@@ -41,7 +42,7 @@ def evicting_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     H_kv = k.shape[1]
     heads_per_kv = H // H_kv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    n_sets = policy.groups(H_kv)
+    n_sets = H_kv if policy.per_head else 1  # keep-sets: one per KV head (head-wise) or one per layer
     qd, kd, vd = q.double(), k.double(), v.double()
     out = torch.zeros(B, H, T, D, dtype=torch.float64)
     final = []
@@ -87,3 +88,7 @@ def evicting_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                         ks.remove(s)
         final.append([list(ks) for ks in kept])
     return out.to(q.dtype), final
+
+
+evicting_attention_reference = evicting_attention_naive
+"""The former name of :func:`evicting_attention_naive`."""
