@@ -126,6 +126,38 @@ def _find_last_checkpoint(config) -> str | None:
 
 
 DEFAULT_ROOT_DIR = "runs"
+# Loggers whose (save_dir, name, version) name the run folder, so a resumed run can log into its own again.
+_FOLDER_LOGGERS = ("lightning.pytorch.loggers.CSVLogger", "lightning.pytorch.loggers.csv_logs.CSVLogger",
+                   "lightning.pytorch.loggers.TensorBoardLogger",
+                   "lightning.pytorch.loggers.tensorboard.TensorBoardLogger")
+
+
+def _resume_in_run_folder(config) -> None:
+    """A fit resumed from a checkpoint inside a run folder (``--ckpt_path last``, or
+    ``runs/mixerzoo/version_3/checkpoints/last.ckpt``) logs and checkpoints into that folder again instead of a
+    new ``version_N`` (where Lightning would also warn that the checkpoint folder "has changed"): the logger's
+    ``save_dir``, ``name`` and ``version`` are set to the folder's. Left alone: a logger that sets its own version
+    or is not a CSV/TensorBoard logger, and ``checkpoint.dirpath`` set by the user."""
+    from .training.checkpoints import SPECIAL
+    from .training.runs import run_folder_of
+
+    ckpt = config.get("ckpt_path")
+    if not ckpt or ckpt in SPECIAL or not os.path.isfile(ckpt) or (config.get("checkpoint") or {}).get("dirpath"):
+        return
+    logger = (config.get("trainer") or {}).get("logger")
+    if not hasattr(logger, "get") or logger.get("class_path") not in _FOLDER_LOGGERS:
+        return
+    init_args = logger.get("init_args")
+    if init_args is None or init_args.get("version") is not None:
+        return
+    found = run_folder_of(ckpt)
+    if found is None:
+        return
+    save_dir, name, version = found
+    given_dir = init_args.get("save_dir")
+    if not (given_dir and os.path.realpath(given_dir) == os.path.realpath(save_dir)):
+        init_args["save_dir"] = save_dir  # else keep the spelling given: Lightning compares folders as strings
+    init_args["name"], init_args["version"] = name, version
 
 
 def _follow_default_root_dir(config) -> None:
@@ -165,6 +197,8 @@ def _reraise_data_error(data) -> None:
 # The pip package a Lightning class needs when its import fails (a logger given without its extra).
 _PIP_NAMES = {"TensorBoardLogger": "tensorboard", "WandbLogger": "wandb", "MLFlowLogger": "mlflow",
               "CometLogger": "comet-ml", "NeptuneLogger": "neptune"}
+# mixerzoo's extras (pyproject.toml [project.optional-dependencies]) that install those packages.
+LOGGER_EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 def _missing_package_message(e: BaseException) -> str | None:
@@ -190,8 +224,9 @@ def _missing_package_message(e: BaseException) -> str | None:
         (x.name for x in chain if isinstance(x, ImportError) and getattr(x, "name", None)), None)
     if package is None:
         return None
-    return (f"{class_path} needs the package {package!r}, which is not installed: pip install {package} (or leave "
-            f"that option out)")
+    extra = LOGGER_EXTRAS.get(package)
+    install = f"pip install 'mixerzoo[{extra}]'" if extra else f"pip install {package}"
+    return f"{class_path} needs the package {package!r}, which is not installed: {install} (or leave that option out)"
 
 
 def _check_config_files(argv: list[str]) -> None:
@@ -389,6 +424,60 @@ def _lightning_cli(args: list[str] | None):
                     raise ConfigError(missing) from None
                 raise
 
+        def before_fit(self) -> None:
+            # The run folder as it was before this fit: a resumed run keeps the folder's metrics.csv (Lightning's
+            # CSV writer would delete it) and config.yaml (this run's config goes beside it); a run that fails
+            # before its first step removes the folder it created.
+            from lightning.pytorch.cli import SaveConfigCallback
+            from lightning.pytorch.loggers import CSVLogger
+
+            from .training.runs import KeepEarlierMetrics, open_csv_experiment
+
+            trainer = self.trainer
+            self._run_folder = None
+            for cb in trainer.checkpoint_callbacks:
+                if isinstance(cb, LastCheckpoint):
+                    cb.resume_from = self.config[self.subcommand].get("ckpt_path")
+            if trainer.logger is None or not trainer.is_global_zero:
+                return
+            log_dir = trainer.log_dir
+            self._run_folder = (log_dir, os.path.isdir(log_dir))
+            if not os.path.isdir(log_dir):
+                return
+            if isinstance(trainer.logger, CSVLogger):
+                rows = open_csv_experiment(trainer.logger)
+                if self.config[self.subcommand].get("ckpt_path"):
+                    trainer.callbacks.append(KeepEarlierMetrics(rows))
+            for cb in trainer.callbacks:
+                if isinstance(cb, SaveConfigCallback) and os.path.isfile(os.path.join(log_dir, cb.config_filename)):
+                    stem, ext = os.path.splitext(cb.config_filename)
+                    k = 1
+                    while os.path.exists(os.path.join(log_dir, f"{stem}.resumed{k}{ext}")):
+                        k += 1
+                    cb.config_filename = f"{stem}.resumed{k}{ext}"
+
+        def after_fit(self) -> None:
+            # The loss curve of the finished run, drawn from the metrics the CSV logger wrote into its folder.
+            from lightning.pytorch.loggers import CSVLogger
+
+            from .training.runs import write_loss_curve
+
+            trainer = self.trainer
+            if isinstance(trainer.logger, CSVLogger) and trainer.is_global_zero:
+                path, why = write_loss_curve(trainer.logger.log_dir)
+                print(f"mixerzoo: loss curve: {path}" if path else f"mixerzoo: {why}", file=sys.stderr)
+
+        def _run_subcommand(self, subcommand: str) -> None:
+            try:
+                super()._run_subcommand(subcommand)
+            except BaseException:
+                folder = getattr(self, "_run_folder", None)
+                if subcommand == "fit" and folder is not None and not folder[1] and self.trainer.global_step == 0:
+                    from .training.runs import remove_failed_run_folder
+
+                    remove_failed_run_folder(folder[0])
+                raise
+
         def _instantiate_trainer(self, config, callbacks):
             # Rich progress bar by default, unless the recipe turns progress bars off or brings its own.
             wants_bar = config.get("enable_progress_bar", True) is not False
@@ -419,6 +508,8 @@ def _lightning_cli(args: list[str] | None):
             if self.config[sub].get("ckpt_path") == "last":
                 self.config[sub].ckpt_path = _find_last_checkpoint(self.config[sub])
             check_ckpt_path(self.config[sub].get("ckpt_path"))
+            if sub == "fit":
+                _resume_in_run_folder(self.config[sub])
             # Model fields the user set (differing from LMModule's defaults) win over the checkpoint's, so e.g.
             # `validate --ckpt_path X --model.mixers '{attention: {mixer: tova, multi_state: 256}}'` switches
             # layers without retraining; an incompatible change is refused when the weights are loaded.

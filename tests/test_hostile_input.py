@@ -355,7 +355,7 @@ def test_logger_without_its_package_names_the_pip_install(logger, package, hosti
     assert exc.value.code == 2, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
     assert re.search(rf"(?m)^mixerzoo: error: lightning\.pytorch\.loggers\.{logger} needs the package '{package}', "
-                     rf"which is not installed: pip install {package} \(or leave that option out\)\n\Z", err), err
+                     rf"which is not installed: pip install 'mixerzoo\[{package}\]' \(or leave that option out\)\n\Z", err), err
     assert not list(hostile_dir.glob("runs/**/*.ckpt"))
 
 

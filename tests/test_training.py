@@ -250,7 +250,9 @@ def test_default_root_dir_holds_logs_and_checkpoints_and_resume_finds_them(in_tm
     assert main(["fit", "--config", "r.yaml", "--trainer.default_root_dir", "elsewhere", "--trainer.max_steps", "3",
                  "--ckpt_path", "last"]) == 0
     assert "training from scratch" not in capsys.readouterr().err
-    assert load_checkpoint(glob.glob(str(in_tmp / "elsewhere/mixerzoo/version_1/checkpoints/last.ckpt"))[0])[
+    # the resumed run continues in its own folder
+    assert not (in_tmp / "elsewhere/mixerzoo/version_1").exists()
+    assert load_checkpoint(glob.glob(str(in_tmp / "elsewhere/mixerzoo/version_0/checkpoints/last.ckpt"))[0])[
         "global_step"] == 3
     # a logger the user configured keeps its own save_dir
     assert main(["fit", "--config", "r.yaml", "--trainer.default_root_dir", "elsewhere",

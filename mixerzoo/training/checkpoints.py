@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 
 import numpy as np
 import torch
@@ -82,9 +83,24 @@ class LastCheckpoint(ModelCheckpoint):
     key in a checkpoint's callback states, so runs resume across the two.
     """
 
+    resume_from: str | None = None  # the checkpoint a fit resumes from (set by the CLI before the fit)
+
     @property
     def state_key(self) -> str:
         return "ModelCheckpoint" + super().state_key[len(type(self).__qualname__):]
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # A run resumed from a checkpoint in this folder continues there (mixerzoo.cli sets the logger's version):
+        # Lightning's warning that the folder "exists and is not empty" is then no news, and is dropped.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            super().setup(trainer, pl_module, stage)
+        ckpt = self.resume_from
+        here = bool(ckpt and self.dirpath and os.path.isfile(ckpt)
+                    and os.path.realpath(os.path.dirname(ckpt)) == os.path.realpath(self.dirpath))
+        for w in caught:
+            if not (here and "exists and is not empty" in str(w.message)):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         super().on_validation_end(trainer, pl_module)

@@ -28,6 +28,7 @@ from .optim import build_optimizer, lr_lambda
 __all__ = ["LMModule", "NonFiniteLossError"]
 
 IGNORE_INDEX = -100
+EXAMPLE_SEQ_LEN = 64  # tokens of the model summary's example input when the datamodule gives no seq_len
 
 
 def explicit_fields(given: Any) -> dict[str, Any]:
@@ -271,6 +272,23 @@ class LMModule(L.LightningModule):
         rank_zero_info(f"model.freeze=new: training the {counts['trainable']:,} parameters model.init_from lacks; "
                        f"{counts['frozen']:,} frozen")
         return opened
+
+    @property
+    def example_input_array(self) -> torch.Tensor | None:
+        """One training sequence of token ids, ``(1, seq_len)`` (the datamodule's ``seq_len``, else
+        ``EXAMPLE_SEQ_LEN``), once the model is built. Lightning's model summary runs it through the model (no
+        grad) under torch's FLOP counter, so its FLOPs column and "Total FLOPs" give a forward pass over one
+        sequence instead of 0. None before the model is built and with ``compile`` (the summary's no-grad
+        pass would compile every block once more)."""
+        if getattr(self, "model", None) is None or self.hparams.get("compile"):
+            return None
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        seq_len = getattr(dm, "seq_len", None) or EXAMPLE_SEQ_LEN
+        return torch.zeros(1, seq_len, dtype=torch.long, device=self.device)
+
+    @example_input_array.setter
+    def example_input_array(self, value) -> None:  # Lightning's __init__ assigns None; the property decides
+        pass
 
     # -- steps --------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, states: list | None = None):
