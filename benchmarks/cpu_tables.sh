@@ -1,11 +1,11 @@
 #!/bin/sh
 # Every CPU table of docs/results/efficiency_cpu/ and the launch-count table, through the one runner
-# (benchmarks/run.py), into docs/results/ (or the folder given). Run from the repository root on an otherwise idle
+# (benchmarks/run.py), into docs/results/ (or $OUT). Run from the repository root on an otherwise idle
 # machine: the tables compare mixers against attention in interleaved rounds, but absolute times move with load.
 #   sh benchmarks/cpu_tables.sh                  # everything (about 45 minutes on an idle 2-core EPYC VM)
-#   sh benchmarks/cpu_tables.sh launches         # the launch counts only (about 6 minutes; exact, any load)
+#   sh benchmarks/cpu_tables.sh launches         # the launch counts only (about 4 minutes; exact, under any load)
 set -eu
-OUT=docs/results
+OUT=${OUT:-docs/results}
 E=$OUT/efficiency_cpu
 RUN="python benchmarks/run.py"
 ONLY=${1:-all}

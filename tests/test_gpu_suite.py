@@ -145,7 +145,9 @@ def test_dry_run_runs_every_step_within_its_files(tmp_path):
     fake_wheel(wheels, "gpu-suite-probe")
     fake_wheel(wheels, "pytest", "0.1")
     done = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(out), "--wheels", str(wheels),
-                           "--site", str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True)
+                           "--site", str(tmp_path / "site"),
+                           "--timeout", "env=90"],  # env imports every plugin: over 25 s on a loaded 2-core CPU
+                          cwd=ROOT, capture_output=True, text=True)
     suite_summary = (out / "summary.md").read_text() if (out / "summary.md").exists() else done.stderr
     summary = json.loads(suite_summary.split("```json\n", 1)[1].split("\n```", 1)[0])
     rcs = {r["step"]: r["rc"] for r in summary}

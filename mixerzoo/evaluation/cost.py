@@ -404,8 +404,9 @@ class LaunchCount(TorchDispatchMode):
     - ``host_syncs``: operators that make the host wait for the device (:data:`HOST_SYNC_OPS`: ``.item()``,
       ``nonzero``, data-dependent shapes, boolean-mask indexing, ``repeat_interleave`` without ``output_size``).
 
-    Counted on any device; a CPU run counts the same operators as a GPU run of the same code path. A region
-    compiled by ``torch.compile`` is not seen through: run the eager code to count it.
+    Counted on any device; a CPU run counts the same operators as a GPU run of the same code path. A function
+    compiled by ``torch.compile`` runs eagerly under a dispatch mode (dynamo steps aside), so its operators are
+    counted one by one: an upper bound on what its compiled kernels launch.
     """
 
     def __init__(self) -> None:
