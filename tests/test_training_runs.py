@@ -119,7 +119,13 @@ def test_run_that_fails_before_its_first_step_leaves_no_folder(in_tmp, monkeypat
                       "{swa: {mixer: fails_first_call}, attention: {}}"])
             assert exc.value.code == 2
             err = capsys.readouterr().err
-            assert err.count("mixerzoo: error: layer 0 (swa: mixer 'fails_first_call'") == 1, err[-2000:]
+            assert "Traceback" not in err and err.count("mixerzoo: error:") == 1, err[-2000:]
+            # the model summary's forward (batch 1) is the mixer's first call
+            assert err.endswith(
+                "mixerzoo: error: layer 0 (swa: mixer 'fails_first_call' (distribution (registered in process) -)) "
+                "returned y of shape (1, 31, 32) for an input of shape (1, 32, 32); a mixer's forward(x, state) must "
+                "return (y, state) with y of x's shape (batch, time, d_model) and dtype: fix that mixer "
+                "(mixerzoo.testing.run_conformance finds such bugs)\n"), err[-2000:]
     finally:
         registry._manual["mixer"].pop("fails_first_call", None)
     assert sorted(p.name for p in (in_tmp / "runs" / "mixerzoo").iterdir()) == ["version_0"]
