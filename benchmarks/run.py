@@ -225,7 +225,7 @@ def launches_cell(layer, T: int, task: dict, trainable: bool) -> dict:
     step at ``T`` tokens (``trainable`` mixers) and of one decode step after a no-grad prefill of ``T`` tokens,
     each after one uncounted run of the same (lazy initialisation, caches)."""
     import torch
-    from mixerzoo.evaluation.cost import count_launches
+    from mixerzoo.evaluation.cost import count_launches, prefill
 
     out = {}
     x = inputs(task, T)
@@ -239,9 +239,7 @@ def launches_cell(layer, T: int, task: dict, trainable: bool) -> dict:
     layer.eval()
     with torch.no_grad(), autocast(*on(task)):
         x = x.detach()
-        state = None
-        for a in range(0, T, 4096):
-            _, state = layer(x[:, a:min(a + 4096, T)], state)
+        state = prefill(layer, x, T)
         token = torch.randn_like(x[:, :1])
         layer(token, state)  # uncounted
         out["decode"] = count_launches(lambda: layer(token, state))

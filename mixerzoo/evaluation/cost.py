@@ -56,7 +56,7 @@ from ..protocol import state_nbytes, state_tensors
 from .models import model_device, model_vocab, stream_logits
 
 __all__ = ["Timer", "CudaPeakMemory", "LiveTensorBytes", "LaunchCount", "count_launches", "kept_for_backward",
-           "training_step", "time_training_steps", "training_step_memory", "decode_rounds", "measure_cost",
+           "training_step", "time_training_steps", "training_step_memory", "prefill", "decode_rounds", "measure_cost",
            "cost_sweep", "HOST_SYNC_OPS"]
 
 
@@ -328,8 +328,9 @@ def training_step_memory(layer, x: torch.Tensor, loss: Callable = _square_mean,
     return {"live_mib": live.peak / 2**20, "kept_mib": kept / 2**20}
 
 
-def _prefill(layer, x: torch.Tensor, T: int, piece: int = 4096):
-    """The state after ``x[:, :T]`` read in pieces of ``piece`` tokens (no gradient: the caller's)."""
+def prefill(layer, x: torch.Tensor, T: int, piece: int = 4096):
+    """The state of ``layer`` after ``x[:, :T]`` (``x``: ``(B, >= T, d_model)``) read in pieces of ``piece``
+    tokens, each call feeding the previous state back (gradients: the caller's ``torch.no_grad``)."""
     state = None
     for a in range(0, T, piece):
         _, state = layer(x[:, a:min(a + piece, T)], state)
@@ -351,7 +352,7 @@ def decode_rounds(layer, contexts: Sequence[int], steps: int, rounds: int, d_mod
     x = torch.randn(1, max(contexts) + steps, d_model, device=device)
     times: dict[int, list[float]] = {c: [] for c in contexts}
     with torch.no_grad(), amp():
-        states = {T: _prefill(layer, x, T) for T in contexts}
+        states = {T: prefill(layer, x, T) for T in contexts}
         layer(x[:, contexts[0]:contexts[0] + 1], states[contexts[0]])  # untimed: a first step's lazy work
         for r in range(rounds):
             k = r % len(contexts)
