@@ -58,7 +58,7 @@ def gsa_inputs(B=2, T=37, HQ=4, H=2, K=8, V=6, M=5, seed=0, state=True, gate_sca
 # ---- gated delta rule --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("T,chunk_len", [(1, 64), (37, 1), (37, 5), (37, 16), (64, 16), (70, 64)])
-def test_gdn_chunked_matches_our_reference(T, chunk_len):
+def test_gdn_chunked_matches_naive(T, chunk_len):
     q, k, v, g, beta, s0 = gdn_inputs(T=T)
     o_ref, s_ref = gdn_naive.gated_delta_rule(q, k, v, g, beta, initial_state=s0)
     o, s = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_len=chunk_len)
@@ -67,7 +67,7 @@ def test_gdn_chunked_matches_our_reference(T, chunk_len):
 
 
 @pytest.mark.parametrize("checkpoint_chunks", [0, 1, 2])
-def test_gdn_chunked_gradients_match_reference(checkpoint_chunks):
+def test_gdn_chunked_gradients_match_naive(checkpoint_chunks):
     """Also when trained in recomputed segments of 1 or 2 chunks (6 chunks of 4 tokens, the last partial)."""
     inputs = [t.clone().requires_grad_(True) for t in gdn_inputs(T=21, B=1)]
     o_ref, s_ref = gdn_naive.gated_delta_rule(*inputs[:5], initial_state=inputs[5])
@@ -153,7 +153,7 @@ def test_gdn_layer_matches_naive_on_its_inputs(options):
 
 @pytest.mark.parametrize("T,chunk_len", [(1, 16), (37, 1), (37, 5), (37, 16), (48, 16), (40, 64)])
 @pytest.mark.parametrize("form", ["split", "exact"])
-def test_gsa_chunked_matches_our_reference(T, chunk_len, form, monkeypatch):
+def test_gsa_chunked_matches_naive(T, chunk_len, form, monkeypatch):
     if form == "exact":       # force the exact intra-chunk decay tensor (used for extreme gates)
         monkeypatch.setattr(gsa_chunk, "MAX_LOG_SPAN", -1.0)
     q, k, v, s, g, h0 = gsa_inputs(T=T)
@@ -201,7 +201,7 @@ def test_gsa_extreme_gates_stay_finite():
 
 
 @pytest.mark.parametrize("checkpoint_chunks,form", [(0, "split"), (1, "split"), (2, "split"), (2, "exact")])
-def test_gsa_chunked_gradients_match_reference(checkpoint_chunks, form, monkeypatch):
+def test_gsa_chunked_gradients_match_naive(checkpoint_chunks, form, monkeypatch):
     """Also when trained in recomputed segments of 1 or 2 chunks (3 chunks of 8 tokens, the last partial)."""
     if form == "exact":
         monkeypatch.setattr(gsa_chunk, "MAX_LOG_SPAN", -1.0)

@@ -17,8 +17,9 @@ fla refuses one backward on some machines: :func:`fla_backward_refused` predicts
 ``auto`` then trains GDN with the PyTorch form (one warning says how to get the kernels back).
 
 :func:`gated_delta_rule` and :func:`gated_slot_attention` call fla's kernels as fla's own layers do; they are
-functions of tensors (never of a layer) and are tested against the ``naive`` references through stand-ins for
-the kernels on CPU (``tests/test_fla_dispatch.py``) and against our chunked forms on a GPU (``test_fla_cuda.py``).
+functions of tensors (never of a layer). On CPU their plumbing (flags, grouped heads, state layouts) is tested with
+stand-ins for the kernels built on the ``naive`` references (``tests/test_fla_dispatch.py``); on a GPU the kernels
+are tested against our chunked forms (``tests/test_fla_cuda.py``).
 """
 
 from __future__ import annotations
