@@ -39,6 +39,18 @@ def test_launch_count_counts_a_known_sequence_exactly():
         "ops": 1, "launches": 1, "host_syncs": 0, "triton": 0, "sync_ops": {}, "top": {"aten.add": 1}}
 
 
+@torch.library.custom_op("mixerzoo_test::fused_sin_cos", mutates_args=())
+def _fused(x: torch.Tensor) -> torch.Tensor:
+    return (x.sin() * 2).cos()
+
+
+def test_launch_count_counts_a_custom_operator_as_one():
+    """A custom operator (how a fused kernel is registered) is one launch; the operators of its implementation
+    are not counted."""
+    counted = cost.count_launches(lambda: _fused(torch.randn(8)))
+    assert counted["top"] == {"mixerzoo_test.fused_sin_cos": 1, "aten.randn": 1} and counted["launches"] == 2
+
+
 def test_launch_count_sees_host_syncs():
     """A planted ``.item()`` (and ``bool``, ``nonzero``, a boolean mask, ``repeat_interleave`` without its output
     size) is a host sync; ``repeat_interleave`` with ``output_size`` is not."""
