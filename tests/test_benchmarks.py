@@ -224,9 +224,9 @@ def test_model_layers_measure_a_language_model_of_the_mixer(benchmark_script):
 
 
 def test_decode_rounds_take_the_contexts_in_turn_from_their_prefilled_states():
-    """The decode table: each context is prefilled once (pieces of 4,096), one untimed step follows; every round
-    starts each context's steps from its prefilled state, the contexts in an order rotated by one each round, and
-    gives one ms/token per context and round; the state bytes are those after each prefill."""
+    """The decode table: each context is prefilled once (pieces of 4,096), one untimed step from each follows;
+    every round starts each context's steps from its prefilled state, the contexts in an order rotated by one each
+    round, and gives one ms/token per context and round; the state bytes are those after each prefill."""
     calls = []
 
     class Counting(torch.nn.Module):  # state: a tensor of the tokens seen; records (tokens in the call, seen)
@@ -238,8 +238,8 @@ def test_decode_rounds_take_the_contexts_in_turn_from_their_prefilled_states():
     times, state = cost.decode_rounds(Counting(), [3, 5000], steps=2, rounds=3, d_model=4)
     assert set(times) == {3, 5000} and all(len(v) == 3 and min(v) > 0 for v in times.values())
     assert state == {3: 3, 5000: 5000}
-    assert calls[:4] == [(3, 0), (4096, 0), (904, 4096), (1, 3)]
-    starts = [seen for n, seen in calls[4:] if n == 1][::2]  # the first step of each context's run
+    assert calls[:5] == [(3, 0), (4096, 0), (904, 4096), (1, 3), (1, 5000)]
+    starts = [seen for n, seen in calls[5:] if n == 1][::2]  # the first step of each context's run
     assert starts == [3, 5000, 5000, 3, 3, 5000]
 
 

@@ -343,7 +343,8 @@ def decode_rounds(layer, contexts: Sequence[int], steps: int, rounds: int, d_mod
     """ms per token of ``steps`` single-token calls after a no-grad prefill of each of ``contexts`` tokens (in
     pieces of 4,096), ``rounds`` times: every round runs each context's steps from its prefilled state, the
     contexts in an order rotated by one each round, so that a slow minute of a shared machine falls on all of them
-    alike (a mixer's state is a value: a step returns a new state and leaves the prefilled one as it was).
+    alike (a mixer's state is a value: a step returns a new state and leaves the prefilled one as it was). One
+    untimed step from each context comes first.
 
     Returns:
         ``({context: [ms per token of each round]}, {context: state bytes after its prefill})``.
@@ -353,7 +354,8 @@ def decode_rounds(layer, contexts: Sequence[int], steps: int, rounds: int, d_mod
     times: dict[int, list[float]] = {c: [] for c in contexts}
     with torch.no_grad(), amp():
         states = {T: prefill(layer, x, T) for T in contexts}
-        layer(x[:, contexts[0]:contexts[0] + 1], states[contexts[0]])  # untimed: a first step's lazy work
+        for T in contexts:  # untimed: a first step's lazy work at each context's shapes
+            layer(x[:, T:T + 1], states[T])
         for r in range(rounds):
             k = r % len(contexts)
             for T in list(contexts[k:]) + list(contexts[:k]):
