@@ -120,7 +120,7 @@ trainer: {{max_steps: 3, enable_progress_bar: false, limit_val_batches: 1, val_c
     if freeze == "new":
         assert not loaded_moved and {"blocks.1.mixer.tau_state", "blocks.1.mixer.ln_s.weight"} <= moved
         assert main(["fit", "--config", "r.yaml", "--trainer.max_steps", "5", "--ckpt_path", str(ckpt)]) == 0
-        resumed = load_model(next(in_tmp.glob("runs/mixerzoo/version_1/checkpoints/last.ckpt"))).model.state_dict()
+        resumed = load_model(next(in_tmp.glob("runs/mixerzoo/version_0/checkpoints/last.ckpt"))).model.state_dict()
         assert all(torch.equal(src[k], resumed[k]) for k in src)
         assert not torch.equal(resumed["blocks.1.mixer.tau_state"], trained["blocks.1.mixer.tau_state"])
     else:
