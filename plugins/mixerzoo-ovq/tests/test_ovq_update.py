@@ -181,8 +181,9 @@ def test_update_reuses_recorded_decisions(n):
 @pytest.mark.parametrize("unused_codes", [False, True], ids=["counts", "zero_counts"])
 def test_chunk_attention_equals_naive(n, Lq, Lk, H, Hkv, unused_codes, read):
     """Both reads (one SDPA call over ``[D ; chunk]`` with an additive mask; the CPU backend's two flash calls
-    merged by log-sum-exp) against eq. 15 written out. ``zero_counts``: rows of a static codebook no key has been assigned to (log-count -inf), a whole
-    batch row of them included (the dictionary call then returns lse 0 and must weigh nothing)."""
+    merged by log-sum-exp) against eq. 15 written out. ``zero_counts``: rows of a static codebook no key has been
+    assigned to (log-count -inf), a whole batch row of them included (the dictionary call then returns lse 0 and
+    must weigh nothing)."""
     g = torch.Generator().manual_seed(n + Lq + Lk)
     B, D = 2, 4
     q = torch.randn(B, H, Lq, D, generator=g)

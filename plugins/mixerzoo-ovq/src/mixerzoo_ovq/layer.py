@@ -60,8 +60,8 @@ class OVQAttention(Mixer):
             ``seed``, ``layer_idx`` and the chunk index).
         centroid_lr: ``None`` (default): centroids move with rate ``1 / count``, the exact running mean (eq. 19);
             a float (ablation, paper 0.25): constant rate, ``mu += lr * sum(x - mu)``.
-        renormalize: put key centroids back on the unit sphere after each update (the paper's optional step,
-            "no noticeable effect"; values are left alone).
+        renormalize: put key and value centroids back on the unit sphere after each update (the paper's optional
+            step, appendix 8.3 ``update_dict`` lines 22-23; "no noticeable effect").
         beta_init: initial per-head precision ``beta``.
         positional: only ``nope`` (the dictionary merges keys from all positions).
         token_shift, value_residual, bias: backbone options of :class:`mixerzoo.mixers.qkv.QKVProjection`.

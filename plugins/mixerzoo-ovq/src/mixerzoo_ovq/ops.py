@@ -161,9 +161,9 @@ class _MergeChunk(torch.autograd.Function):
     (x_i - B_r) = (1 - S_r) B_r + sum_{i -> r} eta_i x_i`` with ``S_r = sum_{i -> r} eta_i``. Given the choices
     and the rates (no gradient: they come from counts and argmaxes) this is linear, so backward is
     ``dL/dB_r = (1 - S_r) g_r`` and ``dL/dx_i = eta_i g_{a_i}`` (plus ``dL/dB`` of the rows ``x_i`` became):
-    one dictionary-sized product. Autograd's version of the same forward (concatenation, gathers, in-place
-    scatter-add) ran five dictionary-sized operations per chunk in backward, about a fifth of an OVQ training
-    step at 16k. Keeps only the choices and rates."""
+    one dictionary-sized product, where autograd's version of the same forward (concatenation, gathers, in-place
+    scatter-add) runs five per chunk in backward (about a fifth of an OVQ training step at 16k on CPU). Keeps only
+    the choices and rates."""
 
     @staticmethod
     def forward(ctx, dk, dv, kc, vc, new_pos, assign, eta):

@@ -34,8 +34,8 @@ class _LeanChunkAttention(torch.autograd.Function):
     """Eq. 15 on PyTorch's CPU flash-attention kernels as two calls whose softmaxes are merged by their
     log-sum-exps: the queries against the dictionary (no causal structure; the log-prior is a mask broadcast over
     the queries, never materialised) and against the chunk's own keys (the kernel's causal mode). Nothing of size
-    ``[D ; chunk]`` is built, in forward or backward (the concatenated keys, values and the
-    ``queries x (n + L)`` prior/causal mask were rebuilt for every chunk three times a step). Backward runs each
+    ``[D ; chunk]`` is built, in forward or backward (one SDPA call over the concatenation, the portable read,
+    builds the concatenated keys, values and a ``queries x (n + L)`` prior/causal mask per chunk). Backward runs each
     part's flash backward with the *merged* output and log-sum-exp, which gives each part's exact gradients
     (``P = exp(S - lse)`` and ``rowsum(dO * O)`` are those of the whole softmax). Keeps for backward only the
     sources (queries, the dictionary, the chunk's keys and values, which exist anyway), the output and the
