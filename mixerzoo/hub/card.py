@@ -104,7 +104,7 @@ ids = torch.tensor([tok.encode("{prompt}").ids])
 print(tok.decode(generate(model, ids, max_new_tokens=32, temperature=0)[0].tolist()))
 ```
 
-From the command line: `mixerzoo generate {where} --prompt "{prompt}" --max-new-tokens 32`
+From the command line: `mixerzoo generate {where} --prompt "{prompt}" --max_new_tokens 32`
 
 With transformers (the model code comes from the installed mixerzoo):
 

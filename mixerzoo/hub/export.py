@@ -180,7 +180,7 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = Fals
     folder = Path(folder)
     if not _is_export(folder):
         raise FileNotFoundError(f"{folder} is not a folder made by `mixerzoo export`; nothing pushed")
-    retry = (f"The exported folder is intact at {folder}; push it later with `mixerzoo export {folder} --repo-id "
+    retry = (f"The exported folder is intact at {folder}; push it later with `mixerzoo export {folder} --repo_id "
              f"{repo_id} --push` (or `hf upload {repo_id} {folder}`)")
     try:
         url = huggingface_hub.create_repo(repo_id, private=private, exist_ok=True, token=token, repo_type="model")
@@ -229,7 +229,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
             :func:`read_checkpoint`). HubPushError: the upload failed (the folder stays).
     """
     if push and not repo_id:
-        raise ConfigError("--push needs --repo-id owner/name (the Hub repository to create or update)")
+        raise ConfigError("--push needs --repo_id owner/name (the Hub repository to create or update)")
     from ..progress import stages
 
     with stages("export", ["read checkpoint", "write folder"] + (["push"] if push else []), quiet=quiet) as step:
