@@ -135,29 +135,6 @@ def test_check_recomputation_passes_an_exact_recomputation_and_names_what_differ
         check_recomputation(RunningSum(span=3, drift=True), RunningSum(span=0), x, 5)
 
 
-def test_qkv_keys_recomputed_in_backward_give_the_same_keys_and_gradients_for_less_kept():
-    """``QKVProjection(recompute_keys=True)``: the same q, k, v and gradients as the plain form, and what the
-    forward keeps is smaller by the key projection (kept by the plain form for the key norm's backward)."""
-    from mixerzoo.mixers.qkv import QKVProjection
-
-    torch.manual_seed(0)
-    proj = QKVProjection(32, 2, positional={"name": "rope", "rotary_fraction": 0.5}, qk_norm="layernorm")
-    x = torch.randn(2, 64, 32, requires_grad=True)
-    positions = torch.arange(64)
-    results, kept = [], {}
-    for lean in (False, True):
-        proj.zero_grad(set_to_none=True)
-        x.grad = None
-        with LiveTensorBytes(exclude=[*proj.parameters(), x]) as mem:
-            q, k, v, _ = proj(x, positions, recompute_keys=lean)
-            kept[lean] = mem.current
-        (q.sin().sum() + (k * k.roll(1, 2)).sum() + v.cos().sum()).backward()
-        results.append([q, k, v, x.grad, *(p.grad for p in proj.parameters())])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b)
-    assert kept[True] <= kept[False] - x.numel() * 4, kept
-
-
 def test_kept_for_backward_counts_what_autograd_keeps_and_the_output():
     """``mixerzoo.evaluation.cost.kept_for_backward`` on a mixer whose kept tensors are known: ``y = exp(x W)``
     keeps the product (for exp's backward it is exp's own output, which is also ``y``: one tensor) and the

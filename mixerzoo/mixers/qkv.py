@@ -14,7 +14,6 @@ from torch import nn
 
 from ..positional import build_positional
 from ..protocol import MixerState
-from ..ops import recomputed_in_backward
 
 __all__ = ["QKVProjection", "StreamState", "head_norm", "token_shift"]
 
@@ -112,26 +111,20 @@ class QKVProjection(nn.Module):
             self.v_lambda = nn.Parameter(torch.zeros(n_kv_heads * head_dim))
 
 
-    def stream(self, x: torch.Tensor, state: StreamState | None, shared: dict | None = None,
-               finish_queries: bool = True, recompute_keys: bool = False
+    def stream(self, x: torch.Tensor, state: StreamState | None, shared: dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """The prelude every attention-like mixer shares: positions continue ``state`` (from 0 at ``None``), and
         q/k/v are projected with the state's token-shift carry.
 
         Args:
             x: ``(B, T, d_model)``. state: the mixer's :class:`StreamState` (or None at sequence start).
-            finish_queries: False returns ``q`` before its norm and positional encoding, for a mixer that applies
-                :meth:`finish_queries` itself, piece by piece inside a recomputed segment (so that autograd keeps
-                the projection only, not also the encoded queries).
-            recompute_keys: see :meth:`forward`.
 
         Returns:
             ``q (B, H, T, D)``, ``k, v (B, H_kv, T, D)``, absolute ``positions (T,)``, the new shift carry.
         """
         p0 = 0 if state is None else state.next_pos
         positions = torch.arange(p0, p0 + x.shape[1], device=x.device)
-        q, k, v, shift = self(x, positions, None if state is None else state.shift, shared, finish_queries,
-                              recompute_keys)
+        q, k, v, shift = self(x, positions, None if state is None else state.shift, shared)
         return q, k, v, positions, shift
 
     def finish_queries(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -140,8 +133,7 @@ class QKVProjection(nn.Module):
         return self.pos.apply(self.q_norm(q), positions)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shift_state: tuple | None = None,
-                shared: dict | None = None, finish_queries: bool = True, recompute_keys: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+                shared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """Project and encode.
 
         Args:
@@ -149,19 +141,12 @@ class QKVProjection(nn.Module):
             positions: absolute positions ``(T,)`` of the tokens in ``x``.
             shift_state: previous-token projections from the state (``None`` at sequence start).
             shared: per-forward dict shared across layers (for the value residual).
-            finish_queries: False: ``q`` before :meth:`finish_queries` (see :meth:`stream`).
-            recompute_keys: in training, without ``token_shift``: the keys' projection, norm and positional
-                encoding run under :func:`mixerzoo.ops.recomputed_in_backward` from ``x``, so autograd
-                keeps ``x`` (kept anyway) instead of the key projection that the norm's backward needs: for a mixer
-                that copies the encoded keys into buffers of its own (KVM). Same values.
 
         Returns:
             ``q (B, H, T, D)``, ``k (B, H_kv, T, D)``, ``v (B, H_kv, T, D)``, new shift state (or None).
         """
         B, T, _ = x.shape
-        lean_keys = recompute_keys and not self.token_shift
-        q, v = self.q_proj(x), self.v_proj(x)
-        k = None if lean_keys else self.k_proj(x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # KVM appendix B: the value residual (eq. 8) mixes in the first layer's plain value projection, then the
         # token shift (eq. 9) acts on the result
         if self.value_residual and shared is not None:
@@ -180,21 +165,10 @@ class QKVProjection(nn.Module):
             new_shift = (pq, pk, pv)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if finish_queries:
-            q = self.finish_queries(q, positions)
-        if lean_keys:
-            k = recomputed_in_backward(self._encoded_keys, x, positions,
-                                       also=(*self.k_proj.parameters(), *self.k_norm.parameters()))
-        else:
-            k = self._encode_keys(k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2), positions)
+        q = self.finish_queries(q, positions)
+        k = self._encode_keys(k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2), positions)
         return q, k, v, new_shift
 
     def _encode_keys(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The keys' per-head norm, then their positional encoding: ``k (B, H_kv, T, D)``."""
         return self.pos.apply(self.k_norm(k), positions)
-
-    def _encoded_keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``x (B, T, d_model)`` projected to keys ``(B, H_kv, T, D)`` and encoded (no token shift)."""
-        B, T, _ = x.shape
-        return self._encode_keys(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2),
-                                 positions)

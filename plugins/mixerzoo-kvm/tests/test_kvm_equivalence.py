@@ -1,5 +1,6 @@
-"""KVM: readable chunk loop == packed fast path == token-by-token decode, gradients included, plus the
-mixerzoo conformance kit and independent checks against the core attention baselines."""
+"""KVM: the paper's equations written plainly (``naive``) == the parallel form (``chunk``, appendix A) ==
+token-by-token decode (``recurrent``), gradients included, plus the mixerzoo conformance kit and independent checks
+against the core attention baselines."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from mixerzoo.mixers import Attention, BlockSlidingWindowAttention
 from mixerzoo.testing import decode_stepwise, run_conformance
-from mixerzoo_kvm import KVMAttention, incremental_rows, refold
+from mixerzoo_kvm import KVMAttention
+from mixerzoo_kvm.naive import kvm_naive, merge_gate
 
 D_MODEL = 16
 GROW = {"name": "power_law", "coef": 2.0, "exponent": 0.5, "min_size": 4}
@@ -47,34 +49,58 @@ def make(seed: int = 0, **kw) -> KVMAttention:
     return layer
 
 
+def naive_forward(layer: KVMAttention, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The layer's output on ``x (B, T, d_model)`` from a sequence start computed by :func:`kvm_naive` on the
+    layer's own projections (q/k/v, the merge gate by naive's eq. 2, the output projection), and naive's final
+    state ``{s_k, s_v, rho, count}``."""
+    B, T, _ = x.shape
+    q, k, v, _, _ = layer.qkv.stream(x, None)
+    s = layer.spec
+    o, state = kvm_naive(q, k, v, merge_gate(x, layer.gate_proj), ln_s=layer.ln_s, tau_state=layer.tau_state,
+                         tau_bswa=layer.tau_bswa, chunk_len=s.chunk_len, n_bswa_chunks=s.n_bswa_chunks,
+                         rotary_dim=s.rotary_dim, n_protected=s.n_protected, schedule=s.schedule,
+                         value_norm=s.value_norm, eps=s.eps, gate_appends=s.gate_appends, routing=s.routing,
+                         unrotate=s.unrotate)
+    return layer.o_proj(o.transpose(1, 2).reshape(B, T, -1)), state
+
+
 def decode(layer: KVMAttention, x: torch.Tensor, prefill: int = 0) -> torch.Tensor:
     return decode_stepwise(layer, x, prefill)[0]
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_reference_fast_decode_agree(name):
+def test_naive_chunk_decode_agree(name):
     layer = make(**CONFIGS[name]).eval()
     x = torch.randn(2, 45, D_MODEL, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        layer.use_reference = True
-        y_ref, s_ref = layer(x)
-        y_dec_ref = decode(layer, x, prefill=10)
-        layer.use_reference = False
-        y_fast, s_fast = layer(x)
-        y_dec = decode(layer, x)
+        y_ref, s_ref = naive_forward(layer, x)
+        y_chunk, s_chunk = layer(x)
+        layer.backend = "cpu_lean"
+        y_lean, s_lean = layer(x)
+        layer.backend = "auto"
+        y_dec, s_dec = decode_stepwise(layer, x)
+        y_dec_prefill = decode(layer, x, prefill=10)
         y_split = torch.cat([y for y in _split_run(layer, x, (6, 13, 29))], dim=1)
     tol = dict(atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(y_fast, y_ref, **tol)
+    torch.testing.assert_close(y_chunk, y_ref, **tol)
+    torch.testing.assert_close(y_lean, y_ref, **tol)
     torch.testing.assert_close(y_dec, y_ref, **tol)
-    torch.testing.assert_close(y_dec_ref, y_ref, **tol)
+    torch.testing.assert_close(y_dec_prefill, y_ref, **tol)
     torch.testing.assert_close(y_split, y_ref, **tol)
-    assert s_ref.n_rows == s_fast.n_rows
-    for field in ("s_k", "s_v", "rho", "count", "win_k", "win_v", "win_g"):
-        a, b = getattr(s_ref, field), getattr(s_fast, field)
-        assert (a is None) == (b is None), field
-        if a is not None:
-            torch.testing.assert_close(b, a, **tol)
-    assert s_ref.n_rows > 0
+    assert s_ref["s_k"].shape[2] == s_chunk.n_rows == s_dec.n_rows > 0
+    for field in ("s_k", "s_v", "rho", "count"):
+        a = s_ref[field]
+        for s in (s_chunk, s_lean, s_dec):
+            b = getattr(s, field)
+            assert (a is None) == (b is None), field
+            if a is not None:
+                torch.testing.assert_close(b, a, **tol)
+    for field in ("win_k", "win_v", "win_g"):
+        for s in (s_chunk, s_lean):
+            a, b = getattr(s_dec, field), getattr(s, field)
+            assert (a is None) == (b is None), field
+            if a is not None:
+                torch.testing.assert_close(b, a, **tol)
 
 
 def _split_run(layer, x, cuts):
@@ -85,13 +111,17 @@ def _split_run(layer, x, cuts):
         start = end
 
 
-def _reference_and_fast_gradients(layer: KVMAttention, x: torch.Tensor, w: torch.Tensor) -> list[dict]:
-    """The parameters' gradients of ``(layer(x) * w).sum()`` on the chunk loop, then on the packed path."""
+BACKENDS = ("chunk", "cpu_lean")
+
+
+def _naive_and_chunk_gradients(layer: KVMAttention, x: torch.Tensor, w: torch.Tensor) -> list[dict]:
+    """The parameters' gradients of ``(layer(x) * w).sum()`` computed by naive, then by the layer with each
+    parallel form (:data:`BACKENDS`)."""
     grads = []
-    for ref in (True, False):
-        layer.use_reference = ref
+    for backend in (None, *BACKENDS):
         layer.zero_grad(set_to_none=True)
-        y, _ = layer(x)
+        layer.backend = backend or "auto"
+        y, _ = layer(x) if backend else naive_forward(layer, x)
         (y * w).sum().backward()
         grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
     return grads
@@ -99,38 +129,30 @@ def _reference_and_fast_gradients(layer: KVMAttention, x: torch.Tensor, w: torch
 
 @pytest.mark.parametrize("name", ["default", "power_law", "soft_routing", "gqa_token_shift", "value_mean",
                                   "pre_rope_gqa_grow"])
-def test_gradients_agree(name, monkeypatch):
-    """The packed path's gradients equal the chunk loop's; a growing state past the window with the paper's
-    readout and routing makes its memory rows incrementally (``incremental_rows``) in forward and backward."""
-    started = []
-    start = incremental_rows.IncrementalRows.start
-    monkeypatch.setattr(incremental_rows.IncrementalRows, "start",
-                        lambda self, shared, wants: started.append(wants is not None) or start(self, shared, wants))
+def test_gradients_agree(name):
+    """Both parallel forms' gradients equal naive's."""
     layer = make(**CONFIGS[name]).train()
     x = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(4))
     w = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(5))
-    grads = _reference_and_fast_gradients(layer, x, w)
-    incremental = name in ("power_law", "gqa_token_shift", "pre_rope_gqa_grow")
-    assert set(started) == ({False, True} if incremental else set())
-    for n in grads[0]:
-        torch.testing.assert_close(grads[1][n], grads[0][n], atol=5e-5, rtol=1e-4, msg=n)
+    grads = _naive_and_chunk_gradients(layer, x, w)
+    for form, got in zip(BACKENDS, grads[1:]):
+        for n in grads[0]:
+            torch.testing.assert_close(got[n], grads[0][n], atol=5e-5, rtol=1e-4, msg=f"{form}: {n}")
 
 
+@pytest.mark.parametrize("checkpoint_chunks", [1, 4, 0])
 @pytest.mark.parametrize("name", ["power_law", "gqa_token_shift", "value_mean", "pre_rope_gqa_grow"])
-def test_gradients_agree_with_states_made_again_from_anchors(name, monkeypatch):
-    """A state larger than the window, so pairs of recomputed groups share an anchor state: the second group makes
-    the state entering it again from the anchor and its folds since (``refold``), and the gradients still equal the
-    chunk loop's."""
-    pre_folds = []
-    apply = refold._Refold.apply
-    monkeypatch.setattr(refold._Refold, "apply", lambda *a: pre_folds.append(len(a[3])) or apply(*a))
-    layer = make(**CONFIGS[name]).train()
+def test_gradients_agree_over_recomputed_groups(name, checkpoint_chunks):
+    """A long call (37 chunks), a state larger than the window: the chunk form reads it in many groups, each
+    recomputed in backward from the state entering it (or none, with 0), and the gradients still equal naive's
+    (both parallel forms; the CPU-lean form makes pairs of groups' states again from an anchor)."""
+    layer = make(**CONFIGS[name], checkpoint_chunks=checkpoint_chunks).train()
     x = torch.randn(1, 150, D_MODEL, generator=torch.Generator().manual_seed(8))
     w = torch.randn(1, 150, D_MODEL, generator=torch.Generator().manual_seed(9))
-    grads = _reference_and_fast_gradients(layer, x, w)
-    assert max(pre_folds) >= 2
-    for n in grads[0]:
-        torch.testing.assert_close(grads[1][n], grads[0][n], atol=5e-5, rtol=1e-4, msg=n)
+    grads = _naive_and_chunk_gradients(layer, x, w)
+    for form, got in zip(BACKENDS, grads[1:]):
+        for n in grads[0]:
+            torch.testing.assert_close(got[n], grads[0][n], atol=5e-5, rtol=1e-4, msg=f"{form}: {n}")
 
 
 @pytest.mark.parametrize("name", ["default", "power_law"])
@@ -150,12 +172,16 @@ def test_gradients_through_a_carried_state(name):
         torch.testing.assert_close(p.grad, want[n], atol=5e-5, rtol=1e-4, msg=n)
 
 
-@pytest.mark.parametrize("name", ["default", "power_law", "nope", "gqa_token_shift", "pre_rope"])
-def test_conformance(name):
+@pytest.mark.parametrize(("name", "backend"), [("default", "auto"), ("power_law", "auto"), ("nope", "auto"),
+                                               ("gqa_token_shift", "auto"), ("pre_rope", "auto"),
+                                               ("power_law", "chunk"), ("pre_rope", "chunk")])
+def test_conformance(name, backend):
+    """The conformance kit; ``auto`` trains with the CPU-lean form on this CPU, ``chunk`` forces appendix A's."""
     # winner-take-all routing is a discrete decision that bf16 may flip on a near tie: the routing goes through
     # mixerzoo.decisions.decision, so bf16 is compared with fp32 given the same routing (error model in
     # mixerzoo.testing's docstring)
-    report = run_conformance(lambda: make(**CONFIGS[name]), D_MODEL, seq_len=48, splits=(1, 5, 7, 13, 30, 33))
+    report = run_conformance(lambda: make(**CONFIGS[name], backend=backend), D_MODEL, seq_len=48,
+                             splits=(1, 5, 7, 13, 30, 33))
     # run_conformance raises on a failed check; what it returns is the state's size after 12 and 48 tokens (batch 1),
     # checked against what KVM must keep
     assert report.state_bytes == [_kept_bytes(make(**CONFIGS[name]), T) for T in (12, 48)]

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixerzoo_kvm.incremental_rows import IncrementalRows
-from mixerzoo_kvm.lean_attention import additive_mask, memory_window_attention, memory_window_attention_reference
+from mixerzoo_kvm.backends.cpu_lean.incremental_rows import IncrementalRows
+from mixerzoo_kvm.backends.cpu_lean.lean_attention import additive_mask, memory_window_attention, memory_window_attention_reference
 from mixerzoo_kvm.ops import read_values
 
 

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from mixerzoo.testing import OperatorCalls, check_recomputation
-from mixerzoo_kvm import KVMAttention, lean_attention
-from mixerzoo_kvm.lean_attention import (additive_mask, memory_window_attention,
+from mixerzoo_kvm import KVMAttention
+from mixerzoo_kvm.backends.cpu_lean import lean_attention
+from mixerzoo_kvm.backends.cpu_lean.lean_attention import (additive_mask, memory_window_attention,
                                          memory_window_attention_reference)
 
 
@@ -217,7 +218,7 @@ def test_long_calls_read_longer_groups_equal_keeping_everything(monkeypatch):
     """A call of at least 2 x LONG_CALL_CHUNKS query chunks is read in groups of up to twice checkpoint_chunks;
     recomputing them gives the outputs, gradients and state of keeping every tensor, across a continuation that
     starts mid-chunk."""
-    from mixerzoo_kvm import packed
+    from mixerzoo_kvm.backends.cpu_lean import packed
     from test_kvm_equivalence import D_MODEL, GROW, make
 
     caps, group_chunks = [], packed._group_chunks
@@ -256,7 +257,7 @@ def test_fold_snapshots_equal_their_plain_statement(reads):
     """``_FoldSnapshots`` (a running buffer of a group's state, each fold added once, a reverse running sum in
     backward) equals out-of-place ``scatter_add`` of the first ``reads[j]`` folds onto the padded entering state
     under plain autograd, in values and gradients, folds no snapshot reads included (no gradient)."""
-    from mixerzoo_kvm.packed import _FoldSnapshots
+    from mixerzoo_kvm.backends.cpu_lean.packed import _FoldSnapshots
 
     g = torch.Generator().manual_seed(0)
     B, H, m, R, C, D, n_folds = 2, 3, 4, 7, 5, 6, 4

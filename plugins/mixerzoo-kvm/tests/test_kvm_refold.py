@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mixerzoo_kvm.refold import refold, refold_reference
+from mixerzoo_kvm.backends.cpu_lean.refold import refold, refold_reference
 
 
 def test_refold_equals_the_plain_statement_values_and_gradients():

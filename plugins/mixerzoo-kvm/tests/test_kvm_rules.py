@@ -13,8 +13,9 @@ from mixerzoo import registry
 from mixerzoo.model import LanguageModel, LMConfig
 from mixerzoo.model.config import ConfigError
 from mixerzoo.protocol import state_nbytes
-from mixerzoo_kvm import (KVMAttention, KVMState, kvm_chunk_loop, kvm_packed, kvm_step, memory_keys, route_overflow,
+from mixerzoo_kvm import (KVMAttention, KVMState, kvm_chunk, kvm_step, memory_keys, route_overflow,
                           state_budget)
+from mixerzoo_kvm.backends.cpu_lean import kvm_packed
 
 # --------------------------------------------------------------------------------------------------------
 # Hand-checked example: 1 head, head_dim 4, chunk_len 4, window of one chunk, NoPE, LN_s = identity.
@@ -55,7 +56,7 @@ def hand_state() -> KVMState:
                     win_k=K_O[None, None], win_v=V_O[None, None], win_g=GATE[None, None], next_pos=8)
 
 
-@pytest.mark.parametrize("impl", [kvm_chunk_loop, kvm_packed, kvm_step])
+@pytest.mark.parametrize("impl", [kvm_chunk, kvm_packed, kvm_step])
 @pytest.mark.parametrize("protect", [True, False])
 def test_hand_checked_append_and_merge(impl, protect):
     layer = hand_layer(protect)
@@ -211,11 +212,14 @@ def test_registered_and_in_the_lm():
 
 def test_group_chunks_ends_groups_at_max_chunks_and_state_growth():
     """Groups end at max_chunks and where the state has grown past 1.25x the group's first chunk's."""
-    from mixerzoo_kvm.packed import _group_chunks
+    from mixerzoo_kvm.backends.cpu_lean.packed import _group_chunks
+    from mixerzoo_kvm.chunk import chunk_groups
 
     assert _group_chunks([4] * 6, max_chunks=4) == [(0, 4), (4, 6)]
     assert _group_chunks([4, 4, 5, 6, 7], max_chunks=8) == [(0, 3), (3, 5)]  # 6 > 1.25 x 4
     assert _group_chunks([1300, 1330, 1360, 1390, 1420], max_chunks=4) == [(0, 4), (4, 5)]  # a slowly growing state
+    for rows, n, want in (([4] * 6, 4, [(0, 4), (4, 6)]), ([4, 4, 5, 6, 7], 8, [(0, 3), (3, 5)])):
+        assert chunk_groups(rows, n) == want
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -228,7 +232,7 @@ MEAN_S_V = [[1.0, 1, 0, 0], [1, 3, 0, 0], [0, 0, 4, 1], [0, 0, 0, 4], [2, 2, 2, 
 MEAN_COUNT = [1, 3, 2, 1, 1]                                                             # tokens in each row
 
 
-@pytest.mark.parametrize("impl", [kvm_chunk_loop, kvm_packed, kvm_step])
+@pytest.mark.parametrize("impl", [kvm_chunk, kvm_packed, kvm_step])
 def test_mean_readout_is_the_mean_of_the_merged_values(impl):
     layer = KVMAttention(4, n_heads=1, head_dim=4, chunk_len=4, n_bswa_chunks=1, positional="nope", qk_norm=None,
                          schedule={"name": "fixed", "size": 5}, value_norm="mean", merge_gate=False)
@@ -252,7 +256,7 @@ def test_mean_readout_is_the_mean_of_the_merged_values(impl):
     torch.testing.assert_close(o[0, 0, 0], torch.tensor(want))
 
 
-@pytest.mark.parametrize("impl", [kvm_chunk_loop, kvm_packed, kvm_step])
+@pytest.mark.parametrize("impl", [kvm_chunk, kvm_packed, kvm_step])
 def test_appended_rows_are_the_least_redundant_tokens(impl):
     """Section 4, "Append": ``s_j = max_i k_bar_j . LN_s(s_k)_i`` over the current rows, and the ``n_append`` tokens
     with the smallest ``s_j`` become rows ``m, m+1, ...`` in chunk order, each with radius ``||v_j||`` (fixed at

@@ -12,15 +12,19 @@ from mixerzoo.mixers import QKVProjection
 from mixerzoo.protocol import Mixer
 from mixerzoo.schedules import FixedSchedule, build_schedule
 
+from mixerzoo.ops import recomputed_in_backward, records_grad
+
+from .backends.cpu_lean import kvm_packed
+from .chunk import kvm_chunk
 from .ops import KVMParams, KVMSpec, merge_gate
-from .packed import kvm_packed, kvm_step
-from .reference import kvm_chunk_loop
+from .recurrent import kvm_step
 from .state import KVMState
 
 __all__ = ["KVMAttention"]
 
 HALF_ROPE = {"name": "rope", "rotary_fraction": 0.5}
 MEMORY_KEYS = ("zero_rotary", "pre_rope")
+BACKENDS = ("auto", "chunk", "cpu_lean")
 
 
 def _unrotate(pos, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -67,13 +71,15 @@ class KVMAttention(Mixer):
         learned_temperatures: learn the per-head inverse temperatures ``tau_state`` and ``tau_bswa`` (paper); False
             fixes both at 1 (the authors' ablation: plain softmax over state rows and window keys).
         eps: ``eps_norm`` of the value renormalisation.
-        checkpoint_chunks: training memory: the packed path recomputes, in backward, each group of at most this
-            many query chunks from the state entering it (snapshots, memory rows and attention), so autograd keeps
-            no snapshot, memory row or key list; 0 keeps them (faster: one attention forward less; about twice
-            full attention's memory). A call of ``n`` query chunks uses groups of up to ``checkpoint_chunks x
-            max(1, n // 64)`` (:data:`mixerzoo_kvm.packed.LONG_CALL_CHUNKS`): longer calls, longer groups.
-            Results are identical (docs/mechanisms/kvm.md, "Implementations").
-        use_reference: compute with the readable chunk loop instead of the packed fast path (for tests).
+        checkpoint_chunks: training memory: query chunks are read in groups of at most this many (``x max(1, n // 64)``
+            for a call of ``n`` chunks), each recomputed in backward from the state entering it, so autograd keeps
+            one state per group and no snapshot, memory row or key list; 0 recomputes nothing (faster, more
+            memory). Results are identical (docs/mechanisms/kvm.md, "Implementations").
+        backend: the parallel form for ``T > 1``: ``chunk`` (the paper's appendix A: every chunk's state snapshot,
+            then one masked attention, :mod:`mixerzoo_kvm.chunk`), ``cpu_lean`` (the same function arranged for a
+            CPU, :mod:`mixerzoo_kvm.backends.cpu_lean`), or ``auto`` (default): ``cpu_lean`` for training on a CPU,
+            ``chunk`` everywhere else. One token with a state always takes the decode step
+            (:mod:`mixerzoo_kvm.recurrent`).
 
     State: :class:`mixerzoo_kvm.KVMState` (``m`` compressed rows plus at most ``L`` window tokens).
 
@@ -90,9 +96,9 @@ class KVMAttention(Mixer):
                  positional: Any = None, qk_norm: str | None = "layernorm", token_shift: bool = False,
                  value_residual: bool = False, bias: bool = False, value_norm: str = "radius",
                  protect_sinks: bool = True, merge_gate: bool = True, gate_appends: bool = False,
-                 routing: str = "hard", eps: float = 1e-6, use_reference: bool = False, layer_idx: int = 0,
+                 routing: str = "hard", eps: float = 1e-6, layer_idx: int = 0,
                  memory_keys: str = "zero_rotary", learned_temperatures: bool = True,
-                 checkpoint_chunks: int = 4) -> None:
+                 checkpoint_chunks: int = 4, backend: str = "auto") -> None:
         super().__init__()
         if not isinstance(chunk_len, int) or chunk_len < 1:
             raise ValueError(f"kvm chunk_len must be a positive integer, got {chunk_len!r}")
@@ -108,6 +114,8 @@ class KVMAttention(Mixer):
         if not isinstance(checkpoint_chunks, int) or isinstance(checkpoint_chunks, bool) or checkpoint_chunks < 0:
             raise ValueError(f"kvm checkpoint_chunks must be an integer >= 0 (0: no recomputation), "
                              f"got {checkpoint_chunks!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"kvm backend must be one of {list(BACKENDS)}, got {backend!r}")
         if memory_keys not in MEMORY_KEYS:
             raise ValueError(f"kvm memory_keys must be one of {list(MEMORY_KEYS)} ('zero_rotary': paper eq. 1; "
                              f"'pre_rope': for models whose RoPE rotates every channel), got {memory_keys!r}")
@@ -133,8 +141,8 @@ class KVMAttention(Mixer):
         self.schedule = FixedSchedule(chunk_len) if schedule is None else build_schedule(schedule)
         self.chunk_len, self.n_bswa_chunks, self.sink_len = chunk_len, n_bswa_chunks, sink_len
         self.value_norm, self.protect_sinks, self.gate_appends = value_norm, protect_sinks, gate_appends
-        self.routing, self.eps, self.use_reference, self.layer_idx = routing, eps, use_reference, layer_idx
-        self.checkpoint_chunks = checkpoint_chunks
+        self.routing, self.eps, self.layer_idx = routing, eps, layer_idx
+        self.checkpoint_chunks, self.backend = checkpoint_chunks, backend
 
     @property
     def rotary_dim(self) -> int:
@@ -168,31 +176,56 @@ class KVMAttention(Mixer):
 
     def forward(self, x: torch.Tensor, state: KVMState | None = None, shared: dict | None = None
                 ) -> tuple[torch.Tensor, KVMState]:
-        """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given (any ``T >= 1``)."""
+        """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given (any ``T >= 1``): the decode
+        step (:func:`mixerzoo_kvm.recurrent.kvm_step`) for one token, else the parallel form ``backend`` names."""
         B, T, _ = x.shape
-        packed = not self.use_reference and T > 1
-        # the packed path finishes the queries (norm, RoPE) inside each recomputed group of query chunks, so autograd
-        # keeps their projection only
-        # (and, when its groups are recomputed, recomputes the keys' projection and norm in backward: the keys are
-        # copied into the padded grid the groups read, so keeping the projection for the norm's backward too would
-        # hold them twice)
-        q, k, v, _, shift = self.qkv.stream(x, state, shared, finish_queries=not packed,
-                                            recompute_keys=packed and self.checkpoint_chunks > 0)
+        form = "step" if T == 1 else self.parallel_form(x)
+        lean = form == "cpu_lean" and records_grad((x, *self.parameters())) and not self.qkv.token_shift \
+            and not (self.qkv.value_residual and shared is not None)
+        if lean:
+            q, k, v, shift = self._lean_projections(x, state)
+        else:
+            q, k, v, _, shift = self.qkv.stream(x, state, shared)
         g = merge_gate(x, self.gate_proj)
         if state is None:
             state = KVMState.empty(k, with_count=self.value_norm == "mean", with_gate=g is not None)
-        if packed:  # the output projection too runs inside each recomputed group
-            y, new_state = kvm_packed(self.spec, self.params, q, k, v, g, state, finish_q=self.qkv.finish_queries,
-                                      out_proj=self.o_proj)
+        if form == "cpu_lean":  # the output projection (and, lean, the queries' norm and RoPE) inside its groups
+            y, new_state = kvm_packed(self.spec, self.params, q, k, v, g, state, out_proj=self.o_proj,
+                                      finish_q=self.qkv.finish_queries if lean else None)
         else:
-            impl = kvm_chunk_loop if self.use_reference else kvm_step
-            o, new_state = impl(self.spec, self.params, q, k, v, g, state)
+            o, new_state = (kvm_step if T == 1 else kvm_chunk)(self.spec, self.params, q, k, v, g, state)
             y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         new_state.shift = shift
         return y, new_state
+
+    def _lean_projections(self, x: torch.Tensor, state: KVMState | None) -> tuple:
+        """q, k, v for CPU-lean training (no token shift, no value residual): ``q (B, H_q, T, D)`` as projected,
+        before its norm and RoPE, which the CPU-lean form applies inside each recomputed group of query chunks (so
+        autograd keeps the projection only), and the keys' projection, norm and RoPE recomputed in backward from
+        ``x`` (the form copies the keys into buffers of its own, so autograd need not also keep the projection
+        for the norm's backward). Same values as :meth:`mixerzoo.mixers.QKVProjection.stream`."""
+        qkv, (B, T, _) = self.qkv, x.shape
+        p0 = 0 if state is None else state.next_pos
+        positions = torch.arange(p0, p0 + T, device=x.device)
+
+        def keys(t: torch.Tensor) -> torch.Tensor:
+            k = qkv.k_proj(t).view(B, T, qkv.n_kv_heads, qkv.head_dim).transpose(1, 2)
+            return qkv.pos.apply(qkv.k_norm(k), positions)
+
+        q = qkv.q_proj(x).view(B, T, qkv.n_heads, qkv.head_dim).transpose(1, 2)
+        k = recomputed_in_backward(keys, x, also=(*qkv.k_proj.parameters(), *qkv.k_norm.parameters()))
+        v = qkv.v_proj(x).view(B, T, qkv.n_kv_heads, qkv.head_dim).transpose(1, 2)
+        return q, k, v, None
+
+    def parallel_form(self, x: torch.Tensor) -> str:
+        """``chunk`` or ``cpu_lean``: the form ``backend`` picks for input ``x`` (``auto``: ``cpu_lean`` when
+        training on a CPU, where it was measured faster, ``chunk`` otherwise)."""
+        if self.backend != "auto":
+            return self.backend
+        return "cpu_lean" if x.device.type == "cpu" and records_grad((x, *self.parameters())) else "chunk"
 
     def extra_repr(self) -> str:
         return (f"chunk_len={self.chunk_len}, n_bswa_chunks={self.n_bswa_chunks}, sink_len={self.sink_len}, "
                 f"schedule={self.schedule!r}, value_norm={self.value_norm}, protect_sinks={self.protect_sinks}, "
                 f"gate_appends={self.gate_appends}, routing={self.routing}, memory_keys={self.memory_keys}, "
-                f"learned_temperatures={self.learned_temperatures}")
+                f"learned_temperatures={self.learned_temperatures}, backend={self.backend}")

@@ -1,4 +1,5 @@
-"""The pieces of KVM math shared by the reference loop and the fast path (paper section 4).
+"""The pieces of KVM math shared by the parallel form (``chunk``) and the decode step (``recurrent``) (paper
+section 4).
 
 Notation (single layer): ``B`` batch, ``H`` key/value heads, ``C`` chunk_len, ``D`` head_dim, ``m`` state
 rows, ``r`` rotary channels. Every function is written for all heads at once; ``(B, H, ...)`` leads.
@@ -10,14 +11,13 @@ rows, ``r`` rotary channels. Every function is written for all heads at once; ``
 - :func:`read_values`   readout of the value state (JIT norm to the stored radius, or the mean ablation).
 - :func:`state_budget`  ``M* = max(m, min(B(e), m + |Omega|))`` (section 4, "Merge", last paragraph).
 - :func:`route_overflow` the append / merge decisions of one overflow block (no gradient).
-- :func:`fold`          one overflow block folded into the state (initialise / append / merge), used by the
-  reference loop, the packed path's decode step and nothing else.
 - :func:`keep_from`     the window positions a state must keep.
 - :func:`accum_dtype`, :func:`layer_norm_s`, :func:`matmul_acc` the dtype the state is kept, normalised and routed
   in (fp32, float64 kept float64), and ``LN_s`` and the state's matmuls in it.
 
 Every function takes tensors plus a frozen :class:`KVMSpec` (and :class:`KVMParams`), never the layer object,
-so ``reference.py`` and ``packed.py`` depend on this module and ``state.py`` only.
+so ``chunk.py`` and ``recurrent.py`` depend on this module and ``state.py`` only; ``naive.py`` does not use it
+(it states the same equations again, so a mistake here fails the equivalence tests).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from mixerzoo.ops import max_last
 from mixerzoo.decisions import decision
 
 __all__ = ["KVMSpec", "KVMParams", "accum_dtype", "matmul_acc", "layer_norm_s", "memory_keys", "memory_queries", "joint_queries",
-           "joint_keys", "merge_gate", "read_values", "state_budget", "Routing", "route_overflow", "fold", "keep_from"]
+           "joint_keys", "merge_gate", "read_values", "state_budget", "Routing", "route_overflow", "keep_from"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,59 +309,3 @@ def keep_from(next_pos: int, chunk_len: int, n_bswa_chunks: int) -> int:
     """
     next_chunk = -(-next_pos // chunk_len)  # the next chunk whose start is still to come
     return max((next_chunk - n_bswa_chunks) * chunk_len, 0)
-
-
-def fold(spec: KVMSpec, params: KVMParams, s_k: torch.Tensor, s_v: torch.Tensor, rho: torch.Tensor,
-                   count: torch.Tensor | None, k_o: torch.Tensor, v_o: torch.Tensor, g_o: torch.Tensor | None,
-                   tokens_seen: int):
-    """Fold one overflow block ``Omega`` (one chunk) into the state (section 4, "KVM Recurrence").
-
-    Args:
-        spec: the layer's options; params: its ``LN_s`` (and temperatures, unused here).
-        s_k, s_v: stored sums ``(B, H, m, D)``; rho, count: ``(B, H, m)``.
-        k_o, v_o: the block's keys (after q/k norm and RoPE) and values ``(B, H, C, D)``.
-        g_o: the block's merge gates ``(B, H, C)`` or None (gate off).
-        tokens_seen: context length ``e`` at the fold, for the budget ``B(e)``.
-
-    Returns:
-        new ``(s_k, s_v, rho, count)`` with ``m' >= m`` rows, in :func:`accum_dtype` (fp32, float64 kept).
-    """
-    start = tokens_seen - spec.n_bswa_chunks * spec.chunk_len  # the block's first position
-    kbar = memory_keys(k_o, spec.rotary_dim, params.ln_s, torch.arange(start, start + k_o.shape[2], device=k_o.device),
-                       spec.unrotate)
-    m = s_k.shape[2]
-    dtype = accum_dtype(s_k, kbar)  # the state's sums (fp32, float64 kept)
-    v_o = v_o.to(dtype)
-    if m == 0:  # the first chunk becomes the state: s_k = k_bar, s_v = v, rho = ||v|| (ungated)
-        ones = torch.ones(kbar.shape[:3], dtype=dtype, device=kbar.device)
-        return kbar.to(dtype), v_o, v_o.norm(dim=-1), ones if count is not None else None
-    s_k, s_v, rho = s_k.to(dtype), s_v.to(dtype), rho.to(dtype)
-    count = None if count is None else count.to(dtype)
-    n_append = state_budget(m, spec.schedule, tokens_seen, spec.chunk_len) - m
-    kbar = kbar.to(dtype)
-    gk = kbar if g_o is None else (g_o[..., None] * kbar).to(dtype)  # eq. (3)
-    gv = v_o if g_o is None else (g_o[..., None] * v_o).to(dtype)  # eq. (4)
-    rows_k, rows_v = (gk, gv) if spec.gate_appends else (kbar, v_o)
-    route = route_overflow(layer_norm_s(params.ln_s, s_k), kbar, rows_k, n_append, params.ln_s, spec.n_protected,
-                           soft=spec.routing == "soft")
-
-    # Append: the least redundant tokens become new rows; their radius is fixed now.
-    def take(t: torch.Tensor) -> torch.Tensor:
-        idx = route.append_idx
-        return torch.gather(t, 2, idx[..., None].expand(-1, -1, -1, t.shape[-1]) if t.dim() == 4 else idx)
-
-    s_k = torch.cat([s_k, take(rows_k)], dim=2)
-    s_v = torch.cat([s_v, take(rows_v)], dim=2)
-    rho = torch.cat([rho, take(v_o).norm(dim=-1)], dim=2)
-    if count is not None:
-        count = torch.cat([count, torch.ones_like(route.append_idx, dtype=count.dtype)], dim=2)
-
-    # Merge: "scores" (B, H, C, m') is one-hot at each merged token's target (or its soft weights);
-    # appended tokens are not merged again.
-    m_grown = s_k.shape[2]
-    scores = route.weights(m_grown, dtype) * (~route.appended)[..., None]
-    s_k = s_k + matmul_acc(scores.transpose(-1, -2), gk)
-    s_v = s_v + matmul_acc(scores.transpose(-1, -2), gv)
-    if count is not None:
-        count = count + scores.sum(dim=2, dtype=dtype)
-    return s_k, s_v, rho, count

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from mixerzoo.ops import flat_rows
 
 from .lean_attention import ChunkRows, detached_leaves, grads_to_leaves
-from .ops import accum_dtype, read_values
+from ...ops import accum_dtype, read_values
 from .refold import refold_reference
 
 __all__ = ["IncrementalRows"]

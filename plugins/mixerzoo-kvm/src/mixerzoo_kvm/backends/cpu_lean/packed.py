@@ -40,12 +40,12 @@ from mixerzoo.ops import records_grad
 
 from .incremental_rows import IncrementalRows
 from .lean_attention import memory_window_attention, shared_mask
-from .ops import (KVMParams, KVMSpec, Routing, accum_dtype, fold, joint_keys, joint_queries, keep_from,
+from ...ops import (KVMParams, KVMSpec, Routing, accum_dtype, joint_keys, joint_queries, keep_from,
                   layer_norm_s, matmul_acc, memory_keys, read_values, route_overflow, state_budget)
 from .refold import refold
-from .state import KVMState
+from ...state import KVMState
 
-__all__ = ["kvm_packed", "kvm_step", "LONG_CALL_CHUNKS"]
+__all__ = ["kvm_packed", "LONG_CALL_CHUNKS"]
 
 LONG_CALL_CHUNKS = 64
 """A call of ``n`` query chunks reads them in groups of up to ``checkpoint_chunks x max(1, n // LONG_CALL_CHUNKS)``
@@ -211,7 +211,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
                out_proj: Callable | None = None) -> tuple[torch.Tensor, KVMState]:
     """KVM attention over new tokens: the routing of every fold first, then query chunks group by group (each
     group's snapshots, memory rows and one attention call; recomputed in backward with ``checkpoint_chunks``).
-    Same contract as :func:`mixerzoo_kvm.reference.kvm_chunk_loop` (which it equals to fp32 rounding).
+    Same contract as :func:`mixerzoo_kvm.chunk.kvm_chunk` (both equal :mod:`mixerzoo_kvm.naive` to fp32 rounding).
 
     Args:
         spec, params: the layer's options and learned pieces (``KVMAttention.spec`` / ``.params``).
@@ -548,39 +548,3 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
                          win_v=V[:, :, keep:].clone(), win_g=None if Gt is None else Gt[:, :, keep:].clone(),
                          next_pos=p1)
     return o, new_state
-
-
-def kvm_step(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             g: torch.Tensor | None, state: KVMState) -> tuple[torch.Tensor, KVMState]:
-    """One decoding step (``T = 1``), with as few tensor operations as possible.
-
-    A single query sees every state row and every window token, so no mask is needed; when the token starts
-    a chunk, the chunk leaving the window is first folded with :func:`mixerzoo_kvm.ops.fold`.
-    Same contract as :func:`kvm_packed` (``q (B, H_q, 1, D)``, ``k, v (B, H, 1, D)``, ``g (B, H, 1)``).
-    """
-    C, nb = spec.chunk_len, spec.n_bswa_chunks
-    B, Hq, _, D = q.shape
-    H = k.shape[1]
-    p0 = state.next_pos
-    K = torch.cat([state.win_k.to(k.dtype), k], dim=2)
-    V = torch.cat([state.win_v.to(v.dtype), v], dim=2)
-    Gt = None if g is None else torch.cat([state.win_g.to(g.dtype), g], dim=2)
-    kpos0 = p0 - state.win_k.shape[2]
-    s_k, s_v, rho, count = state.s_k, state.s_v, state.rho, state.count
-    c = p0 // C
-    if p0 == c * C and c >= nb:  # this token starts chunk c: chunk c - nb leaves the window
-        lo = (c - nb) * C - kpos0
-        s_k, s_v, rho, count = fold(spec, params, s_k, s_v, rho, count, K[:, :, lo:lo + C], V[:, :, lo:lo + C],
-                                              None if Gt is None else Gt[:, :, lo:lo + C], p0)
-    w0 = max((c - nb + 1) * C, 0) - kpos0
-    q = joint_queries(q, torch.tensor([p0], device=q.device), spec.unrotate)
-    keys = joint_keys(layer_norm_s(params.ln_s, s_k) * params.tau_state[None, :, None, None],
-                      [K[:, :, w0:] * params.tau_bswa[None, :, None, None]], spec.unrotate is not None, dim=2)
-    values = torch.cat([read_values(s_v, rho, count, spec.value_norm, spec.eps), V[:, :, w0:]], dim=2)
-    # the state's rows (fp32 sums) meet the queries in the queries' dtype (the output's)
-    o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, q.shape[-1]), keys.to(q.dtype), values.to(q.dtype),
-                                       scale=D ** -0.5)  # G query heads as G queries
-    keep = keep_from(p0 + 1, C, nb) - kpos0
-    return o.reshape(B, Hq, 1, D), KVMState(s_k=s_k, s_v=s_v, rho=rho, count=count, win_k=K[:, :, keep:],
-                                            win_v=V[:, :, keep:], win_g=None if Gt is None else Gt[:, :, keep:],
-                                            next_pos=p0 + 1)

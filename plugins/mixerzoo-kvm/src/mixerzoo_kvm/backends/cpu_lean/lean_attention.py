@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .ops import accum_dtype, joint_keys
+from ...ops import accum_dtype, joint_keys
 
 __all__ = ["memory_window_attention", "memory_window_attention_reference", "ChunkRows", "stacked_rows",
            "shared_mask", "additive_mask"]

@@ -1,0 +1,311 @@
+"""KVM's parallel form for training and prefill, as the paper's appendix A describes it (the note after the
+pseudocode): the state recurrence first produces every query chunk's snapshot of the state, then one masked
+attention over ``[snapshot rows ; block sliding window]`` reads all query chunks at once.
+
+Steps of :func:`kvm_chunk` (section numbers are the paper's, "Key-Value Means", section 4):
+
+1. :func:`route_folds` (no gradient, a loop over the folds of this call): the append / merge decisions of every
+   overflow block ("Append", "Merge"), with the budget ``M*`` ("Merge", last paragraph).
+2. :func:`fold_additions`: what each overflow token adds to its row, the gated memory key and value (eqs. 3, 4;
+   appended and initialising tokens ungated).
+3. :func:`snapshots`: every fold's additions scattered into its rows at once, a running sum over the folds, so
+   snapshot ``f`` is the state after ``f`` folds (the merge update ``s_new = s_+ + sum_j g_j k_bar_j``; an
+   appended row is an empty row its token is added to).
+4. :func:`memory_rows`: the readout of each snapshot ("Readout": ``tau_state LN_s(s_k)`` and
+   ``rho s_v / max(||s_v||, eps)``).
+5. :func:`attend`: ``y_u = softmax(q_u K^A / sqrt(d_h) + M_u) V^A`` for every query chunk in one
+   ``scaled_dot_product_attention`` call, batched over batch, heads and chunks, the mask ``M`` leaving a
+   snapshot's rows visible and the window causal.
+
+Query chunks are taken in groups (:func:`chunk_groups`) only to bound memory: every chunk of a group reads
+its snapshot padded to the group's largest state, and in training each group runs under
+``torch.utils.checkpoint``, so autograd keeps the state entering each group, not its snapshots, rows or
+key lists. The routing is decided once, outside the recomputed groups.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from mixerzoo.ops import flat_rows, records_grad
+
+from .ops import (KVMParams, KVMSpec, Routing, accum_dtype, joint_keys, joint_queries, keep_from, layer_norm_s,
+                  matmul_acc, memory_keys, read_values, route_overflow, state_budget)
+from .state import KVMState
+
+__all__ = ["kvm_chunk", "route_folds", "fold_additions", "snapshots", "memory_rows", "window_blocks", "attend",
+           "chunk_groups"]
+
+
+@torch.no_grad()
+def route_folds(spec: KVMSpec, params: KVMParams, s_k0: torch.Tensor, kbar: torch.Tensor, g: torch.Tensor | None,
+                sizes: list[int]) -> list[Routing]:
+    """The append / merge decisions of ``F`` consecutive overflow blocks (section 4, "Append" and "Merge").
+
+    The first fold of a sequence (``sizes[f] == 0``) initialises the state: token ``i`` becomes row ``i``.
+    Later folds append the ``sizes[f + 1] - sizes[f]`` least redundant tokens and merge the rest
+    (:func:`mixerzoo_kvm.ops.route_overflow`), against the stored key sums as they stand after the folds
+    before (tracked here without gradient).
+
+    Args:
+        s_k0: stored key sums entering the call ``(B, H, m, D)``.
+        kbar: memory keys of the overflow blocks ``(B, H, F, C, D)`` (eq. 1).
+        g: their merge gates ``(B, H, F, C)`` (eq. 2) or None.
+        sizes: ``F + 1`` state sizes, before each fold and after the last.
+    """
+    B, H, n_folds, C, D = kbar.shape
+    kbar = kbar.to(accum_dtype(kbar, s_k0))
+    s_k = kbar.new_zeros(B, H, sizes[-1], D)
+    s_k[:, :, :sizes[0]] = s_k0
+    routes = []
+    for f in range(n_folds):
+        m, m_new = sizes[f], sizes[f + 1]
+        kb = kbar[:, :, f]
+        if m == 0:
+            idx = torch.arange(C, device=kb.device).expand(B, H, C)
+            route = Routing(append_idx=idx, appended=torch.ones(B, H, C, dtype=torch.bool, device=kb.device),
+                            target=idx)
+        else:
+            gk = kb if g is None else g[:, :, f, :, None].to(kb.dtype) * kb
+            route = route_overflow(layer_norm_s(params.ln_s, s_k[:, :, :m]), kb, gk if spec.gate_appends else kb,
+                                   m_new - m, params.ln_s, spec.n_protected, soft=spec.routing == "soft")
+        x_k = fold_additions(spec, kb, kb, None if g is None else g[:, :, f], route, initial=m == 0)[0]
+        if route.probs is None:
+            s_k.view(-1, D).index_add_(0, flat_rows(route.target, sizes[-1]), x_k.reshape(-1, D))
+        else:
+            s_k[:, :, :m_new] += matmul_acc(route.probs.transpose(-1, -2), x_k)
+        routes.append(route)
+    return routes
+
+
+def fold_additions(spec: KVMSpec, kbar: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, route: Routing,
+                   initial: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each token of one overflow block adds to the row it goes to: ``(g_j k_bar_j, g_j v_j)`` (eqs. 3, 4)
+    for merged tokens; ``(k_bar_j, v_j)`` for appended tokens (section 4, "Append": not gated unless
+    ``gate_appends``) and for the block that initialises the state (never gated).
+
+    Shapes: ``kbar, v (..., C, D)``, ``g (..., C)`` or None -> two ``(..., C, D)`` in ``kbar``'s dtype.
+    """
+    dtype = kbar.dtype
+    v = v.to(dtype)
+    if g is None or initial:
+        return kbar, v
+    w = g.to(dtype) if spec.gate_appends else torch.where(route.appended, torch.ones_like(g, dtype=dtype),
+                                                            g.to(dtype))
+    return w[..., None] * kbar, w[..., None] * v
+
+
+def snapshots(s0: torch.Tensor, x: torch.Tensor, routes: list[Routing], grown: list[int], R: int
+              ) -> torch.Tensor:
+    """The state after each of ``F`` folds, ``(B, H, F + 1, R, D)``: snapshot 0 is ``s0 (B, H, m, D)`` and
+    snapshot ``f + 1`` adds fold ``f``'s additions ``x[:, :, f] (B, H, C, D)`` to their rows (section 4,
+    "Merge": ``s_new,i = s_+,i + sum_{j: pi(j) = i} x_j``; an appended token's row starts empty, so it holds the
+    token itself). All folds are scattered in one ``index_add`` (or, for soft routing, one batched matmul of the
+    routing weights) and summed over folds with one ``cumsum``; rows past a snapshot's size are zero.
+    ``grown[f]``: the state's rows after fold ``f`` (``R`` the largest)."""
+    B, H, n_folds, C, D = x.shape
+    s0 = F.pad(s0.to(x.dtype), (0, 0, 0, R - s0.shape[2]))
+    if n_folds == 0:
+        return s0[:, :, None]
+    if routes[0].probs is None:  # winner-take-all: each token adds to one row
+        target = torch.stack([r.target for r in routes], dim=2)  # (B, H, F, C)
+        base = torch.arange(B * H * n_folds, device=x.device).view(B, H, n_folds, 1) * R
+        added = x.new_zeros(B * H * n_folds * R, D).index_add(0, (target + base).reshape(-1), x.reshape(-1, D))
+        added = added.view(B, H, n_folds, R, D)
+    else:
+        w = torch.stack([F.pad(r.weights(m, x.dtype), (0, R - m)) for r, m in zip(routes, grown)], dim=2)
+        added = matmul_acc(w.transpose(-1, -2), x)  # soft routing (an ablation): (B, H, F, R, D)
+    return torch.cat([s0[:, :, None], s0[:, :, None] + added.cumsum(dim=2)], dim=2)
+
+
+def memory_rows(spec: KVMSpec, params: KVMParams, snap_k: torch.Tensor, snap_v: torch.Tensor, rho: torch.Tensor,
+                count: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The readout of state snapshots (section 4, "Readout"): keys ``tau_state LN_s(s_k)``, values
+    ``rho s_v / max(||s_v||, eps)`` (or ``s_v / count`` for ``value_norm: mean``), in the state's dtype.
+
+    Shapes: ``snap_k, snap_v (B, H, n, R, D)``, ``rho (B, H, R)``, ``count (B, H, n, R)`` or None.
+    """
+    keys = layer_norm_s(params.ln_s, snap_k) * params.tau_state[None, :, None, None, None].to(snap_k.dtype)
+    values = read_values(snap_v, rho[:, :, None].expand(-1, -1, snap_v.shape[2], -1), count, spec.value_norm,
+                         spec.eps)
+    return keys, values
+
+
+def window_blocks(grid: torch.Tensor, n: int, nb: int) -> torch.Tensor:
+    """The block sliding window of each of ``n`` query chunks, ``(B, H, n, nb C, D)``, from a chunk-aligned grid
+    ``(B, H, (n + nb - 1) C, D)`` whose chunk ``j + nb - 1`` is query chunk ``j``: the previous ``nb - 1`` chunks
+    and the chunk itself (section 4, "Preliminaries": ``[b, e)`` with ``b = e - L``)."""
+    B, H, _, D = grid.shape
+    blocks = grid.view(B, H, n + nb - 1, -1, D)
+    return torch.cat([blocks[:, :, i:i + n] for i in range(nb)], dim=3) if nb > 1 else blocks
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+           ) -> torch.Tensor:
+    """``y_u = softmax(q_u (K^A)^T scale + M_u) V^A`` (section 4, "Readout") for every query chunk at once.
+
+    Shapes: ``q (N, n, Lq, E)``, ``keys (N, n, R + L, E)``, ``values (N, n, R + L, D)``, ``mask (n, Lq, R + L)``
+    bool (True: visible) -> ``(N, n, Lq, D)``; ``N`` is batch x key/value heads, ``n`` query chunks.
+    """
+    # a 4-D mask: PyTorch's CPU flash kernel takes it (a 3-D one sends SDPA to the unfused math path)
+    return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[None],
+                                          scale=scale)
+
+
+def chunk_groups(rows: list[int], max_chunks: int, growth: float = 1.25) -> list[tuple[int, int]]:
+    """Consecutive query chunks in groups of at most ``max_chunks`` whose state sizes stay within ``growth`` x
+    the group's first (a state only grows), so padding each snapshot to the group's largest wastes little."""
+    groups, start = [], 0
+    for i in range(1, len(rows)):
+        if rows[i] > growth * rows[start] or i - start >= max_chunks:
+            groups.append((start, i))
+            start = i
+    groups.append((start, len(rows)))
+    return groups
+
+
+def _on_grid(t: torch.Tensor, start: int, lo: int, hi: int) -> torch.Tensor:
+    """Positions ``[lo, hi)`` of ``t (B, H, n, ...)`` whose first row is position ``start``, zero rows outside."""
+    a, b = lo - start, hi - start
+    n = t.shape[2]
+    piece = t[:, :, max(a, 0):min(b, n)]
+    if a >= 0 and b <= n:
+        return piece
+    pad = [0, 0] * (t.dim() - 3) + [max(-a, 0), max(b - n, 0)]
+    return F.pad(piece, pad)
+
+
+def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              g: torch.Tensor | None, state: KVMState) -> tuple[torch.Tensor, KVMState]:
+    """KVM attention over ``T >= 1`` new tokens continuing ``state`` (section 4 with appendix A's single masked
+    attention).
+
+    Args:
+        spec, params: the layer's options and learned pieces (``KVMAttention.spec`` / ``.params``).
+        q: queries ``(B, H_q, T, D)``; k, v: ``(B, H, T, D)``, after q/k norm and RoPE; g: merge gates
+            ``(B, H, T)`` (eq. 2) or None.
+        state: the state before these tokens (:meth:`KVMState.empty` at sequence start).
+
+    Returns:
+        ``o (B, H_q, T, D)`` (before the output projection) and the new state (``shift`` left to the caller).
+
+    Raises:
+        ValueError: the state's window does not hold the chunk that must be folded next.
+    """
+    C, nb = spec.chunk_len, spec.n_bswa_chunks
+    B, Hq, T, D = q.shape
+    H = k.shape[1]
+    G = Hq // H
+    dev = q.device
+    p0, p1 = state.next_pos, state.next_pos + T
+    kpos0 = p0 - state.win_k.shape[2]  # absolute position of the first window token the state holds
+    K = torch.cat([state.win_k.to(k.dtype), k], dim=2)
+    V = torch.cat([state.win_v.to(v.dtype), v], dim=2)
+    Gt = None if g is None else torch.cat([state.win_g.to(g.dtype), g], dim=2)
+    cq0, cq1 = p0 // C, (p1 - 1) // C  # first and last query chunk
+    n_q = cq1 - cq0 + 1
+
+    # 1. folds: chunk c >= nb starting inside [p0, p1) folds chunk c - nb first; the budget of each fold
+    cf0 = max(nb, -(-p0 // C))
+    n_folds = max(cq1 - cf0 + 1, 0)
+    sizes = [state.n_rows]
+    for f in range(n_folds):
+        sizes.append(state_budget(sizes[-1], spec.schedule, (cf0 + f) * C, C))
+    lo = (cf0 - nb) * C - kpos0
+    if n_folds and lo < 0:
+        raise ValueError(f"KVM state window starts at position {kpos0} but the chunk leaving the window starts at "
+                         f"{(cf0 - nb) * C}; was the state made by a layer with another chunk_len/n_bswa_chunks?")
+    fold_k = K[:, :, lo:lo + n_folds * C] if n_folds else K[:, :, :0]
+    fold_v = V[:, :, lo:lo + n_folds * C] if n_folds else V[:, :, :0]
+    fold_g = None if Gt is None else (Gt[:, :, lo:lo + n_folds * C] if n_folds else Gt[:, :, :0])
+    fold_pos = torch.arange((cf0 - nb) * C, (cf0 - nb + n_folds) * C, device=dev)
+    with torch.no_grad():
+        kbar = memory_keys(fold_k, spec.rotary_dim, params.ln_s, fold_pos, spec.unrotate)
+        routes = route_folds(spec, params, state.s_k, kbar.view(B, H, n_folds, C, D),
+                             None if fold_g is None else fold_g.view(B, H, n_folds, C), sizes)
+        del kbar
+    # query chunk j reads the state after the folds of chunks cq0 .. cq0 + j
+    reads = [min(max(cq0 + j - cf0 + 1, 0), n_folds) for j in range(n_q)]
+    rows = [sizes[e] for e in reads]
+    count_all = None
+    if state.count is not None:  # value_norm: mean: tokens summed into each row after each fold (no gradient)
+        with torch.no_grad():
+            per_fold = [F.pad(r.weights(sizes[f + 1], state.count.dtype).sum(dim=2), (0, sizes[-1] - sizes[f + 1]))
+                        for f, r in enumerate(routes)]
+            c0 = F.pad(state.count, (0, sizes[-1] - sizes[0]))[:, :, None]
+            count_all = torch.cat([c0, c0 + torch.stack(per_fold, dim=2).cumsum(dim=2)], 2) if routes else c0
+
+    # the windows and queries on a chunk-aligned grid of positions: zeros before the first key and after the last
+    gs, ge = (cq0 - nb + 1) * C, (cq1 + 1) * C
+    grid_k, grid_v = _on_grid(K, kpos0, gs, ge), _on_grid(V, kpos0, gs, ge)
+    q_all = joint_queries(q, torch.arange(p0, p1, device=dev), spec.unrotate)
+    E = q_all.shape[-1]
+    q_grid = _on_grid(q_all, p0, cq0 * C, ge)  # (B, H_q, n_q C, E)
+    q_pos = torch.arange(cq0 * C, ge, device=dev).view(n_q, C)
+    k_pos = torch.arange(gs, ge, device=dev).unfold(0, nb * C, C)  # (n_q, L)
+    win_visible = ((k_pos[:, None, :] <= q_pos[:, :, None]) & ((k_pos >= max(kpos0, 0)) & (k_pos < p1))[:, None])
+    tau_w = params.tau_bswa[None, :, None, None, None]
+    pre_rope = spec.unrotate is not None
+
+    def group(a: int, b: int, q_g, wk, wv, fk, fv, fg, s_k, s_v, rho):
+        """Query chunks ``a .. b-1``: their snapshots from the state entering them and their folds, then one
+        attention call. Returns their reads ``(B, H_q, (b - a) C, D)`` and the state after their folds."""
+        n, f0, f1 = b - a, reads[a - 1] if a else 0, reads[b - 1]  # the group's folds: f0 .. f1 - 1
+        nf, R = f1 - f0, rows[b - 1]
+        fold_routes = routes[f0:f1]
+        if nf:
+            kb = memory_keys(fk, spec.rotary_dim, params.ln_s, fold_pos[f0 * C:f1 * C], spec.unrotate)
+            adds = [fold_additions(spec, kb[:, :, i * C:(i + 1) * C], fv[:, :, i * C:(i + 1) * C],
+                                   None if fg is None else fg[:, :, i * C:(i + 1) * C], r, sizes[f0 + i] == 0)
+                    for i, r in enumerate(fold_routes)]
+            x_k, x_v = (torch.stack(t, dim=2) for t in zip(*adds))
+        else:
+            x_k = x_v = s_k.new_zeros(B, H, 0, C, D)
+        grown = sizes[f0 + 1:f1 + 1]
+        snap_k, snap_v = snapshots(s_k, x_k, fold_routes, grown, R), snapshots(s_v, x_v, fold_routes, grown, R)
+        rho = torch.cat([rho.to(x_v.dtype)] + [torch.gather(fv[:, :, i * C:(i + 1) * C].to(x_v.dtype).norm(dim=-1),
+                                                            2, r.append_idx) for i, r in enumerate(fold_routes)],
+                        dim=2)
+        idx = torch.tensor([reads[j] - f0 for j in range(a, b)], device=dev)
+        cnt = None if count_all is None else count_all[:, :, f0 + idx, :R]
+        mem_k, mem_v = memory_rows(spec, params, snap_k.index_select(2, idx), snap_v.index_select(2, idx), rho,
+                                   cnt)
+        win_k = window_blocks(wk, n, nb) * tau_w.to(wk.dtype)
+        keys = joint_keys(mem_k.to(q_g.dtype), [win_k.to(q_g.dtype)], pre_rope, dim=3)
+        values = torch.cat([mem_v.to(q_g.dtype), window_blocks(wv, n, nb).to(q_g.dtype)], dim=3)
+        # (B H, n, G C, E): the G query heads of a key/value head stacked along the query axis
+        qq = q_g.reshape(B, H, G, n, C, E).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n, G * C, E)
+        mem_visible = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
+        mask = torch.cat([mem_visible[:, None, :].expand(-1, C, -1), win_visible[a:b]], dim=2)
+        mask = mask.repeat(1, G, 1) if G > 1 else mask
+        o = attend(qq, keys.reshape(B * H, n, -1, E), values.reshape(B * H, n, -1, D), mask, D ** -0.5)
+        o = o.view(B, H, n, G, C, D).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * C, D)
+        return o, snap_k[:, :, -1], snap_v[:, :, -1], rho
+
+    recompute = spec.checkpoint_chunks > 0 and records_grad((q, k, v, state.s_k, state.s_v))
+    # longer calls, longer groups: each group keeps one state for backward
+    max_chunks = spec.checkpoint_chunks * max(1, n_q // 64) if recompute else 64
+    acc = accum_dtype(state.s_k, k)
+    s_k, s_v, rho = state.s_k.to(acc), state.s_v.to(acc), state.rho.to(acc)
+    outs = []
+    for a, b in chunk_groups(rows, max_chunks):
+        f0, f1 = reads[a - 1] if a else 0, reads[b - 1]
+        fs = slice(f0 * C, f1 * C)
+        args = (q_grid[:, :, a * C:b * C], grid_k[:, :, a * C:(b + nb - 1) * C], grid_v[:, :, a * C:(b + nb - 1) * C],
+                fold_k[:, :, fs], fold_v[:, :, fs], None if fold_g is None else fold_g[:, :, fs], s_k, s_v, rho)
+        if recompute:
+            o, s_k, s_v, rho = torch.utils.checkpoint.checkpoint(group, a, b, *args, use_reentrant=False)
+        else:
+            o, s_k, s_v, rho = group(a, b, *args)
+        outs.append(o)
+    o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    o = o[:, :, p0 - cq0 * C:p1 - cq0 * C]
+
+    keep = keep_from(p1, C, nb) - kpos0
+    count = None if count_all is None else count_all[:, :, -1].clone()
+    new_state = KVMState(s_k=s_k.clone(), s_v=s_v.clone(), rho=rho, count=count, win_k=K[:, :, keep:].clone(),
+                         win_v=V[:, :, keep:].clone(), win_g=None if Gt is None else Gt[:, :, keep:].clone(),
+                         next_pos=p1)
+    return o, new_state
