@@ -217,8 +217,13 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
     if n_folds and lo < 0:
         raise ValueError(f"KVM state window starts at position {kpos0} but the chunk leaving the window starts at "
                          f"{(cf0 - nb) * C}; was the state made by a layer with another chunk_len/n_bswa_chunks?")
-    fold_k = K[:, :, lo:lo + n_folds * C] if n_folds else K[:, :, :0]
-    fold_v = V[:, :, lo:lo + n_folds * C] if n_folds else V[:, :, :0]
+    # keys and values on a chunk-aligned grid of positions [gs, ge), zeros before the first key and after the last:
+    # grid chunk j is position chunk cq0 - nb + j, so query chunk j's window is grid chunks j + 1 .. j + nb and the
+    # block it folds is grid chunk j (one copy serves both; autograd keeps no second one)
+    gs, ge = (cq0 - nb) * C, (cq1 + 1) * C
+    grid_k, grid_v = _on_grid(K, kpos0, gs, ge), _on_grid(V, kpos0, gs, ge)
+    g0 = (cf0 - cq0) * C  # grid offset of the first fold's block
+    fold_k, fold_v = grid_k[:, :, g0:g0 + n_folds * C], grid_v[:, :, g0:g0 + n_folds * C]
     fold_g = None if Gt is None else (Gt[:, :, lo:lo + n_folds * C] if n_folds else Gt[:, :, :0])
     fold_pos = torch.arange((cf0 - nb) * C, (cf0 - nb + n_folds) * C, device=dev)
     with torch.no_grad():
@@ -237,14 +242,12 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
             c0 = F.pad(state.count, (0, sizes[-1] - sizes[0]))[:, :, None]
             count_all = torch.cat([c0, c0 + torch.stack(per_fold, dim=2).cumsum(dim=2)], 2) if routes else c0
 
-    # the windows and queries on a chunk-aligned grid of positions: zeros before the first key and after the last
-    gs, ge = (cq0 - nb + 1) * C, (cq1 + 1) * C
-    grid_k, grid_v = _on_grid(K, kpos0, gs, ge), _on_grid(V, kpos0, gs, ge)
+    # the queries on the same grid, from query chunk cq0 on
     q_all = joint_queries(q, torch.arange(p0, p1, device=dev), spec.unrotate)
     E = q_all.shape[-1]
     q_grid = _on_grid(q_all, p0, cq0 * C, ge)  # (B, H_q, n_q C, E)
     q_pos = torch.arange(cq0 * C, ge, device=dev).view(n_q, C)
-    k_pos = torch.arange(gs, ge, device=dev).unfold(0, nb * C, C)  # (n_q, L)
+    k_pos = torch.arange(gs + C, ge, device=dev).unfold(0, nb * C, C)  # (n_q, L)
     win_visible = ((k_pos[:, None, :] <= q_pos[:, :, None]) & ((k_pos >= max(kpos0, 0)) & (k_pos < p1))[:, None])
     tau_w = params.tau_bswa[None, :, None, None, None]
     pre_rope = spec.unrotate is not None
@@ -293,8 +296,9 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
     for a, b in chunk_groups(rows, max_chunks):
         f0, f1 = reads[a - 1] if a else 0, reads[b - 1]
         fs = slice(f0 * C, f1 * C)
-        args = (q_grid[:, :, a * C:b * C], grid_k[:, :, a * C:(b + nb - 1) * C], grid_v[:, :, a * C:(b + nb - 1) * C],
-                fold_k[:, :, fs], fold_v[:, :, fs], None if fold_g is None else fold_g[:, :, fs], s_k, s_v, rho)
+        win = slice((a + 1) * C, (b + nb) * C)
+        args = (q_grid[:, :, a * C:b * C], grid_k[:, :, win], grid_v[:, :, win], fold_k[:, :, fs], fold_v[:, :, fs],
+                None if fold_g is None else fold_g[:, :, fs], s_k, s_v, rho)
         if recompute:
             o, s_k, s_v, rho = torch.utils.checkpoint.checkpoint(group, a, b, *args, use_reentrant=False)
         else:

@@ -184,6 +184,12 @@ class KVMAttention(Mixer):
             and not (self.qkv.value_residual and shared is not None)
         if lean:
             q, k, v, shift = self._lean_projections(x, state)
+        elif form == "chunk" and records_grad((x, *self.parameters())) and not (self.qkv.value_residual and
+                                                                              shared is not None):
+            # the projections, norms and RoPE recomputed in backward from x: the chunk form copies q, k, v into its
+            # grid, so autograd need not also keep the projections for the norms' backward
+            q, k, v, _, shift = recomputed_in_backward(lambda t: self.qkv.stream(t, state), x,
+                                                       also=tuple(self.qkv.parameters()))
         else:
             q, k, v, _, shift = self.qkv.stream(x, state, shared)
         g = merge_gate(x, self.gate_proj)
