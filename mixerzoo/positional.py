@@ -85,6 +85,8 @@ class RoPE(PositionalEncoding):
         With gradients, through :class:`_Rotation`, whose backward recomputes ``cos, sin`` from the positions
         instead of keeping them (plain autograd keeps two ``(time, rotary_dim)`` tables per call: 8 MiB per layer
         at 8k tokens and half RoPE on 128-channel heads, more than a tenth of what full attention keeps)."""
+        if torch.compiler.is_compiling():  # the compiler partitions the graph and chooses what to keep itself
+            return self.rotate(x, *self.cos_sin(positions, x.dtype))
         if torch.is_grad_enabled() and x.requires_grad:
             return _Rotation.apply(x, positions, self)
         return self.rotate_fast(x, *self.cos_sin(positions, x.dtype))
@@ -103,7 +105,10 @@ class RoPE(PositionalEncoding):
         """:meth:`rotate` (``inverse``: by the opposite angles, i.e. ``rotate(x, cos, -sin)``), bit for bit, written
         into one output tensor: four passes and one allocation instead of nine passes and six (on the CPU a
         rotation of the queries or keys at 32k tokens took 28 ms, now 17). No autograd: called under
-        ``no_grad`` or by :class:`_Rotation`."""
+        ``no_grad`` or by :class:`_Rotation`. Under ``torch.compile`` it is :meth:`rotate` (the compiler cannot
+        trace ``out=`` into a strided view, and fuses the plain form's passes itself)."""
+        if torch.compiler.is_compiling():
+            return self.rotate(x, cos, -sin if inverse else sin)
         r, half = self.rotary_dim, self.rotary_dim // 2
         x1, x2 = x[..., :half], x[..., half:r]
         out = torch.empty_like(x)

@@ -118,7 +118,7 @@ def attend_and_evict(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         acc = torch.cat([cache.acc.to(work), cache.acc.new_zeros(B, G, C, dtype=work)], dim=2)
         acc = policy.accumulate(acc, probs)
     if S > policy.multi_state:
-        prio = policy.priority(probs, pos, acc, int(positions[-1]))
+        prio = policy.priority(probs, pos, acc, positions[-1].to(pos.device))  # a tensor: no host sync
         n_evict = S - policy.multi_state
         # ascending stable sort: the lowest priorities go, ties evict the oldest first (argmin in algorithm 1)
         keep = prio.sort(dim=-1, stable=True).indices[..., n_evict:].sort(dim=-1).values  # (B, G, k)

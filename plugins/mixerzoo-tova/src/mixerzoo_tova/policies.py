@@ -134,8 +134,8 @@ class EvictionPolicy:
         """Whether the state must carry accumulated attention (``h2o``)."""
         return self.name == "h2o"
 
-    def priority(self, probs: torch.Tensor, pos: torch.Tensor, acc: torch.Tensor | None, newest: int
-                 ) -> torch.Tensor:
+    def priority(self, probs: torch.Tensor, pos: torch.Tensor, acc: torch.Tensor | None,
+                 newest: int | torch.Tensor) -> torch.Tensor:
         """Keep-priority of every candidate entry (higher is kept); protected entries get ``+inf``.
 
         Args:
@@ -143,7 +143,7 @@ class EvictionPolicy:
                 head, ``C`` queries, ``S`` candidate entries); only the last query ``[..., -1, :]`` is used.
             pos: absolute positions of the candidates ``(B, G, S)`` (``G = groups(H_kv)``).
             acc: accumulated attention ``(B, G, S)`` (``h2o``), already including ``probs``.
-            newest: absolute position of the newest token (the last query).
+            newest: absolute position of the newest token (the last query), an int or a 0-d integer tensor.
 
         Returns:
             ``(B, G, S)``, float32 at least (:func:`accumulation_dtype`; positions: float32).
