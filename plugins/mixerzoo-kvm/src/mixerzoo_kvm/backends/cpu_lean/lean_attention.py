@@ -102,7 +102,7 @@ class _KeyLists:
     the rows by their source into :attr:`rows_k`, :attr:`rows_v` (``(N, max R_c, D)`` views), which keep what was
     written from one chunk to the next (an incremental source writes only the rows that changed). The window
     comes first so that a growing state only lengthens the list; the kernels take the leading ``L + R_c`` rows as
-    a view. No fresh buffers per chunk: fresh allocations page-fault on this project's CPU.
+    a view. No fresh buffers per chunk: fresh allocations page-fault on a CPU (measured on a 2-core x86 machine).
 
     With ``pre_rope``, ``E = 2D`` channels (:func:`mixerzoo_kvm.ops.joint_keys`): window keys ``[0 | tau k]``,
     memory rows ``[mem_k | 0]``, values ``[v | 0]`` (the CPU kernels want one head size; the extra output channels

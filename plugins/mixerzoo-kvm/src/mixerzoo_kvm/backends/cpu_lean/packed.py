@@ -1,14 +1,15 @@
-"""Fast KVM forward: routing for the whole call first, then query chunks in groups (paper appendix A, note).
+"""KVM's parallel form arranged for a CPU: routing for the whole call first, then query chunks in groups
+(paper appendix A, note; the same function as :func:`mixerzoo_kvm.chunk.kvm_chunk`).
 
 1. **Routing** (no gradient, a cheap loop over folds): the append / merge decisions of every overflow
    block, tracking the stored key sums in a preallocated buffer (:func:`mixerzoo_kvm.ops.route_overflow`).
 2. **Groups of query chunks** (at most ``checkpoint_chunks`` chunks, state sizes within 1.25x): one attention
-   call per group (:func:`mixerzoo_kvm.lean_attention.memory_window_attention`: keys ``[snapshot rows ; block
+   call per group (:func:`mixerzoo_kvm.backends.cpu_lean.lean_attention.memory_window_attention`: keys ``[snapshot rows ; block
    window]``). Each chunk's snapshot (the state entering the group plus the group's folds before the chunk, one
    row-indexed add) and its rows (``tau_state * LN_s`` and the value readout) are made one chunk at a time inside
    the call, in forward and again in backward, so a group's snapshots never exist at once; with the paper's
    routing, ``LN_s`` and readout only the rows each fold changes are made again
-   (:class:`mixerzoo_kvm.incremental_rows.IncrementalRows`). A state no larger than the window makes its group's
+   (:class:`mixerzoo_kvm.backends.cpu_lean.incremental_rows.IncrementalRows`). A state no larger than the window makes its group's
    rows at once instead (they are small, and work per chunk costs more Python than it saves); each chunk reads
    exactly its state's rows (no padded rows); the windows are read from chunk-aligned blocks of one padded copy
    of the keys, the same blocks the folds take, one broadcast mask when the chunks share a pattern, grouped-query
@@ -17,14 +18,14 @@
    ``torch.utils.checkpoint`` and is recomputed in backward from the state entering it, so autograd keeps no
    snapshot, memory row or key list, only each group's inputs. A state larger than the window is kept once per
    pair of groups: the second group makes its entering state again from the pair's anchor
-   (:func:`mixerzoo_kvm.refold.refold`). The folds' additions (memory keys and values, gated) are made on demand
+   (:func:`mixerzoo_kvm.backends.cpu_lean.refold.refold`). The folds' additions (memory keys and values, gated) are made on demand
    from their key and value blocks, in the incremental read one fold at a time, and none is kept for backward;
    the state after a group comes out of that read. With 0, nothing is recomputed (one attention forward less)
    and the attention still keeps no concatenated key list (its custom backward rebuilds them).
 
-On this project's CPU, FlexAttention was ruled out by measurement: torch 2.13 has no FlexAttention backward on
+On a CPU, FlexAttention was ruled out by measurement: torch 2.13 has no FlexAttention backward on
 CPU (NotImplementedError), while SDPA runs on the CPU flash kernel (docs/mechanisms/kvm.md). Single-token
-decoding uses :func:`kvm_step`, which needs no mask at all.
+decoding uses :func:`mixerzoo_kvm.recurrent.kvm_step`, which needs no mask at all.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class _FoldSnapshots(torch.autograd.Function):
     padded to ``R`` rows plus, for each of the group's first ``reads[j]`` folds (``reads`` nondecreasing), token
     ``i`` of fold ``f``, ``x[f][:, :, i] (B, H, C, D)``, added into row ``target[:, :, f C + i]``. Each fold is
     added once, in place, with ``index_add_`` over the rows flattened (4x faster than ``scatter_add_`` with a
-    ``D``-expanded index on this project's CPU), into the first snapshot that holds it, which the next snapshot
+    ``D``-expanded index on a 2-core x86 CPU), into the first snapshot that holds it, which the next snapshot
     starts as a copy of; backward is the reverse running sum of the snapshots' gradients, each fold's gradient an
     ``index_select`` of it (9x faster than ``gather``): no per-snapshot copy of the folds, no fresh buffer per fold
     (fresh allocations page-fault: a per-snapshot copy made KVM-256 ~10% slower at 32k on CPU), and for one
