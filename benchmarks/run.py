@@ -85,6 +85,9 @@ MIXERS = {  # name in the tables: (registry name, layer options)
     "kvm-sqrt": ("kvm", dict(KVM, schedule=SQRT)),
     "kvm-256/keep": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, checkpoint_chunks=0)),
     "kvm-sqrt/keep": ("kvm", dict(KVM, schedule=SQRT, checkpoint_chunks=0)),
+    # the form a GPU runs (the paper's appendix A), forced on the CPU, whose training steps take the CPU-lean backend
+    "kvm-256/chunk": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, backend="chunk")),
+    "kvm-sqrt/chunk": ("kvm", dict(KVM, schedule=SQRT, backend="chunk")),
     "ovq": ("ovq", dict(chunk_len=128, max_size=2048)),
     "ovq/keep": ("ovq", dict(chunk_len=128, max_size=2048, checkpoint_chunks=0)),
     "trellis": ("trellis", {}),
@@ -95,7 +98,8 @@ MIXERS = {  # name in the tables: (registry name, layer options)
     "tova-512": ("tova", dict(multi_state=512, positional=HALF_ROPE)),
 }
 TRAINABLE = [m for m in MIXERS if not m.startswith("tova")]  # TOVA is an inference-time policy
-DEFAULT = [m for m in MIXERS if not m.endswith("/keep")]  # "/keep": checkpoint_chunks 0 (no recomputation)
+# "/keep": checkpoint_chunks 0 (no recomputation); "/chunk": the GPU's form on the CPU (--mixers all has both)
+DEFAULT = [m for m in MIXERS if not m.endswith(("/keep", "/chunk"))]
 MEASURES = ["train", "decode", "launches"]
 
 
