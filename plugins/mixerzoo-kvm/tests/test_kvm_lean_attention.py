@@ -221,8 +221,8 @@ def test_long_calls_read_longer_groups_equal_keeping_everything(monkeypatch):
     from mixerzoo_kvm.backends.cpu_lean import packed
     from test_kvm_equivalence import D_MODEL, GROW, make
 
-    caps, group_chunks = [], packed._group_chunks
-    monkeypatch.setattr(packed, "_group_chunks", lambda rows, **kw: caps.append(kw["max_chunks"]) or group_chunks(
+    caps, group_chunks = [], packed.chunk_groups
+    monkeypatch.setattr(packed, "chunk_groups", lambda rows, **kw: caps.append(kw["max_chunks"]) or group_chunks(
         rows, **kw))
     lean = make(schedule=GROW, checkpoint_chunks=2).train()
     keep = make(schedule=GROW, checkpoint_chunks=0).train()

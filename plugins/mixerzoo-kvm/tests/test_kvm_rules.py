@@ -212,14 +212,11 @@ def test_registered_and_in_the_lm():
 
 def test_group_chunks_ends_groups_at_max_chunks_and_state_growth():
     """Groups end at max_chunks and where the state has grown past 1.25x the group's first chunk's."""
-    from mixerzoo_kvm.backends.cpu_lean.packed import _group_chunks
-    from mixerzoo_kvm.chunk import chunk_groups
+    from mixerzoo_kvm.ops import chunk_groups
 
-    assert _group_chunks([4] * 6, max_chunks=4) == [(0, 4), (4, 6)]
-    assert _group_chunks([4, 4, 5, 6, 7], max_chunks=8) == [(0, 3), (3, 5)]  # 6 > 1.25 x 4
-    assert _group_chunks([1300, 1330, 1360, 1390, 1420], max_chunks=4) == [(0, 4), (4, 5)]  # a slowly growing state
-    for rows, n, want in (([4] * 6, 4, [(0, 4), (4, 6)]), ([4, 4, 5, 6, 7], 8, [(0, 3), (3, 5)])):
-        assert chunk_groups(rows, n) == want
+    assert chunk_groups([4] * 6, max_chunks=4) == [(0, 4), (4, 6)]
+    assert chunk_groups([4, 4, 5, 6, 7], max_chunks=8) == [(0, 3), (3, 5)]  # 6 > 1.25 x 4
+    assert chunk_groups([1300, 1330, 1360, 1390, 1420], max_chunks=4) == [(0, 4), (4, 5)]  # a slowly growing state
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -31,12 +31,11 @@ import torch.utils.checkpoint
 
 from mixerzoo.ops import flat_rows, records_grad
 
-from .ops import (KVMParams, KVMSpec, Routing, accum_dtype, joint_keys, joint_queries, keep_from, layer_norm_s,
-                  matmul_acc, memory_keys, read_values, route_overflow, state_budget)
+from .ops import (KVMParams, KVMSpec, Routing, accum_dtype, chunk_groups, joint_keys, joint_queries, keep_from,
+                  layer_norm_s, matmul_acc, memory_keys, read_values, route_overflow, state_budget)
 from .state import KVMState
 
-__all__ = ["kvm_chunk", "route_folds", "fold_additions", "snapshots", "memory_rows", "window_blocks", "attend",
-           "chunk_groups"]
+__all__ = ["kvm_chunk", "route_folds", "fold_additions", "snapshots", "memory_rows", "window_blocks", "attend"]
 
 
 @torch.no_grad()
@@ -152,18 +151,6 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     # a 4-D mask: PyTorch's CPU flash kernel takes it (a 3-D one sends SDPA to the unfused math path)
     return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[None],
                                           scale=scale)
-
-
-def chunk_groups(rows: list[int], max_chunks: int, growth: float = 1.25) -> list[tuple[int, int]]:
-    """Consecutive query chunks in groups of at most ``max_chunks`` whose state sizes stay within ``growth`` x
-    the group's first (a state only grows), so padding each snapshot to the group's largest wastes little."""
-    groups, start = [], 0
-    for i in range(1, len(rows)):
-        if rows[i] > growth * rows[start] or i - start >= max_chunks:
-            groups.append((start, i))
-            start = i
-    groups.append((start, len(rows)))
-    return groups
 
 
 def _on_grid(t: torch.Tensor, start: int, lo: int, hi: int) -> torch.Tensor:

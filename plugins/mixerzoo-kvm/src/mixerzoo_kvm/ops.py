@@ -34,8 +34,9 @@ from mixerzoo.protocol import accumulation_dtype as accum_dtype
 from mixerzoo.ops import max_last
 from mixerzoo.decisions import decision
 
-__all__ = ["KVMSpec", "KVMParams", "accum_dtype", "matmul_acc", "layer_norm_s", "memory_keys", "memory_queries", "joint_queries",
-           "joint_keys", "merge_gate", "read_values", "state_budget", "Routing", "route_overflow", "keep_from"]
+__all__ = ["KVMSpec", "KVMParams", "accum_dtype", "matmul_acc", "layer_norm_s", "memory_keys", "memory_queries",
+           "joint_queries", "joint_keys", "merge_gate", "read_values", "state_budget", "Routing", "route_overflow",
+           "keep_from", "chunk_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,3 +310,17 @@ def keep_from(next_pos: int, chunk_len: int, n_bswa_chunks: int) -> int:
     """
     next_chunk = -(-next_pos // chunk_len)  # the next chunk whose start is still to come
     return max((next_chunk - n_bswa_chunks) * chunk_len, 0)
+
+
+def chunk_groups(rows: list[int], max_chunks: int, growth: float = 1.25) -> list[tuple[int, int]]:
+    """Consecutive query chunks in groups of at most ``max_chunks`` whose state sizes stay within ``growth`` x
+    the group's first (a state only grows), so padding each snapshot to the group's largest wastes little; the
+    chunk form and the CPU-lean backend both read and recompute (in backward) a group at a time, so a growing
+    state (``power_law`` schedule) is not cut into smaller groups, which would keep more states."""
+    groups, start = [], 0
+    for i in range(1, len(rows)):
+        if rows[i] > growth * rows[start] or i - start >= max_chunks:
+            groups.append((start, i))
+            start = i
+    groups.append((start, len(rows)))
+    return groups

@@ -79,7 +79,8 @@ def kvm_step(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor,
 
     A single query sees every state row and every window token, so no mask is needed; when the token starts
     a chunk, the chunk leaving the window is first folded with :func:`fold`.
-    Same contract as :func:`mixerzoo_kvm.chunk.kvm_chunk` (``q (B, H_q, 1, D)``, ``k, v (B, H, 1, D)``, ``g (B, H, 1)``).
+    Same contract as :func:`mixerzoo_kvm.chunk.kvm_chunk` (``q (B, H_q, 1, D)``, ``k, v (B, H, 1, D)``,
+    ``g (B, H, 1)``).
     """
     C, nb = spec.chunk_len, spec.n_bswa_chunks
     B, Hq, _, D = q.shape

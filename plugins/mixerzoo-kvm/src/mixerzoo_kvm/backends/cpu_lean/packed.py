@@ -43,7 +43,7 @@ from mixerzoo.ops import records_grad
 
 from .incremental_rows import IncrementalRows
 from .lean_attention import memory_window_attention, shared_mask
-from ...ops import (KVMParams, KVMSpec, Routing, accum_dtype, joint_queries, keep_from,
+from ...ops import (KVMParams, KVMSpec, Routing, accum_dtype, chunk_groups, joint_queries, keep_from,
                   layer_norm_s, matmul_acc, memory_keys, read_values, route_overflow, state_budget)
 from .refold import refold
 from ...state import KVMState
@@ -185,21 +185,6 @@ def _counts(count: torch.Tensor, routes: list[Routing], sizes: list[int]) -> tor
                 for f, r in enumerate(routes)]
     c0 = F.pad(count, (0, R - count.shape[2]))[:, :, None]
     return torch.cat([c0, c0 + torch.stack(per_fold, dim=2).cumsum(dim=2)], dim=2) if routes else c0
-
-
-def _group_chunks(rows: list[int], growth: float = 1.25, max_chunks: int = 4) -> list[tuple[int, int]]:
-    """Split consecutive query chunks into groups whose state sizes stay within ``growth`` x the group's first
-    (a state only grows), so padding every snapshot of a group to its largest wastes little, and of at most
-    ``max_chunks`` chunks. The read builds one chunk's key list at a time, so a group's transient memory is its
-    snapshots (``max_chunks`` x rows), while autograd keeps one state per group: a growing state (``power_law``
-    schedule) is not cut into smaller groups, which would keep more states."""
-    groups, start = [], 0
-    for i in range(1, len(rows)):
-        if rows[i] > growth * rows[start] or i - start >= max_chunks:
-            groups.append((start, i))
-            start = i
-    groups.append((start, len(rows)))
-    return groups
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -686,7 +671,7 @@ def kvm_packed(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tenso
     # backward, while its recomputed transient is a shrinking share of what a long call keeps
     # (groups of 8 at 32k tokens: 4-14% faster a step and a lower one-layer peak, measured on CPU); without
     # recomputation (checkpoint_chunks 0) groups of 16, as measured
-    groups = _group_chunks(rows, max_chunks=spec.checkpoint_chunks * max(1, n_q // LONG_CALL_CHUNKS) or 16)
+    groups = chunk_groups(rows, max_chunks=spec.checkpoint_chunks * max(1, n_q // LONG_CALL_CHUNKS) or 16)
     tau_w, tau_s = params.tau_bswa.repeat(B), params.tau_state.repeat(B)[:, None, None, None]
     # LN_s's parameters go into the read as tensors of their own, so its backward can give them their gradient
     ln_named = dict(params.ln_s.named_parameters()) if isinstance(params.ln_s, torch.nn.Module) else {}
