@@ -139,6 +139,17 @@ def package_imports(path: Path, package_root: Path) -> set[str]:
     return out
 
 
+def imported_module_names(path: Path) -> set[str]:
+    """Every dotted part of every module ``path`` imports, and the names it imports from them."""
+    out = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.ImportFrom):
+            out |= set((n.module or "").split(".")) | {a.name for a in n.names}
+        elif isinstance(n, ast.Import):
+            out |= {part for a in n.names for part in a.name.split(".")}
+    return out
+
+
 def core_imports(path: Path) -> set[str]:
     return {n.module.split(".")[1] for n in ast.walk(ast.parse(path.read_text()))
             if isinstance(n, ast.ImportFrom) and not n.level and n.module and n.module.startswith("mixerzoo.")}
@@ -164,6 +175,10 @@ def layout_problems(package: Path) -> list[str]:
         for f in sorted((mech / "backends").rglob("*.py")) if (mech / "backends").is_dir() else []:
             if package_imports(f, mech) & {"naive", "layer"}:
                 bad.append(f"{f.relative_to(package.parent)} imports naive or layer (a backend is a fast path)")
+    # a plugin-wide backends/ (one backend for several mechanisms) may import no mechanism's naive or layer either
+    for f in sorted((package / "backends").rglob("*.py")) if (package / "backends").is_dir() else []:
+        if imported_module_names(f) & {"naive", "layer"}:
+            bad.append(f"{f.relative_to(package.parent)} imports naive or layer (a backend is a fast path)")
     for f in sorted(package.rglob("*.py")):
         if "use_reference" in f.read_text():
             bad.append(f"{f.relative_to(package.parent)}: a use_reference option (tests call naive directly)")
@@ -186,11 +201,16 @@ def test_plugin_layout_check_can_fail(tmp_path):
     (pkg / "naive.py").write_text("from .ops import fold\nfrom mixerzoo.ops import max_last\n")
     (pkg / "chunk.py").write_text("from . import naive\n")
     (pkg / "backends" / "cpu" / "lean.py").write_text("from ...layer import X\n")
+    (pkg / "shared").mkdir()
+    for role in ROLES:
+        (pkg / "shared" / f"{role}.py").write_text("")
+    (pkg / "backends" / "wide.py").write_text("from ..shared.naive import f\n")
     (pkg / "recurrent.py").unlink()
     (pkg / "state.py").write_text("use_reference = True\n")
     problems = "\n".join(layout_problems(pkg))
     for expected in ("missing recurrent.py", "naive.py imports ['ops']", "chunk.py imports ['naive']",
-                     "naive.py imports mixerzoo.ops", "lean.py imports naive or layer", "use_reference"):
+                     "naive.py imports mixerzoo.ops", "lean.py imports naive or layer", "wide.py imports naive or layer",
+                     "use_reference"):
         assert expected in problems, problems
 
 
