@@ -1,0 +1,70 @@
+"""Triton kernels for mixer plugins: one decorator that compiles a kernel for the GPU, or runs it in Triton's
+interpreter on a machine without one, so the same kernel is tested on a CPU against a plugin's ``naive`` form.
+
+- :func:`jit`: ``triton.jit`` on a machine with a CUDA device; Triton's interpreter (``InterpretedFunction``)
+  where there is none or where ``TRITON_INTERPRET=1`` is set. The choice is made once, when the kernel is
+  defined, because Triton makes it there too (a jitted helper called from a kernel must be of the same kind as
+  the kernel): decorate helpers with :func:`jit` as well.
+- :func:`triton_available`: whether Triton can be imported (checked without importing it).
+- :func:`interpreted`: whether kernels defined by :func:`jit` run in the interpreter (CPU tensors) rather
+  than compiled (CUDA tensors).
+- :func:`use_triton`: the device rule a plugin's ``backend: auto`` applies: Triton kernels for CUDA tensors
+  when Triton is importable; ``backend: triton`` forces them (on a CPU, through the interpreter: for tests at
+  small sizes, far slower than the CPU forms).
+
+A launch of a kernel counts as one launch in :class:`mixerzoo.evaluation.cost.LaunchCount`, interpreted or not.
+To keep ``torch.compile`` from breaking the graph at a kernel, wrap its launch in a ``torch.library.custom_op``
+with a ``register_fake`` (static output shapes) and, where gradients flow, ``register_autograd``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Callable
+
+import torch
+
+__all__ = ["jit", "triton_available", "interpreted", "use_triton"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether ``triton`` can be imported (its presence checked, not imported)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def interpreted() -> bool:
+    """Whether :func:`jit` kernels run in Triton's interpreter: ``TRITON_INTERPRET=1``, or no CUDA device."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not torch.cuda.is_available()
+
+
+def jit(fn: Callable | None = None, **kwargs):
+    """``triton.jit`` (same keyword arguments), or Triton's interpreter where :func:`interpreted` is true.
+
+    Raises:
+        ImportError: Triton is not installed (the message says what to install).
+    """
+    if fn is None:
+        return functools.partial(jit, **kwargs)
+    if not triton_available():
+        raise ImportError("this mixer's Triton kernels need triton: pip install triton (a CUDA build of torch on "
+                          "Linux ships it)")
+    if interpreted():
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(fn, **kwargs)
+    import triton
+
+    return triton.jit(fn, **kwargs)
+
+
+def use_triton(backend: str, device: torch.device) -> bool:
+    """Whether a plugin's Triton kernels serve tensors on ``device`` under the layer option ``backend``:
+    ``"triton"`` always (the interpreter on a CPU), ``"auto"`` for CUDA tensors when Triton is importable, any
+    other value never."""
+    if backend == "triton":
+        return True
+    return backend == "auto" and device.type == "cuda" and triton_available()
