@@ -88,9 +88,15 @@ MIXERS = {  # name in the tables: (registry name, layer options)
     # the form a GPU runs (the paper's appendix A), forced on the CPU, whose training steps take the CPU-lean backend
     "kvm-256/chunk": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, backend="chunk")),
     "kvm-sqrt/chunk": ("kvm", dict(KVM, schedule=SQRT, backend="chunk")),
+    # the Triton kernels a GPU runs (backend auto on CUDA), forced: on a CPU through Triton's interpreter, for launch
+    # counts (a kernel is one launch), not for time
+    "kvm-256/triton": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, backend="triton")),
+    "kvm-sqrt/triton": ("kvm", dict(KVM, schedule=SQRT, backend="triton")),
     "ovq": ("ovq", dict(chunk_len=128, max_size=2048)),
     "ovq/keep": ("ovq", dict(chunk_len=128, max_size=2048, checkpoint_chunks=0)),
+    "ovq/triton": ("ovq", dict(chunk_len=128, max_size=2048, backend="triton")),
     "trellis": ("trellis", {}),
+    "trellis/triton": ("trellis", dict(backend="triton")),
     "gdn": ("gdn", {}),
     "gdn/keep": ("gdn", dict(checkpoint_chunks=0)),
     "gsa": ("gsa", {}),
@@ -98,8 +104,9 @@ MIXERS = {  # name in the tables: (registry name, layer options)
     "tova-512": ("tova", dict(multi_state=512, positional=HALF_ROPE)),
 }
 TRAINABLE = [m for m in MIXERS if not m.startswith("tova")]  # TOVA is an inference-time policy
-# "/keep": checkpoint_chunks 0 (no recomputation); "/chunk": the GPU's form on the CPU (--mixers all has both)
-DEFAULT = [m for m in MIXERS if not m.endswith(("/keep", "/chunk"))]
+# "/keep": checkpoint_chunks 0 (no recomputation); "/chunk", "/triton": a GPU's forms on the CPU (--mixers all has
+# them all)
+DEFAULT = [m for m in MIXERS if not m.endswith(("/keep", "/chunk", "/triton"))]
 MEASURES = ["train", "decode", "launches"]
 
 
