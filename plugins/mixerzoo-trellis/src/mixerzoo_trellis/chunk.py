@@ -64,8 +64,8 @@ def _scan(w: torch.Tensor, a: torch.Tensor, decay_end: torch.Tensor, to_end: tor
 
 def trellis_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, log_beta: torch.Tensor,
                     gamma: torch.Tensor, chunk_len: int, phi: str = "silu", f: str = "layernorm_silu",
-                    memory: TrellisMemory | None = None, pos: int = 0, detach_inner_grad: bool = False
-                    ) -> tuple[torch.Tensor, TrellisMemory]:
+                    memory: TrellisMemory | None = None, pos: int = 0, detach_inner_grad: bool = False,
+                    scan=None) -> tuple[torch.Tensor, TrellisMemory]:
     """Two-pass Trellis over a segment, chunked with stale gradients (section 3.2, eqs. 10-14).
 
     With ``chunk_len = 1`` this is the exact per-token recurrence of eq. 8 (``naive.trellis_naive``).
@@ -81,6 +81,8 @@ def trellis_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
         memory: state at position ``pos`` (``None``: zero memories at the start of a sequence).
         pos: absolute position of ``q[:, :, 0]``.
         detach_inner_grad: do not back-propagate through the memory inside the inner gradient.
+        scan: the chunk-to-chunk memory recurrence, a function with :func:`_scan`'s arguments and results (None:
+            :func:`_scan`, a loop over chunks; ``backends.triton`` passes its kernel).
 
     Returns:
         ``y (B, H, T, d_v)`` (after the second normalised SiLU) and the memory after the segment.
@@ -111,6 +113,7 @@ def trellis_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     decay_end = L[..., -1].exp()  # (B, H, n)
     to_end = (L[..., -1:] - L).exp()  # (B, H, n, C)
     g4, g5 = gamma.view(1, H, 1, 1), gamma.view(1, H, 1, 1, 1)
+    scan = _scan if scan is None else scan
 
     # The writes of both passes do not depend on any read, so the two memory recurrences run first (in one
     # loop when d_k == d_v: the value memory is stacked after the key memory along the head dimension).
@@ -119,12 +122,12 @@ def trellis_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
             return torch.cat([x, x], dim=1)
 
         start, grad = torch.cat([memory.mk, memory.mv], 1), torch.cat([memory.mk_grad, memory.mv_grad], 1)
-        U, M0, m_end, m_grad = _scan(torch.cat([kc, vc], 1), two(ac), two(decay_end), two(to_end), two(g4), start,
+        U, M0, m_end, m_grad = scan(torch.cat([kc, vc], 1), two(ac), two(decay_end), two(to_end), two(g4), start,
                                      grad, phi, detach_inner_grad)
         (Uk, Uv), (MK0, MV0), (mk, mv), (mk_grad, mv_grad) = (t.split(H, dim=1) for t in (U, M0, m_end, m_grad))
     else:
-        Uk, MK0, mk, mk_grad = _scan(kc, ac, decay_end, to_end, g4, memory.mk, memory.mk_grad, phi, detach_inner_grad)
-        Uv, MV0, mv, mv_grad = _scan(vc, ac, decay_end, to_end, g4, memory.mv, memory.mv_grad, phi, detach_inner_grad)
+        Uk, MK0, mk, mk_grad = scan(kc, ac, decay_end, to_end, g4, memory.mk, memory.mk_grad, phi, detach_inner_grad)
+        Uv, MV0, mv, mv_grad = scan(vc, ac, decay_end, to_end, g4, memory.mv, memory.mv_grad, phi, detach_inner_grad)
     # pass 1 read: slot scores
     S = P * (qc @ MK0.transpose(-1, -2)) - g5 * (((qc @ kc.transpose(-1, -2)) * R) @ Uk)
     r = normalized_silu(S, f)
