@@ -8,8 +8,8 @@ through the compiled forward) equal eager's.
 
 Breaks that stay, and why (``docs/training.md``, "torch.compile"):
 
-- gsa (CPU form): ``mixerzoo_fla/gsa/chunk.py`` reads the largest log-decay inside a chunk (``.item()``) to
-  choose the chunk length and the exact or factored form: a discrete choice with data-dependent shapes.
+- gsa (CPU form): none; eager reads the largest log-decay inside a chunk on the host to choose the chunk length
+  and the factored or exact form, a compiled graph takes the exact form (``mixerzoo_fla/gsa/chunk.py``).
 - kvm's CPU-lean path and ovq/vq: listed with the ``file:line`` of each break in ``KNOWN_BREAKS``; their
   fullgraph cases are strict xfails, so a fix shows up as an unexpected pass. KVM's chunk form has none.
 """
@@ -42,7 +42,7 @@ CASES = [
     ("vq", "vq", {"n_heads": 2, "chunk_len": 16, "codebook_size": 16}, 64, "train", 2),
     ("trellis", "trellis", {"n_heads": 2, "num_slots": 8, "chunk_len": 8}, 32, "train", 0),
     ("gdn", "gdn", {"n_heads": 2, "chunk_len": 16}, 48, "train", 0),
-    ("gsa", "gsa", {"n_heads": 2, "num_slots": 8, "chunk_len": 16}, 48, "train", 2),
+    ("gsa", "gsa", {"n_heads": 2, "num_slots": 8, "chunk_len": 16}, 48, "train", 0),
     ("tova-train", "tova", {"n_heads": 2, "multi_state": 16}, 48, "train", 0),
     # eval mode with more tokens than multi_state: the prefill evicts (decode-exact eviction, one decision a token)
     ("tova-eval", "tova", {"n_heads": 2, "multi_state": 16, "chunk_len": 16}, 40, "eval", 0),
@@ -59,6 +59,10 @@ KNOWN_BREAKS = {
     "vq": "mixerzoo_ovq/chunk.py:43 (memo.setdefault: a dict mutated inside torch.utils.checkpoint, an unsafe "
           "side effect for the checkpoint's higher-order op)",
 }
+
+# compiled and eager take different forms of the same equations (gsa: exact vs factored intra-chunk decay), equal
+# up to float32 rounding: compared in float64, where rounding is far below the tolerance
+FLOAT64 = {"gsa"}
 
 
 def build(name: str, options: dict, mode: str) -> torch.nn.Module:
@@ -107,6 +111,8 @@ def test_compiled_step_equals_eager(case):
     _, name, options, T, mode, known = case
     layer = build(name, options, mode)
     x = torch.randn(1, T, D, generator=torch.Generator().manual_seed(1))
+    if case[0] in FLOAT64:
+        layer, x = layer.double(), x.double()
     found = compare(layer, x, mode, fullgraph=known == 0)
     assert found <= known, (f"{case[0]}: {found} graph breaks, {known} known: "
                             f"{dict(counters['graph_break']) or 'see TORCH_LOGS=graph_breaks'}")

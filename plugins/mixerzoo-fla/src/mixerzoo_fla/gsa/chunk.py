@@ -53,7 +53,8 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
     :data:`MAX_LOG_SPAN` nats; otherwise the chunk length is halved until it does (realistic gates never
     need it at the default length). If even chunks of :data:`MIN_SPLIT_CHUNK` tokens decay more, the exact
     ``E`` is built instead (``C x C x M`` per chunk, a block of chunks at a time within
-    :data:`BLOCK_ELEMENTS`): slower, finite for any gate.
+    :data:`BLOCK_ELEMENTS`): slower, finite for any gate. Under ``torch.compile`` the exact form is always
+    taken, because the span check reads the decay on the host.
 
     Args:
         q: ``[B, T, HQ, K]``; k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; s, g: ``[B, T, H, M]`` (``HQ`` a
@@ -81,6 +82,10 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
     log_gate = g.detach()
     T = q.shape[1]
     C = max(1, min(chunk_len, T))
+    if torch.compiler.is_compiling():
+        # the span check reads a tensor on the host (a graph break, and a sync on a GPU): a compiled graph takes
+        # the exact form, finite for any gate, at the requested chunk length instead
+        return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, True, checkpoint_chunks)
     while True:
         span = -to_chunks(log_gate, math.ceil(T / C), C).sum(-2).min().item()      # largest decay inside a chunk
         if span <= MAX_LOG_SPAN or C <= MIN_SPLIT_CHUNK:
