@@ -45,39 +45,89 @@ class NoPE(PositionalEncoding):
 class RoPE(PositionalEncoding):
     """Rotary position embedding (Su et al., 2021, eq. 34) on the first ``rotary_dim`` channels of each head.
 
-    Channels ``[0, rotary_dim)`` are rotated in the "rotate-half" pairing used by GPT-NeoX and Llama
-    (channel ``i`` pairs with ``i + rotary_dim/2``) at frequencies ``theta ** (-2i / rotary_dim)``; the other
-    channels pass unchanged (partial RoPE, e.g. ``rotary_fraction=0.5`` as in the KVM paper).
+    Channel pair ``j`` of the rotary channels turns by ``direction * p * inv_freq[j]`` at absolute position ``p``;
+    the other channels pass unchanged (partial RoPE, e.g. ``rotary_fraction=0.5`` as in the KVM paper). The
+    default is the GPT-NeoX / Llama convention; the options give the other conventions in use, exactly:
+
+    ========================  ==========================================  ==========================================
+    option                    default                                      alternative
+    ========================  ==========================================  ==========================================
+    ``pairing``               ``half``: channel ``i`` with ``i + r/2``      ``adjacent``: ``2j`` with ``2j + 1``
+                              (GPT-NeoX, Llama)                             (RoFormer eq. 34, GPT-J, GPTAlpha-2)
+    ``frequencies``           ``geometric``: ``theta ** (-2j / r)``         ``linspace``: ``(1/theta) ** (j / (r/2 -
+                              (RoFormer eq. 15)                             1))``, i.e. ``linspace(0, 1, r/2)``
+                                                                            exponents (modded-nanogpt, GPTAlpha-2)
+    ``direction``             ``1``                                         ``-1``: every angle negated (GPTAlpha-2)
+    ``table_dtype``           null: cos/sin in the input's dtype            ``bfloat16``: cos/sin rounded to bf16
+                                                                            first (GPTAlpha-2's tables)
+    ========================  ==========================================  ==========================================
 
     Args:
         head_dim: channels per head.
-        rotary_fraction: fraction of ``head_dim`` that rotates, in (0, 1]; rounded down to an even count.
+        rotary_fraction: fraction of ``head_dim`` that rotates, in (0, 1]; rounded down to an even count ``r``.
         theta: base of the frequencies (``rope_theta``).
+        pairing: ``half`` or ``adjacent`` (see above).
+        frequencies: ``geometric`` or ``linspace`` (see above).
+        direction: ``1`` or ``-1``, the sign of every angle.
+        table_dtype: null, ``bfloat16``, ``float16`` or ``float32``: the dtype cos/sin are rounded to before they
+            multiply the input (the product is in the input's dtype).
 
     Raises:
-        ValueError: ``rotary_fraction`` outside (0, 1] or fewer than 2 rotary channels.
+        ValueError: ``rotary_fraction`` outside (0, 1], fewer than 2 rotary channels, or an unknown value of
+            ``pairing``, ``frequencies``, ``direction`` or ``table_dtype``.
     """
 
     name = "rope"
+    PAIRINGS = ("half", "adjacent")
+    FREQUENCIES = ("geometric", "linspace")
+    TABLE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-    def __init__(self, head_dim: int, rotary_fraction: float = 1.0, theta: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, rotary_fraction: float = 1.0, theta: float = 10000.0, pairing: str = "half",
+                 frequencies: str = "geometric", direction: int = 1, table_dtype: str | None = None) -> None:
         super().__init__()
         if not 0.0 < rotary_fraction <= 1.0:
             raise ValueError(f"rope rotary_fraction must be in (0, 1], got {rotary_fraction}; use nope for 0")
         rotary_dim = int(head_dim * rotary_fraction) // 2 * 2
         if rotary_dim < 2:
             raise ValueError(f"rope rotary_fraction={rotary_fraction} of head_dim={head_dim} leaves no channel pair")
+        if pairing not in self.PAIRINGS:
+            raise ValueError(f"rope pairing must be one of {', '.join(self.PAIRINGS)}; got {pairing!r}")
+        if frequencies not in self.FREQUENCIES:
+            raise ValueError(f"rope frequencies must be one of {', '.join(self.FREQUENCIES)}; got {frequencies!r}")
+        if direction not in (1, -1):
+            raise ValueError(f"rope direction must be 1 or -1; got {direction!r}")
+        if table_dtype is not None and table_dtype not in self.TABLE_DTYPES:
+            raise ValueError(f"rope table_dtype must be null or one of {', '.join(self.TABLE_DTYPES)}; "
+                             f"got {table_dtype!r}")
         self.head_dim, self.rotary_dim, self.theta, self.rotary_fraction = head_dim, rotary_dim, theta, rotary_fraction
-        # computed in float32 exactly as transformers' Llama does, so imported models rotate bit for bit alike
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        self.pairing, self.frequencies, self.direction, self.table_dtype = pairing, frequencies, direction, table_dtype
+        if frequencies == "geometric":
+            # computed in float32 exactly as transformers' Llama does, so imported models rotate bit for bit alike
+            inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        else:  # the expression GPTAlpha-2 evaluates (float32 exponents), so its models rotate bit for bit alike
+            inv_freq = (1 / theta) ** torch.linspace(0.0, 1.0, steps=rotary_dim // 2, dtype=torch.float32)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of the angles, shape ``(time, rotary_dim // 2)``, for absolute ``positions`` ``(time,)``:
-        channel pair ``(i, i + rotary_dim/2)`` turns by ``positions * inv_freq[i]`` (Llama's tables repeat these
-        halves; computing them once halves the trigonometry, bit for bit the same values)."""
+        channel pair ``j`` turns by ``direction * positions * inv_freq[j]`` (Llama's tables repeat these
+        halves; computing them once halves the trigonometry, bit for bit the same values). With ``table_dtype``
+        the tables are rounded to it before they are cast to ``dtype``."""
         angles = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if self.table_dtype is not None:
+            table = self.TABLE_DTYPES[self.table_dtype]
+            cos, sin = cos.to(table), sin.to(table)
+        if self.direction < 0:  # cos(-a) = cos(a); sin(-a) = -sin(a), an exact negation
+            sin = -sin
+        return cos.to(dtype), sin.to(dtype)
+
+    def _pairs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two members ``(x1, x2)`` of every rotary channel pair, each ``(..., rotary_dim // 2)`` (views)."""
+        r = self.rotary_dim
+        if self.pairing == "half":
+            return x[..., :r // 2], x[..., r // 2:r]
+        return x[..., 0:r:2], x[..., 1:r:2]
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` of shape ``(..., time, head_dim)`` at absolute ``positions`` ``(time,)``.
@@ -93,12 +143,17 @@ class RoPE(PositionalEncoding):
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` with its first ``rotary_dim`` channels rotated by the angles whose ``cos, sin`` are given
-        (:meth:`cos_sin`; ``cos, -sin`` rotates back), the rest passed unchanged: the "rotate-half" form
-        ``[x1 cos - x2 sin, x2 cos + x1 sin]`` of each channel pair ``(x1, x2)``. The readable reference, plain
-        autograd; :meth:`rotate_fast` computes the same values."""
-        r, half = self.rotary_dim, self.rotary_dim // 2
-        x1, x2, rest = x[..., :half], x[..., half:r], x[..., r:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+        (:meth:`cos_sin`; ``cos, -sin`` rotates back), the rest passed unchanged: ``[x1 cos - x2 sin, x2 cos + x1
+        sin]`` for each channel pair ``(x1, x2)`` of :attr:`pairing`. The readable reference, plain autograd;
+        :meth:`rotate_fast` computes the same values."""
+        r = self.rotary_dim
+        x1, x2 = self._pairs(x)
+        o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        if self.pairing == "half":
+            rotated = torch.cat([o1, o2], dim=-1)
+        else:
+            rotated = torch.stack([o1, o2], dim=-1).flatten(-2)
+        return torch.cat([rotated, x[..., r:]], dim=-1)
 
     def rotate_fast(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
                     ) -> torch.Tensor:
@@ -109,10 +164,10 @@ class RoPE(PositionalEncoding):
         trace ``out=`` into a strided view, and fuses the plain form's passes itself)."""
         if torch.compiler.is_compiling():
             return self.rotate(x, cos, -sin if inverse else sin)
-        r, half = self.rotary_dim, self.rotary_dim // 2
-        x1, x2 = x[..., :half], x[..., half:r]
+        r = self.rotary_dim
+        x1, x2 = self._pairs(x)
         out = torch.empty_like(x)
-        o1, o2 = out[..., :half], out[..., half:r]
+        o1, o2 = self._pairs(out)
         torch.mul(x1, cos, out=o1)
         torch.mul(x2, cos, out=o2)
         if inverse:  # x1 cos + x2 sin, x2 cos - x1 sin: the same roundings as rotate(x, cos, -sin)
@@ -125,7 +180,11 @@ class RoPE(PositionalEncoding):
         return out
 
     def extra_repr(self) -> str:
-        return f"rotary_dim={self.rotary_dim}/{self.head_dim}, theta={self.theta}"
+        conv = "".join(f", {k}={v!r}" for k, v, d in (("pairing", self.pairing, "half"),
+                                                      ("frequencies", self.frequencies, "geometric"),
+                                                      ("direction", self.direction, 1),
+                                                      ("table_dtype", self.table_dtype, None)) if v != d)
+        return f"rotary_dim={self.rotary_dim}/{self.head_dim}, theta={self.theta}{conv}"
 
 
 class _Rotation(torch.autograd.Function):

@@ -44,6 +44,10 @@ def _positional(opts: dict, where: str) -> dict:
     if float(pos.get("rotary_fraction", 1.0)) != 1.0:
         raise NativeExportError(f"{where}.positional.rotary_fraction={pos['rotary_fraction']}: the native "
                                 f"architectures rotate every channel")
+    for key, default in (("pairing", "half"), ("frequencies", "geometric"), ("direction", 1), ("table_dtype", None)):
+        if pos.get(key, default) != default:
+            raise NativeExportError(f"{where}.positional.{key}={pos[key]!r}: the native architectures use "
+                                    f"{key} {default!r} (Llama's RoPE)")
     return pos
 
 
@@ -59,6 +63,8 @@ def native_architecture(config: LMConfig, preferred: str | None = None) -> str:
                                 f"{config.channel_token_shift}): native exports need a SwiGLU MLP")
     if config.norm != "rmsnorm":
         raise NativeExportError(f"model.norm={config.norm!r}: native exports need RMSNorm")
+    if config.embed_norm:
+        raise NativeExportError("model.embed_norm=True: the native architectures have no norm after the embedding")
     specs = config.layer_specs()
     options = []
     for spec in specs:

@@ -67,10 +67,14 @@ class Attention(Mixer):
         n_heads: query heads.
         n_kv_heads: key/value heads for grouped-query attention (default ``n_heads``).
         head_dim: channels per head (default ``d_model // n_heads``).
-        positional: ``rope`` (default), ``{name: rope, rotary_fraction: 0.5, theta: 10000}`` or ``nope``.
+        positional: ``rope`` (default), ``{name: rope, rotary_fraction: 0.5, theta: 10000}`` or ``nope``; RoPE's
+            convention options ``pairing`` (half/adjacent), ``frequencies`` (geometric/linspace), ``direction``
+            (1/-1) and ``table_dtype`` (e.g. ``bfloat16``) are described in :class:`mixerzoo.positional.RoPE`.
         qk_norm: per-head ``rms`` or ``layernorm`` on q and k, or none.
         qk_norm_eps: epsilon of ``qk_norm`` (default 1e-6 for rms, as Qwen3; 1e-5 for layernorm).
         token_shift, value_residual: backbone options of the KVM paper (see :class:`QKVProjection`).
+        value_gate_rank: 0: the value residual's gate is per channel; ``r > 0``: input-dependent through a rank-``r``
+            product, as GPTAlpha-2 (see :class:`QKVProjection`).
         bias: biases on the q/k/v projections, and on o unless ``o_bias`` says otherwise.
         o_bias: bias on the output projection (default: ``bias``; Qwen2 has q/k/v biases and none on o).
 
@@ -83,10 +87,11 @@ class Attention(Mixer):
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, head_dim: int | None = None,
                  positional: Any = "rope", qk_norm: str | None = None, token_shift: bool = False,
                  value_residual: bool = False, bias: bool = False,
-                 layer_idx: int = 0, o_bias: bool | None = None, qk_norm_eps: float | None = None) -> None:
+                 layer_idx: int = 0, o_bias: bool | None = None, qk_norm_eps: float | None = None,
+                 value_gate_rank: int = 0) -> None:
         super().__init__()
         self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim, positional, qk_norm, token_shift,
-                                 value_residual, bias, qk_norm_eps)
+                                 value_residual, bias, qk_norm_eps, value_gate_rank)
         self.o_proj = nn.Linear(n_heads * self.qkv.head_dim, d_model, bias=bias if o_bias is None else o_bias)
         self.layer_idx = layer_idx
 

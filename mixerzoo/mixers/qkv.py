@@ -78,6 +78,11 @@ class QKVProjection(nn.Module):
             with learned per-channel ``mu`` (init 0.5). The previous token's projections live in the state.
         value_residual: ``v <- v + (v_first - v) * sigmoid(lambda)`` with ``v_first`` the values of the first
             layer using this option in the same forward (learned per-channel ``lambda``, init 0).
+        value_gate_rank: 0 (default): the gate ``sigmoid(lambda)`` is per channel (KVM paper, eq. 8). ``r > 0``:
+            it depends on the layer input too, ``sigmoid(lambda + W_up W_down x)`` with a rank-``r`` product
+            (``v_gate_down: d_model -> r``, ``v_gate_up: r -> H_kv * D``; ``W_down`` starts at zero, so a new
+            model starts with the per-channel gate), as the GPTAlpha-2 / KVM authors' code and RWKV-7's value
+            residual have it (Peng et al. 2025, RWKV-7 "Goose", eq. 4 with its LoRA). Needs ``value_residual``.
         bias: biases on the projections.
 
     Raises:
@@ -86,8 +91,13 @@ class QKVProjection(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
                  positional: Any = "rope", qk_norm: str | None = None, token_shift: bool = False,
-                 value_residual: bool = False, bias: bool = False, qk_norm_eps: float | None = None) -> None:
+                 value_residual: bool = False, bias: bool = False, qk_norm_eps: float | None = None,
+                 value_gate_rank: int = 0) -> None:
         super().__init__()
+        if not isinstance(value_gate_rank, int) or isinstance(value_gate_rank, bool) or value_gate_rank < 0:
+            raise ValueError(f"value_gate_rank must be an integer >= 0, got {value_gate_rank!r}")
+        if value_gate_rank and not value_residual:
+            raise ValueError(f"value_gate_rank={value_gate_rank} needs value_residual: true (it shapes that gate)")
         n_kv_heads = n_kv_heads or n_heads
         if head_dim is None:
             if d_model % n_heads:
@@ -109,7 +119,24 @@ class QKVProjection(nn.Module):
         self.value_residual = value_residual
         if value_residual:
             self.v_lambda = nn.Parameter(torch.zeros(n_kv_heads * head_dim))
+        self.value_gate_rank = value_gate_rank
+        if value_gate_rank:
+            self.v_gate_down = nn.Linear(d_model, value_gate_rank, bias=False)
+            self.v_gate_up = nn.Linear(value_gate_rank, n_kv_heads * head_dim, bias=False)
+            nn.init.zeros_(self.v_gate_down.weight)
 
+    def post_lm_init(self) -> None:
+        """After the LM's normal init of every Linear: ``v_gate_down`` back to zero, so a new model's value gate
+        starts as the per-channel ``sigmoid(lambda)``."""
+        if self.value_gate_rank:
+            nn.init.zeros_(self.v_gate_down.weight)
+
+    def value_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The value residual's mix ``(B, T, H_kv * D)`` (or ``(H_kv * D,)`` per channel) for input ``x (B, T,
+        d_model)``: ``sigmoid(lambda)``, plus ``W_up W_down x`` inside the sigmoid with ``value_gate_rank``."""
+        if not self.value_gate_rank:
+            return torch.sigmoid(self.v_lambda)
+        return torch.sigmoid(self.v_lambda + self.v_gate_up(self.v_gate_down(x)))
 
     def stream(self, x: torch.Tensor, state: StreamState | None, shared: dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
@@ -157,7 +184,7 @@ class QKVProjection(nn.Module):
                 if v_first.shape != v.shape:
                     raise ValueError(f"value_residual: first layer's values {tuple(v_first.shape)} do not match "
                                      f"this layer's {tuple(v.shape)}; use the same n_kv_heads*head_dim in all layers")
-                v = v + (v_first - v) * torch.sigmoid(self.v_lambda)
+                v = v + (v_first - v) * self.value_gate(x)
         new_shift = None
         if self.token_shift:
             prev = shift_state if shift_state is not None else (None, None, None)

@@ -49,11 +49,15 @@ class LMConfig:
         layer_types: Layer names cycled over ``n_layers`` (or one per layer), e.g. ``[swa, swa, attention]``.
         mixers: Options per layer name: ``{name: {mixer: <registered name>, **options}}``; ``mixer`` defaults to
             the layer name. In a recipe, null gives ``{name: {}}`` for every layer name.
-        channel_mixer: ``swiglu``, ``relu2`` (ReLU², optional token shift) or ``none``.
-        d_ff: Hidden width of the channel mixer. null: 8/3 d_model rounded up to 64 (swiglu), 4 d_model (relu2).
+        channel_mixer: ``swiglu``, ``relu2`` (ReLU², optional token shift), ``rwkv7`` (ReLU² with token shift from
+            a zero token before the first: RWKV-7's channel mix, the GPTAlpha-2 backbone's MLP) or ``none``.
+        d_ff: Hidden width of the channel mixer. null: 8/3 d_model rounded up to 64 (swiglu), 4 d_model (relu2),
+            4 d_model rounded down to 32 (rwkv7).
         channel_token_shift: Token shift in the ReLU² channel mixer (KVM backbone).
         norm: ``rmsnorm`` or ``layernorm`` (pre-norm blocks and the final norm).
         norm_eps: Epsilon of the norms.
+        embed_norm: A norm (of kind ``norm``) right after the embedding, before the first block (GPTAlpha-2's
+            ``ln_emb``, as in RWKV's ``ln0``); the first value-residual layer's values come from its output too.
         tie_embeddings: Share the embedding matrix with the output head.
         init_std: Std of the normal init of Linear/Embedding weights (biases zero).
         out_init: Residual output projections (``o_proj``, ``down_proj``): ``scaled`` (std
@@ -73,6 +77,7 @@ class LMConfig:
     channel_token_shift: bool = False
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
+    embed_norm: bool = False
     tie_embeddings: bool = True
     init_std: float = 0.02
     out_init: str = "scaled"

@@ -142,6 +142,8 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.config = config = config if isinstance(config, LMConfig) else LMConfig(**config)
         self.embed = nn.Embedding(config.padded_vocab_size, config.d_model)
+        if config.embed_norm:
+            self.embed_norm = build_norm(config.norm, config.d_model, config.norm_eps)
         self.blocks = nn.ModuleList(Block(config, i, spec) for i, spec in enumerate(config.layer_specs()))
         self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
         self.head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
@@ -203,6 +205,8 @@ class LanguageModel(nn.Module):
             ``logits (B, T, padded_vocab_size)`` and the new per-layer states (a list of ``n_layers`` entries).
         """
         x = self.embed(input_ids)
+        if self.config.embed_norm:
+            x = self.embed_norm(x)
         shared: dict[str, Any] = {}
         states = states if states is not None else [None] * len(self.blocks)
         new_states = []

@@ -1,0 +1,193 @@
+"""The GPTAlpha-2 backbone options (RoPE conventions, the input-dependent value gate, RWKV-7's channel mix, the
+embedding norm) and the importer of the KVM authors' models (``mixerzoo.hub.kvm_paper``).
+
+Each option: shape, a value checked by hand, and equality with the default when it is off. The importer: a
+committed fixture made by the authors' code (tests/fixtures/kvm_paper, written by make_fixture.py) gives the
+expected logits without their repository; with ``MIXERZOO_KVM_PAPER`` pointing at a checkout of their code the
+parity test builds their model itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mixerzoo.mixers.attention import Attention
+from mixerzoo.mixers.qkv import QKVProjection
+from mixerzoo.model import LanguageModel, LMConfig
+from mixerzoo.model.channel_mixers import RWKV7ChannelMix, ReLUSquared, build_channel_mixer, default_d_ff
+from mixerzoo.positional import RoPE
+
+GPTALPHA_ROPE = {"pairing": "adjacent", "frequencies": "linspace", "direction": -1}
+
+
+# -- RoPE conventions --------------------------------------------------------------------------------------------
+def test_rope_defaults_unchanged():
+    """Switched off (the defaults), the options give the Llama tables and rotation exactly."""
+    rope, plain = RoPE(16, 0.5, 500.0, pairing="half", frequencies="geometric", direction=1), RoPE(16, 0.5, 500.0)
+    x, pos = torch.randn(2, 3, 7, 16), torch.arange(5, 12)
+    assert torch.equal(rope.inv_freq, 1.0 / (500.0 ** (torch.arange(0, 8, 2).float() / 8)))
+    assert torch.equal(rope.apply(x, pos), plain.apply(x, pos))
+
+
+def test_rope_linspace_frequencies_by_hand():
+    """``(1/theta) ** linspace(0, 1, r/2)``: the first pair turns at 1, the last at exactly ``1/theta``."""
+    rope = RoPE(8, frequencies="linspace", theta=10000.0)
+    assert rope.inv_freq.shape == (4,)
+    expect = torch.tensor([1.0, 10000.0 ** (-1 / 3), 10000.0 ** (-2 / 3), 1e-4])
+    torch.testing.assert_close(rope.inv_freq, expect, rtol=1e-6, atol=0)
+
+
+def test_rope_adjacent_negative_by_hand():
+    """Adjacent pairs ``(x0, x1)`` at position p turn by ``-p * f``: ``x0 cos + x1 sin, x1 cos - x0 sin``;
+    channels past ``rotary_dim`` pass unchanged."""
+    rope = RoPE(6, rotary_fraction=4 / 6, pairing="adjacent", direction=-1, theta=100.0)
+    assert rope.rotary_dim == 4
+    x = torch.arange(1.0, 7.0).view(1, 1, 1, 6)
+    p = 3
+    y = rope.apply(x, torch.tensor([p]))[0, 0, 0]
+    f0, f1 = 1.0, 100.0 ** (-2 / 4)
+    c0, s0, c1, s1 = math.cos(p * f0), math.sin(p * f0), math.cos(p * f1), math.sin(p * f1)
+    expect = torch.tensor([1 * c0 + 2 * s0, 2 * c0 - 1 * s0, 3 * c1 + 4 * s1, 4 * c1 - 3 * s1, 5.0, 6.0])
+    torch.testing.assert_close(y, expect, rtol=1e-6, atol=1e-6)
+
+
+def test_rope_adjacent_is_a_channel_permutation_of_half():
+    """Pairing is a fixed permutation of channels: adjacent pairing on ``x`` equals half pairing on ``x`` with
+    channel ``2j`` moved to ``j`` and ``2j + 1`` to ``j + r/2`` (then moved back)."""
+    r, D = 8, 12
+    adj, half = RoPE(D, r / D, pairing="adjacent"), RoPE(D, r / D)
+    perm = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, D)])
+    x, pos = torch.randn(2, 2, 5, D, dtype=torch.float64), torch.arange(5)
+    y_half = half.apply(x[..., perm], pos)
+    back = torch.empty_like(y_half)
+    back[..., perm] = y_half
+    torch.testing.assert_close(adj.apply(x, pos), back, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("pairing", ["half", "adjacent"])
+@pytest.mark.parametrize("direction", [1, -1])
+def test_rope_fast_equals_reference_and_inverts(pairing, direction):
+    """``rotate_fast`` equals ``rotate`` bit for bit, its gradient is that of plain autograd through ``rotate``, and
+    rotating by ``-p`` undoes ``p`` (what KVM's pre-RoPE memory keys rely on)."""
+    rope = RoPE(16, 0.75, pairing=pairing, direction=direction, frequencies="linspace")
+    x, pos = torch.randn(2, 3, 9, 16, requires_grad=True), torch.arange(4, 13)
+    cos, sin = rope.cos_sin(pos, x.dtype)
+    assert torch.equal(rope.rotate_fast(x.detach(), cos, sin), rope.rotate(x.detach(), cos, sin))
+    g = torch.randn(2, 3, 9, 16)
+    (ga,) = torch.autograd.grad((rope.apply(x, pos) * g).sum(), x)
+    (gb,) = torch.autograd.grad((rope.rotate(x, cos, sin) * g).sum(), x)
+    torch.testing.assert_close(ga, gb, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rope.apply(rope.apply(x.detach(), pos), -pos), x.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_bfloat16_tables():
+    """``table_dtype: bfloat16`` rounds cos/sin to bf16 before they multiply a float32 input."""
+    rope, exact = RoPE(8, table_dtype="bfloat16"), RoPE(8)
+    pos = torch.arange(100, 110)
+    cos, sin = rope.cos_sin(pos, torch.float32)
+    c, s = exact.cos_sin(pos, torch.float32)
+    assert cos.dtype == torch.float32 and torch.equal(cos, c.bfloat16().float()) and torch.equal(sin, s.bfloat16().float())
+    assert not torch.equal(cos, c)
+
+
+@pytest.mark.parametrize("bad", [{"pairing": "neox"}, {"frequencies": "log"}, {"direction": 0},
+                                 {"table_dtype": "int8"}])
+def test_rope_bad_options_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        RoPE(8, **bad)
+
+
+# -- value residual with an input-dependent gate -----------------------------------------------------------------
+def test_value_gate_rank_zero_down_equals_per_channel_gate():
+    """A new rank-r gate (``v_gate_down`` zero) is the per-channel gate; with weights it is
+    ``sigmoid(lambda + W_up W_down x)``, checked against the formula."""
+    torch.manual_seed(0)
+    plain = QKVProjection(32, 2, value_residual=True)
+    gated = QKVProjection(32, 2, value_residual=True, value_gate_rank=8)
+    gated.load_state_dict({**plain.state_dict(), "v_gate_down.weight": torch.zeros(8, 32),
+                           "v_gate_up.weight": torch.randn(32, 8)})
+    nn_v_lambda = torch.randn(32)
+    for m in (plain, gated):
+        m.v_lambda.data.copy_(nn_v_lambda)
+    x, x0, pos = torch.randn(2, 5, 32), torch.randn(2, 5, 32), torch.arange(5)
+    for m in (plain, gated):
+        shared: dict = {}
+        m(x0, pos, None, shared)
+        m._out = m(x, pos, None, shared)
+    for a, b in zip(plain._out[:3], gated._out[:3]):
+        assert torch.equal(a, b)
+    gated.v_gate_down.weight.data.normal_()
+    shared = {}
+    gated(x0, pos, None, shared)
+    v = gated(x, pos, None, shared)[2]
+    v_raw, v_first = gated.v_proj(x), gated.v_proj(x0)
+    gate = torch.sigmoid(nn_v_lambda + x @ gated.v_gate_down.weight.T @ gated.v_gate_up.weight.T)
+    expect = (v_raw + (v_first - v_raw) * gate).view(2, 5, 2, 16).transpose(1, 2)
+    torch.testing.assert_close(v, expect, rtol=1e-5, atol=1e-6)
+
+
+def test_value_gate_rank_needs_value_residual():
+    with pytest.raises(ValueError, match="needs value_residual"):
+        Attention(32, 2, value_gate_rank=4)
+
+
+def test_value_gate_starts_per_channel_in_a_new_model():
+    """The LM's normal init of every Linear leaves ``v_gate_down`` at zero (``post_lm_init``)."""
+    cfg = LMConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2,
+                   mixers={"attention": {"value_residual": True, "value_gate_rank": 4}})
+    model = LanguageModel(cfg)
+    for block in model.blocks:
+        assert torch.count_nonzero(block.mixer.qkv.v_gate_down.weight) == 0
+        assert torch.count_nonzero(block.mixer.qkv.v_gate_up.weight) > 0
+
+
+# -- RWKV-7 channel mix --------------------------------------------------------------------------------------------
+def test_rwkv7_channel_mix_zero_start_by_hand_and_decode():
+    """The first token shifts against zero (``x' = (1 - mu) x``), later ones against their predecessor; token by
+    token with the state equals one pass; ``relu2`` with token shift differs only at the first token."""
+    torch.manual_seed(1)
+    mix = RWKV7ChannelMix(8, 32)
+    mix.shift_mu.data.uniform_()
+    x = torch.randn(2, 6, 8)
+    y, state = mix(x)
+    mu = mix.shift_mu
+    xs = torch.cat([torch.zeros(2, 1, 8), x[:, :-1]], 1)
+    expect = mix.down_proj(torch.relu(mix.up_proj(x + mu * (xs - x))) ** 2)
+    torch.testing.assert_close(y, expect, rtol=1e-6, atol=1e-6)
+    assert torch.equal(state, x[:, -1])
+    s, outs = None, []
+    for t in range(6):
+        o, s = mix(x[:, t:t + 1], s)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, 1), y, rtol=1e-6, atol=1e-6)
+    relu2 = ReLUSquared(8, 32, token_shift=True)
+    relu2.load_state_dict(mix.state_dict())
+    y2 = relu2(x)[0]
+    assert torch.equal(y2[:, 1:], y[:, 1:]) and not torch.allclose(y2[:, :1], y[:, :1])
+
+
+def test_rwkv7_channel_mixer_choice():
+    assert default_d_ff("rwkv7", 100) == 384 and default_d_ff("rwkv7", 768) == 3072
+    assert isinstance(build_channel_mixer("rwkv7", 64, None), RWKV7ChannelMix)
+    model = LanguageModel(LMConfig(vocab_size=50, d_model=64, n_layers=1, n_heads=2, channel_mixer="rwkv7"))
+    assert model.blocks[0].channel.up_proj.weight.shape == (256, 64)
+
+
+# -- embedding norm --------------------------------------------------------------------------------------------
+def test_embed_norm_off_is_the_default_and_on_normalises_the_embedding():
+    torch.manual_seed(2)
+    base = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=2, norm="layernorm")
+    off, on = LanguageModel(LMConfig(**base)), LanguageModel(LMConfig(**base, embed_norm=True))
+    assert set(on.state_dict()) - set(off.state_dict()) == {"embed_norm.weight", "embed_norm.bias"}
+    on.load_state_dict({**off.state_dict(), "embed_norm.weight": torch.ones(32), "embed_norm.bias": torch.zeros(32)})
+    ids = torch.randint(0, 50, (2, 7))
+    ref = off.embed(ids)
+    seen = []
+    handle = on.blocks[0].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    on(ids)
+    handle.remove()
+    torch.testing.assert_close(seen[0], torch.nn.functional.layer_norm(ref, (32,)), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(on(ids)[0], off(ids)[0])
