@@ -16,9 +16,11 @@ env            25      versions (python, torch, CUDA, Triton, fla, transformers,
                        mixerzoo and each plugin import from, every registered mixer, ``nvidia-smi``
 conformance    150     ``pytest -v -k conformance`` over ``tests/test_attention_baselines.py``,
                        ``tests/test_conformance_bf16.py`` and every plugin's tests (fla's last), with CUDA
-                       visible: the kit adds its CUDA bf16 checks; runs beside fla-kernels
-fla-kernels    100     ``plugins/mixerzoo-fla/tests/test_fla_cuda.py -v``: fla's Triton kernels vs the
-                       chunked forms (starts with conformance, on the same GPU)
+                       visible: the kit adds its CUDA bf16 checks; runs beside kernels
+kernels        100     the Triton kernels compiled for the GPU: ``plugins/mixerzoo-fla/tests/test_fla_cuda.py``
+                       (fla's kernels vs the chunked forms), ``tests/test_kernels.py`` and every plugin's
+                       ``tests/test_*triton*.py`` (its kernels vs ``naive``, which CI runs in Triton's
+                       interpreter) (starts with conformance, on the same GPU)
 efficiency     230     ``run.py --processes shared`` (the benchmark runner) in bf16 at d_model 1024, head_dim
                        128, batch 1: one layer of attention, swa-512, kvm-256, kvm-sqrt, ovq, trellis, gdn, gsa
                        (in this order: fla's, the likeliest to stall, last) at 8k and 32k (fwd+bwd time, peak
@@ -31,12 +33,12 @@ throughput     70      ``run.py throughput``: the ~120M attention LM vs ``LlamaF
 =============  ======  ==================================================================================
 
 The default timeouts add up to 515 s of the default ``--budget`` 540 (install and env run first; conformance and
-fla-kernels together take the longer of their two). Opt-in (``--with-training``, or ``--only train resume``),
+kernels together take the longer of their two). Opt-in (``--with-training``, or ``--only train resume``),
 since they do not fit the 9 minutes: ``train`` (``mixerzoo fit`` of ``recipes/kvm/kvm-256-120m.yaml`` for
 ``--train-steps`` steps) and ``resume`` (the same run resumed from its last checkpoint to twice the steps).
 
 Outputs under ``--out``, at most 8 files (a device run returns no more), each cut to 16 MiB (head and tail kept):
-``env.txt`` (install and env), ``conformance.txt``, ``fla_kernels.txt``, ``efficiency.md``, ``efficiency.json``,
+``env.txt`` (install and env), ``conformance.txt``, ``kernels.txt``, ``efficiency.md``, ``efficiency.json``,
 ``throughput.txt``, ``summary.md`` (per step: command, exit code, seconds, and the same as a JSON block); with
 the training steps also ``train.txt`` (both runs and the last ``metrics.csv``).
 
@@ -71,9 +73,9 @@ from pathlib import Path
 from _device import kill_process_group  # beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["install", "env", "conformance", "fla-kernels", "efficiency", "throughput"]
+STEPS = ["install", "env", "conformance", "kernels", "efficiency", "throughput"]
 OPTIONAL = ["train", "resume"]  # opt-in: a 120M training run does not fit the 9 minutes
-TIMEOUTS = {"install": 40, "env": 25, "conformance": 150, "fla-kernels": 100, "efficiency": 230,
+TIMEOUTS = {"install": 40, "env": 25, "conformance": 150, "kernels": 100, "efficiency": 230,
             "throughput": 70, "train": 600, "resume": 600}
 MAX_FILES, MAX_BYTES = 8, 16 * 2**20  # what one device command returns
 BUDGET_MARGIN = 25  # seconds between the efficiency table's --budget and its step's timeout
@@ -184,8 +186,11 @@ def plan(args: argparse.Namespace) -> list[Step]:
                  ["-k", "conformance", "tests/test_attention_baselines.py", "tests/test_conformance_bf16.py",
                   *plugins])
     steps.append(Step("conformance", pytest + selection, "conformance.txt", 0, beside_next=True))
-    steps.append(Step("fla-kernels", pytest + ["plugins/mixerzoo-fla/tests/test_fla_cuda.py"], "fla_kernels.txt",
-                      0))
+    kernel_tests = ["plugins/mixerzoo-fla/tests/test_fla_cuda.py", "tests/test_kernels.py"]
+    if not dry:  # on the CPU the plugins' kernel tests run in the interpreter, in CI already
+        kernel_tests += sorted(str(p.relative_to(ROOT)) for d in plugin_dirs()
+                               for p in (d / "tests").glob("test_*triton*.py"))
+    steps.append(Step("kernels", pytest + kernel_tests, "kernels.txt", 0))
     efficiency = [py, "benchmarks/run.py", "--device", device, "--dtype", "bf16", "--processes",
                   "shared", "--json", str(out / "efficiency.json")]
     efficiency += (["--d-model", "128", "--head-dim", "64", "--lengths", "1024", "--repeats", "1", "--mixers",
@@ -222,7 +227,7 @@ def plan(args: argparse.Namespace) -> list[Step]:
     steps = [s for s in steps if s.name in wanted]
     for s in steps:
         s.timeout = args.timeouts.get(s.name, TIMEOUTS[s.name])
-        if s.beside_next and (s is steps[-1] or steps[steps.index(s) + 1].name != "fla-kernels"):
+        if s.beside_next and (s is steps[-1] or steps[steps.index(s) + 1].name != "kernels"):
             s.beside_next = False
     return steps
 

@@ -56,7 +56,7 @@ def test_every_step_names_files_that_exist(tmp_path, dry, benchmark_script):
 
 
 def test_the_default_steps_fit_one_nine_minute_command(tmp_path, benchmark_script):
-    """The default timeouts (conformance and fla-kernels side by side) fit the default budget, which fits 9
+    """The default timeouts (conformance and kernels side by side) fit the default budget, which fits 9
     minutes; the efficiency table is told a budget under 4 minutes; every mixer and length the GPU table needs is in it;
     the conformance run is verbose with fla's tests last; and the files written stay within 8."""
     suite = benchmark_script("gpu_suite")
@@ -151,8 +151,8 @@ def test_dry_run_runs_every_step_within_its_files(tmp_path):
     suite_summary = (out / "summary.md").read_text() if (out / "summary.md").exists() else done.stderr
     summary = json.loads(suite_summary.split("```json\n", 1)[1].split("\n```", 1)[0])
     rcs = {r["step"]: r["rc"] for r in summary}
-    assert list(rcs) == ["install", "env", "conformance", "fla-kernels", "efficiency", "throughput"], suite_summary
-    assert all(rcs[s] == 0 for s in ("install", "env", "fla-kernels", "efficiency", "throughput")), suite_summary
+    assert list(rcs) == ["install", "env", "conformance", "kernels", "efficiency", "throughput"], suite_summary
+    assert all(rcs[s] == 0 for s in ("install", "env", "kernels", "efficiency", "throughput")), suite_summary
     assert rcs["conformance"] in (0, 1), suite_summary  # 1: a test failed (others' work), not the plumbing
     assert len(list(out.iterdir())) <= 8 and all(f.is_file() for f in out.iterdir())
     env = (out / "env.txt").read_text()
