@@ -9,8 +9,10 @@ state-budget schedule (the plateau ``N t / (t + N)`` by default) up to ``max_siz
 
 Forms: :mod:`~mixerzoo_ovq.chunk` for a call of several tokens (training, prefill, continuation),
 :mod:`~mixerzoo_ovq.recurrent` for one token with a state (decode); both read eq. 15 with the CPU backend
-(:mod:`~mixerzoo_ovq.backends.cpu`) on CPU and ``scaled_dot_product_attention`` elsewhere. The reference they are
-tested against is :mod:`~mixerzoo_ovq.naive`.
+(:mod:`~mixerzoo_ovq.backends.cpu`) on CPU and ``scaled_dot_product_attention`` elsewhere. On CUDA tensors
+(``backend: auto``) a call of several tokens takes the Triton backend (:mod:`~mixerzoo_ovq.backends.triton`: every
+chunk's choices in one kernel, all reads in one batched attention) where the options keep the dictionary linear in
+the keys. The reference they are tested against is :mod:`~mixerzoo_ovq.naive`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.mixers.qkv import QKVProjection
+from mixerzoo.kernels import use_triton
 from mixerzoo.ops import optional_carry, run_segments
 from mixerzoo.protocol import Mixer
 from mixerzoo.schedules import build_schedule
@@ -37,6 +40,11 @@ from .state import OVQState, state_log_counts
 __all__ = ["OVQState", "OVQAttention"]
 
 N_CARRY = 6  # what the chunk loop carries: dk, dv, counts, log_counts, buf_k, buf_v (OVQAttention._carry)
+# chunks per recomputed segment on the Triton backend at least: its launches are per segment, not per chunk, and a
+# segment keeps every chunk's dictionary snapshot while it runs (64 chunks of 2048 rows x 128 dims, 2 kv heads:
+# 134 MB for the keys and as much for the values)
+TRITON_SEGMENT_CHUNKS = 64
+BACKENDS = ("auto", "chunk", "triton")
 
 
 class OVQAttention(Mixer):
@@ -70,7 +78,10 @@ class OVQAttention(Mixer):
             chunks, so autograd keeps one dictionary per segment rather than one ``[dictionary ; chunk]`` key list,
             value list and bias per chunk (the paper's "memory independent of N" training, sec. 3.4, by
             recomputation; the recomputation reuses the first run's reads and choices). 0 keeps everything.
-            Results are identical.
+            Results are identical. The Triton backend recomputes segments of at least ``TRITON_SEGMENT_CHUNKS``.
+        backend: ``auto`` (default): the Triton backend for CUDA tensors (when the options allow it: ``centroid_lr``
+            null, no ``renormalize``), the chunk loop otherwise; ``chunk``: always the chunk loop; ``triton``: the
+            Triton backend everywhere (Triton's interpreter on a CPU: tests at small sizes).
 
     State: :class:`OVQState`; grows with the schedule and plateaus at ``max_size`` rows (+ < L buffered tokens).
 
@@ -88,7 +99,7 @@ class OVQAttention(Mixer):
                  new_centroids: str = "spread", centroid_lr: float | None = None, renormalize: bool = False,
                  beta_init: float = 1.0, positional: Any = "nope", token_shift: bool = False,
                  value_residual: bool = False, bias: bool = False, seed: int = 0, checkpoint_chunks: int = 16,
-                 layer_idx: int = 0) -> None:
+                 layer_idx: int = 0, backend: str = "auto") -> None:
         super().__init__()
         if not isinstance(chunk_len, int) or chunk_len < 1:
             raise ValueError(f"{self.mixer_name} chunk_len must be a positive integer (paper: 128), got {chunk_len!r}")
@@ -113,6 +124,12 @@ class OVQAttention(Mixer):
                              f"got {checkpoint_chunks!r}")
         self.renormalize, self.seed, self.layer_idx = renormalize, seed, layer_idx
         self.checkpoint_chunks = checkpoint_chunks
+        if backend not in BACKENDS:
+            raise ValueError(f"{self.mixer_name} backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "triton" and (centroid_lr is not None or renormalize):
+            raise ValueError(f"{self.mixer_name} backend 'triton' needs centroid_lr null and renormalize false (a "
+                             f"constant rate or renormalisation is non-linear in the keys); use backend 'chunk'")
+        self.backend = backend
         self._schedule_spec = schedule
         self.set_max_size(max_size)
 
@@ -215,7 +232,9 @@ class OVQAttention(Mixer):
         # sec. 3.4)
         # memo: what backward's recomputation of a segment takes from its first run instead of computing again:
         # each chunk's discrete dictionary choices (ops.update_dictionary) and read (the CPU backend's)
-        span = L * self.checkpoint_chunks
+        batched = self._batched(x.device)
+        span = L * (max(self.checkpoint_chunks, TRITON_SEGMENT_CHUNKS) if batched and self.checkpoint_chunks
+                    else self.checkpoint_chunks)
         if self.qkv.value_residual and shared is not None:
             # the first layer's values are shared with the later layers for the whole call: project it here
             q, k, v, _, shift = self.qkv.stream(x, st, shared)
@@ -246,7 +265,15 @@ class OVQAttention(Mixer):
         autograd keeps the projections only, not also their normalised copies (two ``(B, H, T, D)`` tensors a
         layer). Returns ``(o (B, H, T, D), *carry after)``."""
         q, k = self.normalize_qk(q, k)
+        if self._batched(q.device):
+            from .backends import triton as triton_backend  # imports triton: only where the backend runs
+
+            return triton_backend.chunk_forward(spec, q, k, v, memo, pos, *carry)
         return chunk_forward(spec, q, k, v, memo, pos, *carry)
+
+    def _batched(self, device: torch.device) -> bool:
+        """Whether a call of several tokens on ``device`` takes the Triton backend (``backend`` option)."""
+        return (use_triton(self.backend, device) and self.centroid_lr is None and not self.renormalize)
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         """The heads' reads ``o (B, H, T, D)`` concatenated and projected: ``(B, T, d_model)``."""

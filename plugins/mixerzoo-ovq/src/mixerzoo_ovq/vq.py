@@ -61,7 +61,8 @@ class VQAttention(OVQAttention):
 
     Args:
         d_model, n_heads, n_kv_heads, head_dim, chunk_len, beta_init, positional, token_shift, value_residual,
-            bias, checkpoint_chunks: as :class:`~mixerzoo_ovq.layer.OVQAttention`.
+            bias, checkpoint_chunks, backend: as :class:`~mixerzoo_ovq.layer.OVQAttention` (the Triton backend needs no
+            kernel here: a key's codeword does not depend on earlier chunks, so only the batched reads run).
         codebook_size: ``N`` codewords per kv head (paper's sw-vq: 1k-3k), fixed: the state is ``N`` value rows
             and counts from the first token on.
 
@@ -77,14 +78,14 @@ class VQAttention(OVQAttention):
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, head_dim: int | None = None,
                  chunk_len: int = 128, codebook_size: int = 2048, beta_init: float = 1.0, positional: Any = "nope",
                  token_shift: bool = False, value_residual: bool = False, bias: bool = False,
-                 checkpoint_chunks: int = 16, layer_idx: int = 0) -> None:
+                 checkpoint_chunks: int = 16, layer_idx: int = 0, backend: str = "auto") -> None:
         if not isinstance(codebook_size, int) or isinstance(codebook_size, bool) or codebook_size < 1:
             raise ValueError(f"vq codebook_size (N codewords per kv head) must be a positive integer, "
                              f"got {codebook_size!r}")
         super().__init__(d_model, n_heads, n_kv_heads, head_dim, chunk_len, codebook_size, "saturating",
                          beta_init=beta_init, positional=positional, token_shift=token_shift,
                          value_residual=value_residual, bias=bias, checkpoint_chunks=checkpoint_chunks,
-                         layer_idx=layer_idx)
+                         layer_idx=layer_idx, backend=backend)
         self.codebook = nn.Parameter(F.normalize(torch.randn(self.qkv.n_kv_heads, codebook_size, self.qkv.head_dim),
                                                  dim=-1))
 

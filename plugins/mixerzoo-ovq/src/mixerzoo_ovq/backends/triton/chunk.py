@@ -1,0 +1,150 @@
+"""OVQ-attention's chunked form with no loop over chunks: the discrete choices of every chunk of the call come from
+one Triton kernel (:func:`.decide.decide`); given them, the dictionary each chunk reads is linear in the keys and
+values, so all chunks' dictionaries and reads are a few batched tensor operations, differentiated by autograd.
+
+Why this is exact: with the paper's rate ``eta = 1 / count`` (eq. 19) a centroid is the running mean of every key
+(value) it ever absorbed, its seeding key included. With ``a_i`` the row key ``i`` joined and ``c`` the chunk,
+row ``r`` as chunk ``c`` reads it is ``(c0_r d0_r + sum_{c' < c} sum_{i in c', a_i = r} x_i) / count_r^{(c)}``
+(``d0, c0``: the dictionary entering the call): a scatter-add of the keys into ``(chunk, row)`` cells and an
+exclusive cumulative sum over chunks. The read of eq. 15 for every chunk is then one attention call over
+``[snapshot_c ; K_c]`` with the prior ``[log count^{(c)} ; 0]`` and the chunk's causal mask, batched over chunks.
+VQ-attention (``static_codebook``, eq. 7-10) is the same with the codebook as every snapshot's keys and each key's
+codeword as its row (no kernel: nothing there is sequential).
+
+Not covered (:func:`supports`): a constant ``centroid_lr`` and ``renormalize`` make the dictionary non-linear in
+the keys; those ablations run :mod:`mixerzoo_ovq.chunk`'s loop.
+
+Paper: "Online Vector Quantized Attention", arXiv 2602.03922 (v2), sec. 2.2, 3.2 (eq. 15, 17-19), appendix 8.3.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mixerzoo.decisions import decision
+from mixerzoo.ops import max_last
+
+from ... import ops
+from .decide import decide
+
+__all__ = ["chunk_forward", "supports"]
+
+
+def supports(spec: ops.Spec) -> bool:
+    """Whether the layer options in ``spec`` keep the dictionary linear in the keys given the choices: the paper's
+    ``1 / count`` rate without renormalisation (either growth schedule, spread or random new centroids, or a static
+    codebook)."""
+    return spec.static_codebook or (spec.centroid_lr is None and not spec.renormalize)
+
+
+def _plan(spec: ops.Spec, first_chunk: int, n_chunks: int, n0: int) -> tuple[list[int], int]:
+    """New centroids of each of ``n_chunks`` chunks from chunk ``first_chunk`` on (eq. 18; integers on the host: the
+    schedule depends only on positions and sizes) and the rows after the last."""
+    sizes, n = [], n0
+    for c in range(first_chunk, first_chunk + n_chunks):
+        sizes.append(ops.new_centroid_count(spec.schedule, c, spec.chunk_len, n))
+        n += sizes[-1]
+    return sizes, n
+
+
+def _assignments(spec: ops.Spec, kk: torch.Tensor, dk: torch.Tensor, counts: torch.Tensor, first_chunk: int,
+                 memo: dict | None) -> tuple[torch.Tensor, int]:
+    """``(B, H_kv, C, L)`` each key's dictionary row after its chunk, and the rows after the last chunk; taken from
+    ``memo`` when a recomputation in backward has the first run's."""
+    B, Hkv, C, L, _ = kk.shape
+    n0 = dk.shape[2]
+    if memo is not None and "assign" in memo:
+        return memo["assign"], memo["rows"]
+    with torch.no_grad():
+        if spec.static_codebook:  # the codewords stay: each key's row is its nearest codeword
+            assign, rows = max_last(kk.to(dk.dtype) @ dk[:, :, None].transpose(-1, -2))[1], n0
+            assign = decision("vq.codeword", assign)
+        else:
+            n_new, rows = _plan(spec, first_chunk, C, n0)
+            scores = None
+            if spec.new_centroids == "random":
+                scores = torch.stack([ops.random_scores(c, B, Hkv, L, spec.seed, spec.layer_idx)
+                                      for c in range(first_chunk, first_chunk + C)], dim=2).to(kk.device)
+            n_new_t = torch.tensor(n_new, dtype=torch.int32).to(kk.device)
+            assign = decision("ovq.assign", decide(kk.detach(), dk.detach(), counts.detach(), n_new_t, scores, rows))
+    if memo is not None:
+        memo["assign"], memo["rows"] = assign, rows
+    return assign, rows
+
+
+def _whole_chunks(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dk: torch.Tensor,
+                  dv: torch.Tensor, counts: torch.Tensor, first_chunk: int, memo: dict | None) -> tuple:
+    """``C`` whole chunks starting at chunk ``first_chunk`` with the dictionary ``dk, dv, counts`` ``(B, H_kv, n0,
+    D)`` / ``(B, H_kv, n0)`` entering them: ``(o (B, H, C L, D), dk, dv, counts)`` after the last merge."""
+    B, H, T, D = q.shape
+    Hkv, L = k.shape[1], spec.chunk_len
+    C, G, n0, acc = T // L, H // Hkv, dk.shape[2], dk.dtype
+    kk, vv = k.reshape(B, Hkv, C, L, D), v.reshape(B, Hkv, C, L, D)
+    assign, N = _assignments(spec, kk, dk, counts, first_chunk, memo)
+    # counts of each (chunk, row) cell, then the counts every chunk reads (exclusive cumulative sum over chunks)
+    cell = counts.new_zeros(B, Hkv, C, N).scatter_add_(-1, assign, counts.new_ones(()).expand(B, Hkv, C, L))
+    after = F.pad(counts, (0, N - n0))[:, :, None] + cell.cumsum(2)                      # (B, H_kv, C, N)
+    seen = torch.cat([F.pad(counts, (0, N - n0))[:, :, None], after[:, :, :-1]], dim=2)
+    index = assign[..., None].expand(B, Hkv, C, L, D)
+
+    def snapshots(d0: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every chunk's dictionary ``(B, H_kv, C, N, D)`` and the one after the last chunk ``(B, H_kv, N, D)``: the
+        running means, sums over the rows' keys divided by their counts (0 for a row no key reached yet)."""
+        sums = torch.zeros(B, Hkv, C, N, D, dtype=acc, device=x.device).scatter_add(3, index, x.to(acc))
+        total = F.pad(d0 * counts[..., None], (0, 0, 0, N - n0))[:, :, None] + sums.cumsum(2)
+        before = torch.cat([F.pad(d0 * counts[..., None], (0, 0, 0, N - n0))[:, :, None], total[:, :, :-1]], dim=2)
+        return before / seen.clamp(min=1)[..., None], total[:, :, -1] / after[:, :, -1].clamp(min=1)[..., None]
+
+    if spec.static_codebook:  # the codebook is every chunk's key dictionary; only the value means move
+        snap_k, dk_out = dk[:, :, None].expand(B, Hkv, C, N, D), dk
+    else:
+        snap_k, dk_out = snapshots(dk, kk)
+    snap_v, dv_out = snapshots(dv, vv)
+    # eq. 15 for all chunks at once: the G query heads of a kv head stacked along the query axis
+    dt = q.dtype
+    keys = torch.cat([snap_k.to(dt), kk.to(dt)], dim=3).view(B * Hkv, C, N + L, D)
+    values = torch.cat([snap_v.to(dt), vv.to(dt)], dim=3).view(B * Hkv, C, N + L, D)
+    qq = q.view(B, Hkv, G, C, L, D).transpose(2, 3).reshape(B * Hkv, C, G * L, D)
+    i = torch.arange(L, device=q.device).repeat(G)[:, None]
+    causal = torch.zeros(G * L, L, dtype=dt, device=q.device).masked_fill(torch.arange(L, device=q.device) > i,
+                                                                           float("-inf"))
+    prior = seen.log().to(dt)[:, :, :, None, :].expand(B, Hkv, C, G * L, N).reshape(B * Hkv, C, G * L, N)
+    mask = torch.cat([prior, causal.expand(B * Hkv, C, G * L, L)], dim=-1)
+    o = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=1.0)
+    o = o.view(B, Hkv, C, G, L, D).transpose(2, 3).reshape(B, H, T, D)
+    return o, dk_out, dv_out, after[:, :, -1]
+
+
+def chunk_forward(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, memo: dict | None, pos: int,
+                  dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, log_counts: torch.Tensor,
+                  buf_k: torch.Tensor, buf_v: torch.Tensor) -> tuple:
+    """:func:`mixerzoo_ovq.chunk.chunk_forward` (same arguments, shapes and results) with the whole chunks of the call
+    in one batch: a leading piece that completes a buffered chunk and a trailing partial chunk take
+    :func:`mixerzoo_ovq.ops.advance` (one step each); ``spec`` must satisfy :func:`supports`.
+
+    Raises:
+        ValueError: options the batched form does not cover (:func:`supports`).
+    """
+    if not supports(spec):
+        raise ValueError("ovq backend 'triton' needs centroid_lr null (1/count, eq. 19) and renormalize false: a "
+                         "constant rate or renormalisation makes the dictionary non-linear in the keys; use "
+                         "backend 'chunk' for those ablations")
+    L, T = spec.chunk_len, q.shape[2]
+    first = min((L - buf_k.shape[2]) % L, T)   # the rest of a buffered chunk
+    whole = (T - first) // L * L
+    sizes = [first, whole, T - first - whole]
+    qs, ks, vs = q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)
+    outs, carry = [], (dk, dv, counts, log_counts, buf_k, buf_v)
+    if first:
+        o, *carry = ops.advance(spec, qs[0], ks[0], vs[0], pos, *carry)
+        outs.append(o)
+    if whole:
+        o, dk, dv, counts = _whole_chunks(spec, qs[1], ks[1], vs[1], *carry[:3], (pos + first) // L, memo)
+        outs.append(o)
+        B, Hkv = k.shape[:2]
+        carry = (dk, dv, counts, counts.log(), k.new_empty(B, Hkv, 0, k.shape[3]), v.new_empty(B, Hkv, 0, v.shape[3]))
+    if T - first - whole:
+        o, *carry = ops.advance(spec, qs[2], ks[2], vs[2], pos + first + whole, *carry)
+        outs.append(o)
+    return (torch.cat(outs, dim=2) if len(outs) > 1 else outs[0], *carry)
