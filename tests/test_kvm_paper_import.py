@@ -9,7 +9,9 @@ parity test builds their model itself.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +193,171 @@ def test_embed_norm_off_is_the_default_and_on_normalises_the_embedding():
     handle.remove()
     torch.testing.assert_close(seen[0], torch.nn.functional.layer_norm(ref, (32,)), rtol=1e-6, atol=1e-6)
     assert not torch.allclose(on(ids)[0], off(ids)[0])
+
+
+# -- the importer: the committed fixture (their code's output), no repository needed --------------------------------
+FIXTURES = Path(__file__).parent / "fixtures" / "kvm_paper"
+FIXTURE_NAMES = ["gptalpha", "gptalpha_bswa"]
+
+
+def _expected(name: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(FIXTURES / name / "expected.safetensors"))
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_import_fixture_logits_and_greedy_equal_theirs(name, tmp_path, capsys):
+    """``mixerzoo import`` on their transformers folder writes a mixerzoo folder; ``load_model`` on it gives their
+    logits (<= 1e-4 in float32) and the same greedy continuation (mixerzoo's decode steps with states, theirs a full
+    forward per token)."""
+    from mixerzoo.cli import main
+    from mixerzoo.hub import load_model
+    from mixerzoo.model import generate
+
+    out = tmp_path / "imported"
+    assert main(["import", str(FIXTURES / name), str(out), "--quiet"]) == 0
+    assert "imported" in capsys.readouterr().out
+    loaded = load_model(out)
+    exp = _expected(name)
+    with torch.no_grad():
+        logits = loaded.model(exp["tokens"])[0]
+    assert logits.shape == exp["logits"].shape
+    assert (logits - exp["logits"]).abs().max().item() <= 1e-4
+    greedy = generate(loaded.model, exp["tokens"], exp["greedy"].shape[1], temperature=0.0)
+    assert torch.equal(greedy[:, exp["tokens"].shape[1]:], exp["greedy"])
+    assert loaded.eos_id == 95 and loaded.trained.origin["model_type"] == "rwkv7backbone"
+
+
+def _their_config(name: str) -> dict:
+    return json.loads((FIXTURES / name / "config.json").read_text())
+
+
+@pytest.mark.parametrize("field, value", [
+    ("token_mixer", "kvm"), ("alt_layer_every", 2), ("use_skip_connections", 1), ("use_block_lambdas", 1),
+    ("logit_softcap", 30.0), ("residual_scale", 0.5), ("gptalpha_value_residual_mode", "linear"),
+    ("token_mixer_class_path", "elsewhere.Mixer"), ("d_v_head", 16)])
+def test_unsupported_fields_refused_in_one_line(field, value):
+    from mixerzoo.hub.kvm_paper import lm_config_from_kvm_paper
+    from mixerzoo.hub.pretrained import UnsupportedArchitectureError
+
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        lm_config_from_kvm_paper({**_their_config("gptalpha"), field: value})
+    assert f"{field}={value!r}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bswa_sinks_refused_and_config_mapping():
+    from mixerzoo.hub.kvm_paper import lm_config_from_kvm_paper
+    from mixerzoo.hub.pretrained import UnsupportedArchitectureError
+
+    with pytest.raises(UnsupportedArchitectureError, match="sink_len=1"):
+        lm_config_from_kvm_paper({**_their_config("gptalpha_bswa"), "sink_len": 1})
+    cfg = lm_config_from_kvm_paper(_their_config("gptalpha"))
+    opts = cfg.mixers["attention"]
+    assert cfg.channel_mixer == "rwkv7" and cfg.embed_norm and cfg.norm == "layernorm" and not cfg.tie_embeddings
+    assert opts["positional"] == {"name": "rope", "theta": 10000.0, "rotary_fraction": 0.5, "pairing": "adjacent",
+                                  "frequencies": "linspace", "direction": -1, "table_dtype": "bfloat16"}
+    assert opts["value_gate_rank"] == 32 and opts["token_shift"] and opts["qk_norm"] == "layernorm"
+    assert lm_config_from_kvm_paper({**_their_config("gptalpha"), "rope_partial_dim": 0}).mixers["attention"][
+        "positional"] == "nope"
+
+
+def test_cli_refuses_with_one_line(tmp_path, capsys):
+    """A refused field reaches the user as one line (exit status 2) and nothing is written."""
+    import shutil
+
+    from mixerzoo.cli import main
+
+    src = tmp_path / "theirs"
+    shutil.copytree(FIXTURES / "gptalpha", src)
+    (src / "config.json").write_text(json.dumps({**_their_config("gptalpha"), "token_mixer": "ovq"}))
+    assert main(["import", str(src), str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "token_mixer='ovq'" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_training_checkpoint_with_yaml(tmp_path):
+    """Their training checkpoint (``{"model": state_dict, ...}``) with the YAML it was trained from imports to the
+    same model as their transformers folder."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from mixerzoo.cli import main
+    from mixerzoo.hub import load_model
+
+    state = load_file(str(FIXTURES / "gptalpha" / "model.safetensors"))
+    torch.save({"step": 10, "model": {f"_orig_mod.{k}": v for k, v in state.items()}, "optimizers": []},
+               tmp_path / "model_step000010.pt")
+    fields = {k: v for k, v in _their_config("gptalpha").items()
+              if k in ("token_mixer", "vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size",
+                       "ffn_expansion", "use_tokenshift_att", "use_tokenshift_ffn", "rope_partial_dim",
+                       "residual_scale")}
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump({"model": {**fields, "hidden_size": 999}}))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump({"model": {"hidden_size": fields["hidden_size"]}}))
+    out = tmp_path / "imported"
+    assert main(["import", str(tmp_path / "model_step000010.pt"), str(out), "--config", str(tmp_path / "a.yaml"),
+                 str(tmp_path / "b.yaml"), "--tokenizer", str(FIXTURES / "gptalpha" / "tokenizer.json"),
+                 "--quiet"]) == 0
+    exp = _expected("gptalpha")
+    with torch.no_grad():
+        logits = load_model(out).model(exp["tokens"])[0]
+    assert (logits - exp["logits"]).abs().max().item() <= 1e-4
+
+
+def test_evaluate_runs_on_an_imported_folder(tmp_path):
+    """``mixerzoo evaluate`` takes the imported folder unchanged (the cost task: no data needed)."""
+    from mixerzoo.cli import main
+
+    out = tmp_path / "imported"
+    assert main(["import", str(FIXTURES / "gptalpha"), str(out), "--quiet"]) == 0
+    assert main(["evaluate", "--ckpt", str(out), "--out", str(tmp_path / "report"), "--tasks", "cost",
+                 "--lengths", "40", "--chunk", "16", "--decode_tokens", "2", "--cost_peak_memory", "off"]) == 0
+    assert json.loads((tmp_path / "report" / "results.json").read_text())["results"]["cost"]
+
+
+# -- parity against the authors' code itself (MIXERZOO_KVM_PAPER: a checkout of their repository) ------------------
+def _make_fixture_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvm_paper_make_fixture", FIXTURES / "make_fixture.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["gptalpha"])
+def test_parity_with_their_code_512_tokens(name, tmp_path):
+    """Their model from their code (small width, random weights), saved by their ``save_pretrained``, imported:
+    logits within 1e-4 in float32 over 512 tokens, greedy continuation identical."""
+    mf = _make_fixture_module()
+    if mf.kvm_paper_path() is None:
+        pytest.skip("MIXERZOO_KVM_PAPER (a checkout of SmerkyG/KVM-paper) is not set")
+    from mixerzoo.hub import load_model
+    from mixerzoo.hub.kvm_paper import import_kvm_paper
+    from mixerzoo.model import generate
+
+    fields = {**mf.CONFIGS[name], "hidden_size": 96, "num_hidden_layers": 3, "num_attention_heads": 3,
+              "rope_partial_dim": 16, "rope_theta": 500.0}
+    theirs = mf.their_model(fields, seed=7)
+    folder = tmp_path / "theirs"
+    theirs.save_pretrained(folder, safe_serialization=True)
+    mf.tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    import_kvm_paper(folder, tmp_path / "ours")
+    ours = load_model(tmp_path / "ours").model
+    tokens = torch.randint(0, mf.VOCAB - 1, (1, 512), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        diff = (ours(tokens)[0] - theirs(tokens).logits.float()).abs().max().item()
+    assert diff <= 1e-4, diff
+    prompt = tokens[:, :64]
+    assert torch.equal(generate(ours, prompt, 16, temperature=0.0)[:, 64:], mf.their_greedy(theirs, prompt, 16))
+
+
+def test_load_model_reads_their_folder_directly():
+    """``load_model`` (and so ``generate``/``evaluate``) opens their folder too, mapped as ``mixerzoo import`` does."""
+    from mixerzoo.hub import load_model
+
+    loaded = load_model(FIXTURES / "gptalpha")
+    exp = _expected("gptalpha")
+    with torch.no_grad():
+        assert (loaded.model(exp["tokens"])[0] - exp["logits"]).abs().max().item() <= 1e-4

@@ -1,6 +1,8 @@
-"""``mixerzoo import SOURCE OUT [--gguf_file F] [--revision R] [--dtype D] [--quiet]``: a pretrained transformers
-causal LM (Llama, Mistral, Qwen2, Qwen3; a local folder, a ``.gguf`` file or a Hub id) -> a mixerzoo export folder
-that every command takes. See :mod:`mixerzoo.hub.pretrained` and docs/pretrained.md.
+"""``mixerzoo import SOURCE OUT [--gguf_file F] [--revision R] [--dtype D] [--config Y ...] [--tokenizer T]
+[--quiet]``: a pretrained transformers causal LM (Llama, Mistral, Qwen2, Qwen3; a local folder, a ``.gguf`` file or a
+Hub id) or a KVM paper authors' model (their transformers folder or Hub id, or a training checkpoint ``.pt`` with
+``--config``) -> a mixerzoo export folder that every command takes. See :mod:`mixerzoo.hub.pretrained`,
+:mod:`mixerzoo.hub.kvm_paper` and docs/pretrained.md.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weights' type in the folder (default float32, what GGUF de-quantizes to)")
+    add_option(p, "--config", nargs="+", default=None,
+               help="KVM paper training checkpoint (SOURCE a .pt): their YAML config files, in training order")
+    add_option(p, "--tokenizer", default=None,
+               help="KVM paper models: a tokenizer.json (GPT-2's) when SOURCE has none")
     p.add_argument("--quiet", action="store_true", help="no progress bar (drawn only on a terminal anyway)")
     return p
 
@@ -36,13 +42,24 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     status = [0]
     with user_errors(status):
+        from ..hub.kvm_paper import import_kvm_paper, is_kvm_paper_hub_id, is_kvm_paper_source
         from ..hub.pretrained import import_pretrained
 
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # transformers' deprecation chatter while reading GGUF
-            folder = import_pretrained(args.source, args.out_dir, gguf_file=args.gguf_file, revision=args.revision,
-                                       dtype=args.dtype, quiet=args.quiet)
+            if is_kvm_paper_source(args.source, args.config) or is_kvm_paper_hub_id(args.source, args.revision):
+                folder = import_kvm_paper(args.source, args.out_dir, config=args.config, tokenizer=args.tokenizer,
+                                          revision=args.revision, dtype=args.dtype, quiet=args.quiet)
+            else:
+                for flag in ("config", "tokenizer"):
+                    if getattr(args, flag) is not None:
+                        from ..errors import UserError
+
+                        raise UserError(f"--{flag} is for KVM paper models (their folder, Hub id or a .pt training "
+                                        f"checkpoint); {args.source!r} is none of them")
+                folder = import_pretrained(args.source, args.out_dir, gguf_file=args.gguf_file,
+                                           revision=args.revision, dtype=args.dtype, quiet=args.quiet)
         from ..hub.load import read_config
 
         config, _ = read_config(folder)

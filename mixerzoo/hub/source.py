@@ -6,7 +6,7 @@ Every command (``generate``, ``evaluate``, ``export``, the lm-evaluation-harness
 - a Lightning checkpoint ``*.ckpt`` of :class:`~mixerzoo.training.LMModule` (read with ``weights_only=True``),
 - a folder written by ``mixerzoo export`` / ``mixerzoo import``, or a Hub repository id holding one,
 - a pretrained transformers causal LM: a transformers folder or a ``.gguf`` file (imported on the fly,
-  :mod:`mixerzoo.hub.pretrained`).
+  :mod:`mixerzoo.hub.pretrained`), or the KVM paper authors' transformers folder (:mod:`mixerzoo.hub.kvm_paper`).
 
 Each is read into a :class:`~mixerzoo.hub.checkpoint.TrainedModel` (config, weights, tokenizer, eos id, recipe,
 origin); ``mixers`` overrides (``{"attention": {"mixer": "tova", "multi_state": 256}}``, the same merge as
@@ -78,6 +78,12 @@ def open_source(source: str | os.PathLike, tokenizer: str | None = None, quiet: 
     """
     kind = source_kind(source)
     path = os.path.expanduser(os.fspath(source))
+    from .kvm_paper import is_kvm_paper_source
+
+    if is_kvm_paper_source(path):  # the KVM paper authors' transformers folder: mapped as `mixerzoo import` does
+        from .kvm_paper import read_kvm_paper, trained_from_kvm_paper
+
+        return trained_from_kvm_paper(read_kvm_paper(path, tokenizer=tokenizer)), "transformers"
     if kind == "checkpoint":
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{os.fspath(source)!r}: no such checkpoint file")
