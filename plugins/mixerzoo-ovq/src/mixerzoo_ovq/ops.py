@@ -127,12 +127,20 @@ def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_cou
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0)
 
 
-@torch.no_grad()
 def _choices(dk: torch.Tensor, kc: torch.Tensor, n_new: int, scores: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 1-3 of :func:`update_dictionary`, the discrete part: ``new_pos (B, H_kv, n_new)`` the chunk positions
     that become centroids (sorted), ``is_new (B, H_kv, L)`` and ``assign (B, H_kv, L)`` each key's row in the
-    extended dictionary."""
+    extended dictionary. The similarities are taken in the dictionary's dtype even under autocast (a bf16 product
+    ties and reorders near neighbours, and every form must take the same choices: the Triton backend's kernel
+    decides in float32)."""
+    with torch.no_grad(), torch.autocast(kc.device.type, enabled=False):
+        return _choices_exact(dk, kc, n_new, scores)
+
+
+def _choices_exact(dk: torch.Tensor, kc: torch.Tensor, n_new: int, scores: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_choices` outside autocast."""
     B, Hkv, n, D = dk.shape
     L = kc.shape[2]
     if n == 0:
@@ -289,7 +297,8 @@ def merge(spec: Spec, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts
     VQ-attention's value means (:func:`vq_merge`; the keys are codewords, so each one's index is recovered by its
     best match). Returns ``dk, dv, counts``. ``decisions``: see :func:`update_dictionary`."""
     if spec.static_codebook:
-        index = decision("vq.codeword", max_last(kc @ dk.transpose(-1, -2))[1])
+        with torch.no_grad(), torch.autocast(kc.device.type, enabled=False):  # as _choices: the dictionary's dtype
+            index = decision("vq.codeword", max_last(kc @ dk.transpose(-1, -2))[1])
         dv, counts = vq_merge(dv, counts, index, vc)
         return dk, dv, counts
     B, L = kc.shape[0], spec.chunk_len

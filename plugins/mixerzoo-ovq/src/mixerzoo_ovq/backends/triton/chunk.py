@@ -56,7 +56,7 @@ def _assignments(spec: ops.Spec, kk: torch.Tensor, dk: torch.Tensor, counts: tor
     n0 = dk.shape[2]
     if memo is not None and "assign" in memo:
         return memo["assign"], memo["rows"]
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(kk.device.type, enabled=False):  # in the dictionary's dtype, as ops.merge
         if spec.static_codebook:  # the codewords stay: each key's row is its nearest codeword
             assign, rows = max_last(kk.to(dk.dtype) @ dk[:, :, None].transpose(-1, -2))[1], n0
             assign = decision("vq.codeword", assign)
@@ -67,7 +67,8 @@ def _assignments(spec: ops.Spec, kk: torch.Tensor, dk: torch.Tensor, counts: tor
                 scores = torch.stack([ops.random_scores(c, B, Hkv, L, spec.seed, spec.layer_idx)
                                       for c in range(first_chunk, first_chunk + C)], dim=2).to(kk.device)
             n_new_t = torch.tensor(n_new, dtype=torch.int32).to(kk.device)
-            assign = decision("ovq.assign", decide(kk.detach(), dk.detach(), counts.detach(), n_new_t, scores, rows))
+            assign = decision("ovq.assign", decide(*(t.detach().float() for t in (kk, dk, counts)), n_new_t, scores,
+                                                   rows))
     if memo is not None:
         memo["assign"], memo["rows"] = assign, rows
     return assign, rows

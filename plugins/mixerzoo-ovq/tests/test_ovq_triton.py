@@ -1,0 +1,142 @@
+"""OVQ's Triton backend (:mod:`mixerzoo_ovq.backends.triton`, Triton's interpreter on this CPU) against the paper's
+loop written plainly (:mod:`mixerzoo_ovq.naive`) and the chunk loop: outputs, final dictionary, gradients,
+continuation, GQA, the static codebook (VQ-attention), and its launches per training step."""
+
+import pytest
+import torch
+
+from mixerzoo.evaluation.cost import count_launches
+from mixerzoo.kernels import triton_available
+from mixerzoo.testing import run_conformance
+from mixerzoo_ovq import OVQAttention, VQAttention
+from mixerzoo_ovq import layer as ovq_layer
+
+from test_ovq_layer import CONFIGS, D_MODEL, naive_layer
+
+LINEAR = ["default", "gqa", "random_new", "linear_growth", "backbone_options"]  # 1/count rate, no renormalisation
+
+
+def make(name, **extra):
+    torch.manual_seed(0)
+    return OVQAttention(D_MODEL, **{**CONFIGS[name], "backend": "triton", **extra})
+
+
+def check_state(state, dk, dv, counts, k, v, T, L):
+    torch.testing.assert_close(state.dk, dk, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.dv, dv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.counts, counts)
+    torch.testing.assert_close(state.buf_k, k[:, :, T // L * L:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.buf_v, v[:, :, T // L * L:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", LINEAR)
+def test_triton_layer_equals_naive(name):
+    """Every linear ablation, GQA and the backbone options, ending mid-chunk (as test_layer_equals_naive)."""
+    m = make(name)
+    x = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        y, state = m(x)
+        y_ref, (dk, dv, counts), k, v = naive_layer(m, x)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    check_state(state, dk, dv, counts, k, v, 37, m.chunk_len)
+
+
+@pytest.mark.parametrize("name", ["default", "gqa"])
+def test_triton_gradients_equal_naive(name):
+    """Parameter and input gradients through the snapshots rebuilt from the kernel's choices (as
+    test_gradients_equal_naive)."""
+    m = make(name)
+    x = torch.randn(1, 30, D_MODEL, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    w = torch.randn(1, 30, D_MODEL, generator=torch.Generator().manual_seed(5))
+    params = dict(m.named_parameters())
+    wrt = [x, *params.values()]
+    g_layer = torch.autograd.grad((m(x)[0] * w).sum(), wrt)
+    g_naive = torch.autograd.grad((naive_layer(m, x)[0] * w).sum(), wrt)
+    for name, a, b in zip(["x", *params], g_layer, g_naive):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("splits", [(13, 24), (5, 3, 29), (8, 8, 21)])
+def test_triton_continuation_equals_one_pass(splits):
+    """Prefill in several calls (starting mid-chunk, on a boundary, ending mid-chunk) equals the naive pass."""
+    m = make("gqa")
+    x = torch.randn(2, sum(splits), D_MODEL, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ys, state = [], None
+        for piece in x.split(list(splits), dim=1):
+            y, state = m(piece, state)
+            ys.append(y)
+        y_ref, (dk, dv, counts), k, v = naive_layer(m, x)
+    torch.testing.assert_close(torch.cat(ys, dim=1), y_ref, atol=1e-5, rtol=1e-5)
+    check_state(state, dk, dv, counts, k, v, x.shape[1], m.chunk_len)
+
+
+def test_triton_recomputed_segments_equal_keeping_everything(monkeypatch):
+    """Training in several recomputed segments (the memo hands the first run's choices to the recomputation)."""
+    monkeypatch.setattr(ovq_layer, "TRITON_SEGMENT_CHUNKS", 2)
+    x = torch.randn(1, 45, D_MODEL, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    results = []
+    for cc in (0, 1):
+        m = make("default", checkpoint_chunks=cc)
+        y, state = m(x)
+        results.append((y, state.dk, state.dv, *torch.autograd.grad(y.square().sum(), [x, *m.parameters()])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["default", "gqa"])
+def test_triton_static_codebook_equals_chunk_loop(name):
+    """VQ-attention (static codebook, eq. 7-10) batched equals its chunk loop: outputs, value means, counts and the
+    gradients of the input and the codebook, continued from a state mid-chunk."""
+    from test_vq import CONFIGS as VQ_CONFIGS
+
+    runs = []
+    for backend in ("chunk", "triton"):
+        torch.manual_seed(0)
+        m = VQAttention(D_MODEL, **VQ_CONFIGS[name], backend=backend)
+        x = torch.randn(2, 31, D_MODEL, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        y1, st = m(x[:, :3])
+        y2, st = m(x[:, 3:], st)
+        y = torch.cat([y1, y2], dim=1)
+        runs.append((y, st.dv, st.counts, *torch.autograd.grad((y * torch.arange(31.0)[:, None]).sum(),
+                                                               (x, m.codebook))))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_triton_conformance():
+    """The protocol kit (splits not aligned with chunk_len, float64, bf16 weights, autocast) on the Triton path."""
+    report = run_conformance(lambda: make("default"), d_model=D_MODEL, seq_len=48, splits=(1, 7, 13, 33))
+    assert report.state_bytes[0] < report.state_bytes[1]
+
+
+def test_triton_launches_do_not_grow_with_length():
+    """A training step (forward + backward) on the Triton path: the same launches for 4 chunks as for 16 (the chunk
+    loop's grow with the chunks)."""
+    def step(m, T):
+        x = torch.randn(1, T, D_MODEL, requires_grad=True)
+        return lambda: m(x)[0].sum().backward()
+
+    launches = {}
+    for backend in ("triton", "chunk"):
+        m = make("default", backend=backend)
+        for chunks in (4, 16):
+            fn = step(m, 8 * chunks)
+            fn()
+            launches[backend, chunks] = count_launches(fn)["launches"]
+    assert launches["triton", 4] == launches["triton", 16]
+    assert launches["triton", 16] < launches["chunk", 16] / 3
+    assert launches["chunk", 16] > launches["chunk", 4]
+
+
+def test_backend_option():
+    """Names a bad backend; refuses the Triton backend where the dictionary is not linear in the keys; ``auto``
+    keeps the chunk loop on a CPU."""
+    with pytest.raises(ValueError, match="backend must be one of"):
+        OVQAttention(D_MODEL, backend="cuda")
+    for extra in (dict(centroid_lr=0.25), dict(renormalize=True)):
+        with pytest.raises(ValueError, match="backend 'triton' needs"):
+            OVQAttention(D_MODEL, backend="triton", **extra)
+    assert not make("default", backend="auto")._batched(torch.device("cpu"))
+    assert make("default", backend="auto")._batched(torch.device("cuda")) == triton_available()
+    assert not make("constant_lr", backend="auto")._batched(torch.device("cuda"))  # the chunk loop's ablation
