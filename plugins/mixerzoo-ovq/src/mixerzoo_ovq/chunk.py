@@ -26,7 +26,7 @@ def chunk_forward(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         q: ``(B, H, T, D)`` unit-norm queries times the precision; k: ``(B, H_kv, T, D)`` unit-norm keys;
             v: ``(B, H_kv, T, D)``.
         memo: a dict that a segment's first run fills and its recomputation in backward reads (each piece's read
-            and discrete choices; :func:`mixerzoo.ops.run_segments`), or None.
+            and discrete choices; :func:`mixerzoo.ops.run_segments`), or None; unused under ``torch.compile``.
         dk, dv, counts, log_counts: the dictionary entering the call, ``(B, H_kv, n, D)`` / ``(B, H_kv, n)``.
         buf_k, buf_v: ``(B, H_kv, pos % L, D)``, the unfinished chunk's keys and values.
 
@@ -34,6 +34,11 @@ def chunk_forward(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         ``(o (B, H, T, D), dk, dv, counts, log_counts, buf_k, buf_v)`` after the call.
     """
     L, T = spec.chunk_len, q.shape[2]
+    if torch.compiler.is_compiling():
+        # a dict filled in a checkpointed segment's first run and read by its recomputation is a side effect that
+        # torch.compile cannot trace inside the checkpoint: compiled, the recomputation takes the choices and reads
+        # again from the same inputs (the same results)
+        memo = None
     first = min(L - buf_k.shape[2], T)  # the rest of the unfinished chunk, then whole chunks
     sizes = [first] + [min(L, T - t) for t in range(first, T, L)]
     carry = (dk, dv, counts, log_counts, buf_k, buf_v)

@@ -190,9 +190,11 @@ class OVQAttention(Mixer):
         """The state at the start of a sequence (empty dictionary, empty chunk), for inputs of ``dtype``."""
         Hkv, D = self.qkv.n_kv_heads, self.qkv.head_dim
         acc = ops.accumulation_dtype(dtype)
-        z = torch.zeros(batch, Hkv, 0, D, device=device, dtype=acc)
-        return OVQState(dk=z, dv=z, counts=torch.zeros(batch, Hkv, 0, device=device, dtype=acc), buf_k=z, buf_v=z,
-                        next_pos=0)
+        # one tensor each, not one shared: torch.compile cannot trace an autograd Function given the same tensor
+        # twice (the read takes dk and dv)
+        z = [torch.zeros(batch, Hkv, 0, D, device=device, dtype=acc) for _ in range(4)]
+        return OVQState(dk=z[0], dv=z[1], counts=torch.zeros(batch, Hkv, 0, device=device, dtype=acc), buf_k=z[2],
+                        buf_v=z[3], next_pos=0)
 
     @staticmethod
     def read_for(device: torch.device):

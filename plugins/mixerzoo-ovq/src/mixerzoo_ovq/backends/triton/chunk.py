@@ -132,6 +132,8 @@ def chunk_forward(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                          "constant rate or renormalisation makes the dictionary non-linear in the keys; use "
                          "backend 'chunk' for those ablations")
     L, T = spec.chunk_len, q.shape[2]
+    if torch.compiler.is_compiling():  # a dict mutated inside a checkpoint: see mixerzoo_ovq.chunk.chunk_forward
+        memo = None
     first = min((L - buf_k.shape[2]) % L, T)   # the rest of a buffered chunk
     whole = (T - first) // L * L
     sizes = [first, whole, T - first - whole]
