@@ -361,3 +361,17 @@ def test_load_model_reads_their_folder_directly():
     exp = _expected("gptalpha")
     with torch.no_grad():
         assert (loaded.model(exp["tokens"])[0] - exp["logits"]).abs().max().item() <= 1e-4
+
+
+def test_imported_folder_loads_in_transformers_with_their_logits(tmp_path):
+    """The imported folder is a mixerzoo export: transformers loads it (``trust_remote_code``) and its logits are
+    still the authors'."""
+    from transformers import AutoModelForCausalLM
+
+    from mixerzoo.hub.kvm_paper import import_kvm_paper
+
+    import_kvm_paper(FIXTURES / "gptalpha", tmp_path / "ours")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), trust_remote_code=True)
+    exp = _expected("gptalpha")
+    with torch.no_grad():
+        assert (model(exp["tokens"]).logits.float() - exp["logits"]).abs().max().item() <= 1e-4

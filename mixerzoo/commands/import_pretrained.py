@@ -20,10 +20,12 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mixerzoo import", allow_abbrev=False,
-        description="Import a pretrained transformers causal LM (llama, mistral, qwen2, qwen3) as a mixerzoo model "
-                    "folder (config.json with layer_types, model.safetensors, tokenizer.json with its special "
-                    "tokens and chat template). The folder is written atomically; logits equal transformers'.")
-    p.add_argument("source", help="a transformers model folder, a .gguf file, or a Hub id owner/name (needs network)")
+        description="Import a pretrained transformers causal LM (llama, mistral, qwen2, qwen3), or a KVM paper "
+                    "authors' GPTAlpha-2 model (their folder, Hub id, or a training checkpoint .pt with --config), as a "
+                    "mixerzoo model folder (config.json with layer_types, model.safetensors, tokenizer.json with its "
+                    "special tokens and chat template). The folder is written atomically; logits equal the source's.")
+    p.add_argument("source", help="a transformers model folder, a .gguf file, or a Hub id owner/name (needs network); "
+                                  "or a KVM paper training checkpoint .pt (with --config)")
     p.add_argument("out_dir", help="the folder to write (replaced atomically if it is a previous mixerzoo folder)")
     add_option(p, "--gguf_file", default=None, help="the .gguf inside SOURCE when SOURCE is a folder or Hub id")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")

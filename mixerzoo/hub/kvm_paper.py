@@ -164,6 +164,11 @@ def _read_tokenizer(folder: Path | None, tokenizer: str | None):
     from tokenizers import Tokenizer
 
     path = Path(os.path.expanduser(tokenizer)) if tokenizer else (folder / "tokenizer.json" if folder else None)
+    if not tokenizer and folder is not None and not path.is_file() and (folder / "vocab.json").is_file():
+        # GPT-2's tokenizer saved in the slow format (vocab.json + merges.txt): transformers converts it
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(folder)).backend_tokenizer, str(folder / "vocab.json")
     if path is None or not path.is_file():
         where = f"{os.fspath(tokenizer)!r}" if tokenizer else "the source"
         raise FileNotFoundError(f"{where} has no tokenizer.json; the authors' models use GPT-2's: pass "
