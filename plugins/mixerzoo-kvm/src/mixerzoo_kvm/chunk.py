@@ -25,17 +25,20 @@ key lists. The routing is decided once, outside the recomputed groups.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from mixerzoo.ops import flat_rows, records_grad
 
-from .ops import (KVMParams, KVMSpec, Routing, accum_dtype, chunk_groups, joint_keys, joint_queries, keep_from,
-                  layer_norm_s, matmul_acc, memory_keys, read_values, route_overflow, state_budget)
+from .ops import (FoldRouting, KVMParams, KVMSpec, Routing, accum_dtype, chunk_groups, joint_keys, joint_queries,
+                  keep_from, layer_norm_s, matmul_acc, memory_keys, read_values, route_overflow, state_budget)
 from .state import KVMState
 
-__all__ = ["kvm_chunk", "route_folds", "fold_additions", "snapshots", "memory_rows", "window_blocks", "attend"]
+__all__ = ["kvm_chunk", "route_folds", "fold_additions", "snapshots", "radii", "memory_rows", "window_blocks",
+           "attend"]
 
 
 @torch.no_grad()
@@ -70,7 +73,7 @@ def route_folds(spec: KVMSpec, params: KVMParams, s_k0: torch.Tensor, kbar: torc
             gk = kb if g is None else g[:, :, f, :, None].to(kb.dtype) * kb
             route = route_overflow(layer_norm_s(params.ln_s, s_k[:, :, :m]), kb, gk if spec.gate_appends else kb,
                                    m_new - m, params.ln_s, spec.n_protected, soft=spec.routing == "soft")
-        x_k = fold_additions(spec, kb, kb, None if g is None else g[:, :, f], route, initial=m == 0)[0]
+        x_k = kb if g is None or m == 0 else _weights(spec, g[:, :, f].to(kb.dtype), route.appended)[..., None] * kb
         if route.probs is None:
             s_k.view(-1, D).index_add_(0, flat_rows(route.target, sizes[-1]), x_k.reshape(-1, D))
         else:
@@ -79,24 +82,33 @@ def route_folds(spec: KVMSpec, params: KVMParams, s_k0: torch.Tensor, kbar: torc
     return routes
 
 
-def fold_additions(spec: KVMSpec, kbar: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, route: Routing,
-                   initial: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """What each token of one overflow block adds to the row it goes to: ``(g_j k_bar_j, g_j v_j)`` (eqs. 3, 4)
-    for merged tokens; ``(k_bar_j, v_j)`` for appended tokens (section 4, "Append": not gated unless
-    ``gate_appends``) and for the block that initialises the state (never gated).
+def _weights(spec: KVMSpec, g: torch.Tensor, appended: torch.Tensor) -> torch.Tensor:
+    """Each token's weight on its row (eqs. 3, 4): the gate ``g`` for merged tokens, 1 for appended ones unless
+    ``gate_appends``; ``g, appended (...)`` -> ``(...)``."""
+    return g if spec.gate_appends else torch.where(appended, torch.ones_like(g), g)
 
-    Shapes: ``kbar, v (..., C, D)``, ``g (..., C)`` or None -> two ``(..., C, D)`` in ``kbar``'s dtype.
+
+def fold_additions(spec: KVMSpec, kbar: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
+                   appended: torch.Tensor, initial: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each token of ``F`` consecutive overflow blocks adds to the row it goes to: ``(g_j k_bar_j, g_j v_j)``
+    (eqs. 3, 4) for merged tokens; ``(k_bar_j, v_j)`` for appended tokens (section 4, "Append": not gated unless
+    ``gate_appends``) and for the block that initialises the state (never gated; ``initial``: the first of these
+    folds is that block). All folds at once (no per-fold work).
+
+    Shapes: ``kbar, v (..., F, C, D)``, ``g, appended (..., F, C)`` (``g`` None: the gate is off) -> two
+    ``(..., F, C, D)`` in ``kbar``'s dtype.
     """
     dtype = kbar.dtype
     v = v.to(dtype)
-    if g is None or initial:
+    if g is None:
         return kbar, v
-    w = g.to(dtype) if spec.gate_appends else torch.where(route.appended, torch.ones_like(g, dtype=dtype),
-                                                            g.to(dtype))
+    w = _weights(spec, g.to(dtype), appended)
+    if initial:
+        w = torch.cat([torch.ones_like(w[..., :1, :]), w[..., 1:, :]], dim=-2)
     return w[..., None] * kbar, w[..., None] * v
 
 
-def snapshots(s0: torch.Tensor, x: torch.Tensor, routes: list[Routing], grown: list[int], R: int
+def snapshots(s0: torch.Tensor, x: torch.Tensor, routing: FoldRouting, grown: list[int], R: int
               ) -> torch.Tensor:
     """The state after each of ``F`` folds, ``(B, H, F + 1, R, D)``: snapshot 0 is ``s0 (B, H, m, D)`` and
     snapshot ``f + 1`` adds fold ``f``'s additions ``x[:, :, f] (B, H, C, D)`` to their rows (section 4,
@@ -108,15 +120,27 @@ def snapshots(s0: torch.Tensor, x: torch.Tensor, routes: list[Routing], grown: l
     s0 = F.pad(s0.to(x.dtype), (0, 0, 0, R - s0.shape[2]))
     if n_folds == 0:
         return s0[:, :, None]
-    if routes[0].probs is None:  # winner-take-all: each token adds to one row
-        target = torch.stack([r.target for r in routes], dim=2)  # (B, H, F, C)
+    if routing.probs is None:  # winner-take-all: each token adds to one row
         base = torch.arange(B * H * n_folds, device=x.device).view(B, H, n_folds, 1) * R
-        added = x.new_zeros(B * H * n_folds * R, D).index_add(0, (target + base).reshape(-1), x.reshape(-1, D))
+        added = x.new_zeros(B * H * n_folds * R, D).index_add(0, (routing.target + base).reshape(-1),
+                                                               x.reshape(-1, D))
         added = added.view(B, H, n_folds, R, D)
     else:
-        w = torch.stack([F.pad(r.weights(m, x.dtype), (0, R - m)) for r, m in zip(routes, grown)], dim=2)
+        w = torch.stack([F.pad(p.to(x.dtype), (0, R - m)) for p, m in zip(routing.probs, grown)], dim=2)
         added = matmul_acc(w.transpose(-1, -2), x)  # soft routing (an ablation): (B, H, F, R, D)
     return torch.cat([s0[:, :, None], s0[:, :, None] + added.cumsum(dim=2)], dim=2)
+
+
+def radii(rho: torch.Tensor, v: torch.Tensor, routing: FoldRouting, R: int) -> torch.Tensor:
+    """The value radii after ``F`` folds, ``(B, H, R)``: ``rho (B, H, m)`` of the rows entering them, then each
+    appended token's ``||v_j||`` at its new row (section 4, "Readout": the radius of the token that created the
+    row), all folds in one ``index_add`` (merged tokens add zero). ``v (B, H, F, C, D)``; ``R``: rows after the
+    last fold."""
+    B, H = rho.shape[:2]
+    norms = torch.where(routing.appended, v.norm(dim=-1), 0.0)
+    base = torch.arange(B * H, device=v.device).view(B, H, 1, 1) * R
+    return F.pad(rho, (0, R - rho.shape[2])).reshape(-1).index_add(
+        0, (routing.target + base).reshape(-1), norms.reshape(-1)).view(B, H, R)
 
 
 def memory_rows(spec: KVMSpec, params: KVMParams, snap_k: torch.Tensor, snap_v: torch.Tensor, rho: torch.Tensor,
@@ -153,6 +177,26 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
                                           scale=scale)
 
 
+def _counts(count: torch.Tensor, routing: FoldRouting, sizes: list[int]) -> torch.Tensor:
+    """Tokens summed into each row after each of ``F`` folds, ``(B, H, F + 1, sizes[-1])`` (``value_norm:
+    mean``): ``count (B, H, m)`` entering, then each fold's tokens at their rows (one ``index_add`` for all folds of
+    winner-take-all routing; soft routing adds its weights)."""
+    R = sizes[-1]
+    c0 = F.pad(count, (0, R - sizes[0]))[:, :, None]
+    n_folds = len(sizes) - 1
+    if n_folds == 0:
+        return c0
+    B, H, _, C = routing.target.shape
+    if routing.probs is None:
+        base = torch.arange(B * H * n_folds, device=count.device).view(B, H, n_folds, 1) * R
+        per_fold = count.new_zeros(B * H * n_folds * R).index_add(
+            0, (routing.target + base).reshape(-1), count.new_ones(B * H * n_folds * C)).view(B, H, n_folds, R)
+    else:
+        per_fold = torch.stack([F.pad(p.to(count.dtype).sum(dim=2), (0, R - m))
+                                for p, m in zip(routing.probs, sizes[1:])], dim=2)
+    return torch.cat([c0, c0 + per_fold.cumsum(dim=2)], 2)
+
+
 def _on_grid(t: torch.Tensor, start: int, lo: int, hi: int) -> torch.Tensor:
     """Positions ``[lo, hi)`` of ``t (B, H, n, ...)`` whose first row is position ``start``, zero rows outside."""
     a, b = lo - start, hi - start
@@ -165,7 +209,8 @@ def _on_grid(t: torch.Tensor, start: int, lo: int, hi: int) -> torch.Tensor:
 
 
 def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              g: torch.Tensor | None, state: KVMState) -> tuple[torch.Tensor, KVMState]:
+              g: torch.Tensor | None, state: KVMState, route: Callable[..., FoldRouting] | None = None,
+              group_chunks: int | None = None, group_growth: float = 1.25) -> tuple[torch.Tensor, KVMState]:
     """KVM attention over ``T >= 1`` new tokens continuing ``state`` (section 4 with appendix A's single masked
     attention).
 
@@ -174,6 +219,13 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
         q: queries ``(B, H_q, T, D)``; k, v: ``(B, H, T, D)``, after q/k norm and RoPE; g: merge gates
             ``(B, H, T)`` (eq. 2) or None.
         state: the state before these tokens (:meth:`KVMState.empty` at sequence start).
+        route: the routing of all folds, a function with :func:`route_folds`'s arguments returning a
+            :class:`~mixerzoo_kvm.ops.FoldRouting` (a device backend's kernel); None: :func:`route_folds`.
+        group_chunks: in training, query chunks per recomputed group (None: ``checkpoint_chunks`` x
+            ``max(1, n // 64)`` for a call of ``n`` chunks). Fewer, longer groups launch fewer kernels and keep
+            fewer states, but hold more snapshots at once.
+        group_growth: a group ends where the state has grown past this factor of its first chunk's rows
+            (:func:`~mixerzoo_kvm.ops.chunk_groups`): larger, fewer groups but more padding rows read.
 
     Returns:
         ``o (B, H_q, T, D)`` (before the output projection) and the new state (``shift`` left to the caller).
@@ -215,8 +267,9 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
     fold_pos = torch.arange((cf0 - nb) * C, (cf0 - nb + n_folds) * C, device=dev)
     with torch.no_grad():
         kbar = memory_keys(fold_k, spec.rotary_dim, params.ln_s, fold_pos, spec.unrotate)
-        routes = route_folds(spec, params, state.s_k, kbar.view(B, H, n_folds, C, D),
-                             None if fold_g is None else fold_g.view(B, H, n_folds, C), sizes)
+        fold_args = (spec, params, state.s_k, kbar.view(B, H, n_folds, C, D),
+                     None if fold_g is None else fold_g.view(B, H, n_folds, C), sizes)
+        routing = route(*fold_args) if route is not None else FoldRouting.stack(route_folds(*fold_args), kbar, sizes)
         del kbar
     # query chunk j reads the state after the folds of chunks cq0 .. cq0 + j
     reads = [min(max(cq0 + j - cf0 + 1, 0), n_folds) for j in range(n_q)]
@@ -224,10 +277,7 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
     count_all = None
     if state.count is not None:  # value_norm: mean: tokens summed into each row after each fold (no gradient)
         with torch.no_grad():
-            per_fold = [F.pad(r.weights(sizes[f + 1], state.count.dtype).sum(dim=2), (0, sizes[-1] - sizes[f + 1]))
-                        for f, r in enumerate(routes)]
-            c0 = F.pad(state.count, (0, sizes[-1] - sizes[0]))[:, :, None]
-            count_all = torch.cat([c0, c0 + torch.stack(per_fold, dim=2).cumsum(dim=2)], 2) if routes else c0
+            count_all = _counts(state.count, routing, sizes)
 
     # the queries on the same grid, from query chunk cq0 on
     q_all = joint_queries(q, torch.arange(p0, p1, device=dev), spec.unrotate)
@@ -244,20 +294,17 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
         attention call. Returns their reads ``(B, H_q, (b - a) C, D)`` and the state after their folds."""
         n, f0, f1 = b - a, reads[a - 1] if a else 0, reads[b - 1]  # the group's folds: f0 .. f1 - 1
         nf, R = f1 - f0, rows[b - 1]
-        fold_routes = routes[f0:f1]
+        fold_r = routing.folds(f0, f1)
         if nf:
             kb = memory_keys(fk, spec.rotary_dim, params.ln_s, fold_pos[f0 * C:f1 * C], spec.unrotate)
-            adds = [fold_additions(spec, kb[:, :, i * C:(i + 1) * C], fv[:, :, i * C:(i + 1) * C],
-                                   None if fg is None else fg[:, :, i * C:(i + 1) * C], r, sizes[f0 + i] == 0)
-                    for i, r in enumerate(fold_routes)]
-            x_k, x_v = (torch.stack(t, dim=2) for t in zip(*adds))
+            x_k, x_v = fold_additions(spec, kb.view(B, H, nf, C, D), fv.view(B, H, nf, C, D),
+                                      None if fg is None else fg.view(B, H, nf, C), fold_r.appended, sizes[f0] == 0)
         else:
             x_k = x_v = s_k.new_zeros(B, H, 0, C, D)
         grown = sizes[f0 + 1:f1 + 1]
-        snap_k, snap_v = snapshots(s_k, x_k, fold_routes, grown, R), snapshots(s_v, x_v, fold_routes, grown, R)
-        rho = torch.cat([rho.to(x_v.dtype)] + [torch.gather(fv[:, :, i * C:(i + 1) * C].to(x_v.dtype).norm(dim=-1),
-                                                            2, r.append_idx) for i, r in enumerate(fold_routes)],
-                        dim=2)
+        snap_k, snap_v = snapshots(s_k, x_k, fold_r, grown, R), snapshots(s_v, x_v, fold_r, grown, R)
+        rho = rho.to(x_v.dtype)
+        rho = radii(rho, fv.view(B, H, nf, C, D).to(x_v.dtype), fold_r, R) if nf else rho
         idx = torch.tensor([reads[j] - f0 for j in range(a, b)], device=dev)
         cnt = None if count_all is None else count_all[:, :, f0 + idx, :R]
         mem_k, mem_v = memory_rows(spec, params, snap_k.index_select(2, idx), snap_v.index_select(2, idx), rho,
@@ -276,11 +323,11 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
 
     recompute = spec.checkpoint_chunks > 0 and records_grad((q, k, v, state.s_k, state.s_v))
     # longer calls, longer groups: each group keeps one state for backward
-    max_chunks = spec.checkpoint_chunks * max(1, n_q // 64) if recompute else 64
+    max_chunks = (group_chunks or spec.checkpoint_chunks * max(1, n_q // 64)) if recompute else 64
     acc = accum_dtype(state.s_k, k)
     s_k, s_v, rho = state.s_k.to(acc), state.s_v.to(acc), state.rho.to(acc)
     outs = []
-    for a, b in chunk_groups(rows, max_chunks):
+    for a, b in chunk_groups(rows, max_chunks, group_growth):
         f0, f1 = reads[a - 1] if a else 0, reads[b - 1]
         fs = slice(f0 * C, f1 * C)
         win = slice((a + 1) * C, (b + nb) * C)

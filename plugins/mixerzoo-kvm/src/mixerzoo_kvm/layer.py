@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixerzoo.kernels import use_triton
 from mixerzoo.mixers import QKVProjection
 from mixerzoo.protocol import Mixer
 from mixerzoo.schedules import FixedSchedule, build_schedule
@@ -24,7 +25,12 @@ __all__ = ["KVMAttention"]
 
 HALF_ROPE = {"name": "rope", "rotary_fraction": 0.5}
 MEMORY_KEYS = ("zero_rotary", "pre_rope")
-BACKENDS = ("auto", "chunk", "cpu_lean")
+BACKENDS = ("auto", "chunk", "cpu_lean", "triton")
+# query chunks per recomputed group on the Triton path (checkpoint_chunks x this): few groups, few launches; each
+# group holds its snapshots (rows x D per chunk) only while it runs
+TRITON_GROUP_SCALE = 4
+# and a group spans a state growing up to this factor (power_law budgets): fewer groups, more padding rows read
+TRITON_GROUP_GROWTH = 2.0
 
 
 def _unrotate(pos, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -76,10 +82,13 @@ class KVMAttention(Mixer):
             one state per group and no snapshot, memory row or key list; 0 recomputes nothing (faster, more
             memory). Results are identical (docs/mechanisms/kvm.md, "Implementations").
         backend: the parallel form for ``T > 1``: ``chunk`` (the paper's appendix A: every chunk's state snapshot,
-            then one masked attention, :mod:`mixerzoo_kvm.chunk`), ``cpu_lean`` (the same function arranged for a
-            CPU, :mod:`mixerzoo_kvm.backends.cpu_lean`), or ``auto`` (default): ``cpu_lean`` for training on a CPU,
-            ``chunk`` everywhere else. One token with a state always takes the decode step
-            (:mod:`mixerzoo_kvm.recurrent`).
+            then one masked attention, :mod:`mixerzoo_kvm.chunk`, the routing a PyTorch loop over folds),
+            ``triton`` (the same form with the routing of all folds in one Triton kernel,
+            :mod:`mixerzoo_kvm.backends.triton`, and longer recomputed groups; on a CPU it runs in Triton's
+            interpreter: for tests), ``cpu_lean`` (the same function arranged for a CPU,
+            :mod:`mixerzoo_kvm.backends.cpu_lean`), or ``auto`` (default): ``triton`` for CUDA tensors when Triton
+            is importable, else ``cpu_lean`` for training on a CPU and ``chunk`` otherwise. One token with a state
+            always takes the decode step (:mod:`mixerzoo_kvm.recurrent`).
 
     State: :class:`mixerzoo_kvm.KVMState` (``m`` compressed rows plus at most ``L`` window tokens).
 
@@ -180,11 +189,12 @@ class KVMAttention(Mixer):
         step (:func:`mixerzoo_kvm.recurrent.kvm_step`) for one token, else the parallel form ``backend`` names."""
         B, T, _ = x.shape
         form = "step" if T == 1 else self.parallel_form(x)
+        chunked = form in ("chunk", "triton")
         lean = form == "cpu_lean" and records_grad((x, *self.parameters())) and not self.qkv.token_shift \
             and not (self.qkv.value_residual and shared is not None)
         if lean:
             q, k, v, shift = self._lean_projections(x, state)
-        elif form == "chunk" and records_grad((x, *self.parameters())) and not (self.qkv.value_residual and
+        elif chunked and records_grad((x, *self.parameters())) and not (self.qkv.value_residual and
                                                                               shared is not None):
             # the projections, norms and RoPE recomputed in backward from x: the chunk form copies q, k, v into its
             # grid, so autograd need not also keep the projections for the norms' backward
@@ -199,7 +209,16 @@ class KVMAttention(Mixer):
             y, new_state = kvm_packed(self.spec, self.params, q, k, v, g, state, out_proj=self.o_proj,
                                       finish_q=self.qkv.finish_queries if lean else None)
         else:
-            o, new_state = (kvm_step if T == 1 else kvm_chunk)(self.spec, self.params, q, k, v, g, state)
+            if form == "triton":
+                from .backends.triton import route_folds_triton  # imports triton
+
+                o, new_state = kvm_chunk(self.spec, self.params, q, k, v, g, state, route=route_folds_triton,
+                                         group_chunks=self._triton_group_chunks(T),
+                                         group_growth=TRITON_GROUP_GROWTH)
+            elif form == "chunk":
+                o, new_state = kvm_chunk(self.spec, self.params, q, k, v, g, state)
+            else:
+                o, new_state = kvm_step(self.spec, self.params, q, k, v, g, state)
             y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         new_state.shift = shift
         return y, new_state
@@ -224,11 +243,22 @@ class KVMAttention(Mixer):
         return q, k, v, None
 
     def parallel_form(self, x: torch.Tensor) -> str:
-        """``chunk`` or ``cpu_lean``: the form ``backend`` picks for input ``x`` (``auto``: ``cpu_lean`` when
-        training on a CPU, where it was measured faster, ``chunk`` otherwise)."""
+        """``chunk``, ``triton`` or ``cpu_lean``: the form ``backend`` picks for input ``x`` (``auto``: ``triton``
+        for CUDA tensors when Triton is importable, ``cpu_lean`` when training on a CPU, where it was measured
+        faster, ``chunk`` otherwise)."""
         if self.backend != "auto":
             return self.backend
+        if use_triton(self.backend, x.device):
+            return "triton"
         return "cpu_lean" if x.device.type == "cpu" and records_grad((x, *self.parameters())) else "chunk"
+
+    def _triton_group_chunks(self, T: int) -> int:
+        """Query chunks per recomputed group on the Triton path for a call of ``T`` tokens:
+        ``checkpoint_chunks x TRITON_GROUP_SCALE x max(1, n // 64)`` for ``n`` chunks, so a training step's
+        launches grow with the number of groups only (a few dozen per group, forward, recomputation and
+        backward)."""
+        n = -(-T // self.chunk_len)
+        return self.checkpoint_chunks * TRITON_GROUP_SCALE * max(1, n // 64)
 
     def extra_repr(self) -> str:
         return (f"chunk_len={self.chunk_len}, n_bswa_chunks={self.n_bswa_chunks}, sink_len={self.sink_len}, "

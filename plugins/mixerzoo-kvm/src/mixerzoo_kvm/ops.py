@@ -10,7 +10,8 @@ rows, ``r`` rotary channels. Every function is written for all heads at once; ``
 - :func:`merge_gate`    eq. (2): ``g = 1 + ELU(x W_g)``.
 - :func:`read_values`   readout of the value state (JIT norm to the stored radius, or the mean ablation).
 - :func:`state_budget`  ``M* = max(m, min(B(e), m + |Omega|))`` (section 4, "Merge", last paragraph).
-- :func:`route_overflow` the append / merge decisions of one overflow block (no gradient).
+- :func:`route_overflow` the append / merge decisions of one overflow block (no gradient); :class:`FoldRouting`
+  those of all the folds of a call, stacked.
 - :func:`keep_from`     the window positions a state must keep.
 - :func:`accum_dtype`, :func:`layer_norm_s`, :func:`matmul_acc` the dtype the state is kept, normalised and routed
   in (fp32, float64 kept float64), and ``LN_s`` and the state's matmuls in it.
@@ -35,8 +36,8 @@ from mixerzoo.ops import max_last
 from mixerzoo.decisions import decision
 
 __all__ = ["KVMSpec", "KVMParams", "accum_dtype", "matmul_acc", "layer_norm_s", "memory_keys", "memory_queries",
-           "joint_queries", "joint_keys", "merge_gate", "read_values", "state_budget", "Routing", "route_overflow",
-           "keep_from", "chunk_groups"]
+           "joint_queries", "joint_keys", "merge_gate", "read_values", "state_budget", "Routing", "FoldRouting",
+           "route_overflow", "keep_from", "chunk_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +231,45 @@ class Routing:
     def weights(self, m_grown: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``(B, H, C, m_grown)``: each token's weight on each row of the grown state (``m_grown = m + n_append``):
         ``probs``, or one-hot at ``target`` for winner-take-all, in ``dtype``."""
-        return self.probs.to(dtype) if self.probs is not None else F.one_hot(self.target, m_grown).to(dtype)
+        if self.probs is not None:
+            return self.probs.to(dtype)
+        # a scatter, not F.one_hot: one_hot reads the indices' range back to the host (a device sync per fold)
+        onehot = torch.zeros(*self.target.shape, m_grown, dtype=dtype, device=self.target.device)
+        return onehot.scatter_(-1, self.target[..., None], 1.0)
+
+
+@dataclasses.dataclass
+class FoldRouting:
+    """The routing of ``F`` consecutive overflow blocks at once (the parallel form's input).
+
+    Attributes:
+        target: ``(B, H, F, C)`` int64, fold ``f``'s :attr:`Routing.target` (a row of the state after fold ``f``).
+        appended: ``(B, H, F, C)`` bool, fold ``f``'s :attr:`Routing.appended`.
+        probs: soft routing only, each fold's :attr:`Routing.probs` (widths grow with the state), else None.
+    """
+
+    target: torch.Tensor
+    appended: torch.Tensor
+    probs: list[torch.Tensor] | None = None
+
+    @classmethod
+    def stack(cls, routes: list[Routing], like: torch.Tensor, sizes: list[int]) -> "FoldRouting":
+        """The routings of consecutive folds stacked along a fold axis (``like``: a tensor on their device, for
+        ``F = 0``; ``sizes``: the ``F + 1`` state sizes). With soft routing the block that initialises the state
+        (winner-take-all: token ``i`` becomes row ``i``) gets one-hot weights."""
+        if not routes:
+            B, H = like.shape[:2]
+            empty = like.new_zeros(B, H, 0, 0, dtype=torch.long)
+            return cls(target=empty, appended=empty.bool())
+        soft = [r.probs for r in routes if r.probs is not None]
+        return cls(target=torch.stack([r.target for r in routes], dim=2),
+                   appended=torch.stack([r.appended for r in routes], dim=2),
+                   probs=[r.weights(m, soft[0].dtype) for r, m in zip(routes, sizes[1:])] if soft else None)
+
+    def folds(self, f0: int, f1: int) -> "FoldRouting":
+        """Folds ``f0 .. f1 - 1``."""
+        return FoldRouting(self.target[:, :, f0:f1], self.appended[:, :, f0:f1],
+                           None if self.probs is None else self.probs[f0:f1])
 
 
 @torch.no_grad()
@@ -284,7 +323,7 @@ def route_overflow(keys_hat: torch.Tensor, kbar: torch.Tensor, append_rows: torc
         logits = torch.cat([sim, sim_new], dim=-1)  # (B, H, C, m')
         target = decision("kvm.merge", logits.argmax(dim=-1).scatter(-1, append_idx, own_rows))
         probs = (logits / math.sqrt(D)).softmax(dim=-1)
-        probs = torch.where(appended[..., None], F.one_hot(target, m_grown).to(probs.dtype), probs)
+        probs = torch.where(appended[..., None], torch.zeros_like(probs).scatter_(-1, target[..., None], 1.0), probs)
         return Routing(append_idx=append_idx, appended=appended, target=target, probs=probs)
     # argmax over [current rows ; appended rows] without concatenating them: the first maximum, as argmax's
     target = decision("kvm.merge", _first_argmax(sim, sim_new, m).scatter(-1, append_idx, own_rows))

@@ -1,0 +1,142 @@
+"""KVM's Triton path (``backend: triton``: the routing of all folds of a call in one kernel,
+:mod:`mixerzoo_kvm.backends.triton`) against the paper's equations (:mod:`mixerzoo_kvm.naive`): outputs, final
+state and gradients at the chunk form's tolerances, the kernel's decisions equal to the PyTorch loop's
+(:func:`mixerzoo_kvm.chunk.route_folds`), and a training step's launches that do not grow with the folds. On a
+machine without CUDA the kernel runs in Triton's interpreter (small sizes: seconds per test)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mixerzoo.evaluation.cost import count_launches  # noqa: E402
+from mixerzoo_kvm import KVMAttention  # noqa: E402
+from mixerzoo_kvm.backends.triton import route_folds_triton  # noqa: E402
+from mixerzoo_kvm.chunk import route_folds  # noqa: E402
+from mixerzoo_kvm.ops import FoldRouting, state_budget  # noqa: E402
+
+from test_kvm_equivalence import CONFIGS, D_MODEL, GROW, make, naive_forward  # noqa: E402
+
+TOL = dict(atol=2e-5, rtol=1e-4)  # test_kvm_equivalence's forward tolerance
+GRAD_TOL = dict(atol=5e-5, rtol=1e-4)  # and its gradients'
+
+# fixed and power_law budgets, merge gate on/off, gated appends, two protected sinks, pre-RoPE memory keys, GQA
+TRITON_CONFIGS = ["default", "power_law", "linear_gate_appends", "no_merge_gate", "quarter_rope_sinks2",
+                  "no_sink_protection", "value_mean", "pre_rope_gqa_grow", "gqa_token_shift", "one_window_chunk"]
+
+
+@pytest.mark.parametrize("name", TRITON_CONFIGS)
+def test_triton_path_equals_naive(name):
+    """Outputs and final state of one call and of a prefill in three calls equal naive's."""
+    layer = make(**CONFIGS[name], backend="triton").eval()
+    x = torch.randn(2, 45, D_MODEL, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        y_ref, s_ref = naive_forward(layer, x)
+        y, state = layer(x)
+        y1, st = layer(x[:, :13], None)
+        y2, st = layer(x[:, 13:29], st)
+        y3, st = layer(x[:, 29:], st)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    torch.testing.assert_close(torch.cat([y1, y2, y3], dim=1), y_ref, **TOL)
+    assert state.n_rows == s_ref["s_k"].shape[2] > 0
+    for field in ("s_k", "s_v", "rho", "count"):
+        for s in (state, st):
+            a, b = s_ref[field], getattr(s, field)
+            assert (a is None) == (b is None), field
+            if a is not None:
+                torch.testing.assert_close(b, a, **TOL)
+
+
+@pytest.mark.parametrize(("name", "T", "checkpoint_chunks"), [("default", 37, 4), ("power_law", 37, 4),
+                                                              ("linear_gate_appends", 37, 4),
+                                                              ("pre_rope_gqa_grow", 37, 4), ("value_mean", 37, 4),
+                                                              ("power_law", 150, 1), ("gqa_token_shift", 150, 1)])
+def test_triton_gradients_equal_naive(name, T, checkpoint_chunks):
+    """Parameter and input gradients equal naive's (with 150 tokens and ``checkpoint_chunks: 1``: many groups,
+    each recomputed in backward from the state entering it)."""
+    layer = make(**CONFIGS[name], backend="triton", checkpoint_chunks=checkpoint_chunks).train()
+    x = torch.randn(1, T, D_MODEL, generator=torch.Generator().manual_seed(8))
+    w = torch.randn(1, T, D_MODEL, generator=torch.Generator().manual_seed(9))
+    grads = []
+    for form in ("naive", "triton"):
+        layer.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_(True)
+        y, _ = naive_forward(layer, xg) if form == "naive" else layer(xg)
+        (y * w).sum().backward()
+        grads.append({"x": xg.grad, **{n: p.grad.clone() for n, p in layer.named_parameters()}})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], **GRAD_TOL, msg=n)
+
+
+def _sizes(schedule, C: int, n_folds: int, m0: int, first_chunk: int) -> list[int]:
+    sizes = [m0]
+    for f in range(n_folds):
+        sizes.append(state_budget(sizes[-1], schedule, (first_chunk + f) * C, C))
+    return sizes
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize(("opts", "m0"), [({}, 0), ({"schedule": GROW}, 0), ({"schedule": GROW}, 20),
+                                          ({"schedule": {"name": "linear", "rate": 0.7}, "gate_appends": True}, 0),
+                                          ({"schedule": {"name": "linear", "rate": 0.7}, "sink_len": 3}, 40)])
+def test_kernel_decisions_equal_route_folds(opts, m0, gated):
+    """The kernel's append / merge decisions (C = 32, head_dim 32, 6 folds, from an empty state or continuing
+    ``m0`` rows) equal the PyTorch loop's, token for token."""
+    layer = make(**opts, chunk_len=32)
+    g = torch.Generator().manual_seed(m0 + 1)
+    B, H, n_folds, C, D = 2, 2, 6, 32, 32
+    kbar = torch.randn(B, H, n_folds, C, D, generator=g)
+    gate = 1 + torch.nn.functional.elu(torch.randn(B, H, n_folds, C, generator=g)) if gated else None
+    s0 = torch.randn(B, H, m0, D, generator=g) * 3
+    ln = torch.nn.LayerNorm(D)
+    with torch.no_grad():
+        ln.weight.add_(0.2 * torch.randn(D, generator=g))
+        ln.bias.add_(0.2 * torch.randn(D, generator=g))
+    params = layer.params._replace(ln_s=ln)
+    sizes = _sizes(layer.spec.schedule, C, n_folds, m0, 2 + m0 // C)
+    assert max(b - a for a, b in zip(sizes, sizes[1:])) > 1  # appends and merges both happen
+    want = FoldRouting.stack(route_folds(layer.spec, params, s0, kbar, gate, sizes), kbar, sizes)
+    got = route_folds_triton(layer.spec, params, s0, kbar, gate, sizes)
+    assert torch.equal(got.appended, want.appended)
+    assert torch.equal(got.target, want.target)
+
+
+def test_kernel_raises_without_a_merge_target():
+    spec = dataclasses.replace(make().spec, n_protected=4)
+    with pytest.raises(ValueError, match="no merge target"):
+        route_folds_triton(spec, make().params, torch.zeros(1, 2, 0, 8), torch.randn(1, 2, 2, 4, 8), None, [0, 4, 4])
+
+
+def _train_step(layer: KVMAttention, T: int):
+    x = torch.randn(1, T, D_MODEL, generator=torch.Generator().manual_seed(0))
+    return lambda: layer(x)[0].square().sum().backward()
+
+
+def test_training_launches_do_not_grow_with_folds():
+    """One training step (forward and backward, one recomputed group) launches as many kernels for 22 folds as for
+    6 on the Triton path, with no host sync, where the PyTorch routing loop's launches grow with the folds."""
+    counts = {}
+    for backend in ("triton", "chunk"):
+        layer = make(backend=backend, checkpoint_chunks=8, chunk_len=16).train()
+        for T in (128, 384):
+            step = _train_step(layer, T)
+            step()  # lazy initialisation is not counted
+            counts[backend, T] = count_launches(step)
+    assert counts["triton", 128]["host_syncs"] == counts["triton", 384]["host_syncs"] == 0
+    assert counts["triton", 384]["launches"] == counts["triton", 128]["launches"]
+    assert counts["triton", 384]["triton"] >= 1
+    assert counts["chunk", 384]["launches"] - counts["chunk", 128]["launches"] > 100
+
+
+def test_backend_option():
+    with pytest.raises(ValueError, match="kvm backend must be one of"):
+        KVMAttention(D_MODEL, n_heads=2, chunk_len=4, backend="cuda")
+    layer = make(backend="auto")
+    x = torch.zeros(1, 8, D_MODEL)
+    assert layer.parallel_form(x) == "cpu_lean"  # training on a CPU; CUDA tensors take "triton"
+    layer.backend = "triton"
+    assert layer.parallel_form(x) == "triton"
