@@ -10,8 +10,10 @@ Breaks that stay, and why (``docs/training.md``, "torch.compile"):
 
 - gsa (CPU form): none; eager reads the largest log-decay inside a chunk on the host to choose the chunk length
   and the factored or exact form, a compiled graph takes the exact form (``mixerzoo_fla/gsa/chunk.py``).
-- kvm's CPU-lean path and ovq/vq: listed with the ``file:line`` of each break in ``KNOWN_BREAKS``; their
-  fullgraph cases are strict xfails, so a fix shows up as an unexpected pass. KVM's chunk form has none.
+- kvm's CPU-lean path: listed with the ``file:line`` of its break in ``KNOWN_BREAKS``; its fullgraph case is a
+  strict xfail, so a fix shows up as an unexpected pass. KVM's chunk form has none.
+- The Triton paths (``backend: triton``, what a GPU runs; here through Triton's interpreter): each kernel is one
+  ``torch.library`` custom operator, opaque to Dynamo, so they compile with ``fullgraph=True``.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ CASES = [
                                 "schedule": {"name": "fixed", "size": 8}}, 64, "train", 0),
     ("kvm-chunk-power_law", "kvm", {"n_heads": 2, "chunk_len": 16, "backend": "chunk",
                                     "schedule": {"name": "power_law", "coef": 2.0, "exponent": 0.5}}, 64, "train", 0),
-    ("ovq", "ovq", {"n_heads": 2, "chunk_len": 16, "max_size": 32}, 64, "train", 2),
-    ("vq", "vq", {"n_heads": 2, "chunk_len": 16, "codebook_size": 16}, 64, "train", 2),
+    ("ovq", "ovq", {"n_heads": 2, "chunk_len": 16, "max_size": 32}, 64, "train", 0),
+    ("vq", "vq", {"n_heads": 2, "chunk_len": 16, "codebook_size": 16}, 64, "train", 0),
     ("trellis", "trellis", {"n_heads": 2, "num_slots": 8, "chunk_len": 8}, 32, "train", 0),
     ("gdn", "gdn", {"n_heads": 2, "chunk_len": 16}, 48, "train", 0),
     ("gsa", "gsa", {"n_heads": 2, "num_slots": 8, "chunk_len": 16}, 48, "train", 0),
@@ -54,10 +56,6 @@ KNOWN_BREAKS = {
     "kvm": "mixerzoo_kvm/backends/cpu_lean/lean_attention.py:39 (bool(tensor) in shared_mask, inside the "
            "checkpointed segment; without it Dynamo fails inside the checkpoint's higher-order op on the read's "
            "custom backward)",
-    "ovq": "mixerzoo_ovq/chunk.py:43 (memo.setdefault: a dict mutated inside torch.utils.checkpoint, an unsafe "
-           "side effect for the checkpoint's higher-order op)",
-    "vq": "mixerzoo_ovq/chunk.py:43 (memo.setdefault: a dict mutated inside torch.utils.checkpoint, an unsafe "
-          "side effect for the checkpoint's higher-order op)",
 }
 
 # compiled and eager take different forms of the same equations (gsa: exact vs factored intra-chunk decay), equal
