@@ -10,6 +10,7 @@ from mixerzoo.kernels import triton_available
 from mixerzoo.testing import run_conformance
 from mixerzoo_ovq import OVQAttention, VQAttention
 from mixerzoo_ovq import layer as ovq_layer
+from mixerzoo_ovq.backends.triton import chunk as triton_chunk
 
 from test_ovq_layer import CONFIGS, D_MODEL, naive_layer
 
@@ -57,8 +58,10 @@ def test_triton_gradients_equal_naive(name):
 
 
 @pytest.mark.parametrize("splits", [(13, 24), (5, 3, 29), (8, 8, 21)])
-def test_triton_continuation_equals_one_pass(splits):
-    """Prefill in several calls (starting mid-chunk, on a boundary, ending mid-chunk) equals the naive pass."""
+def test_triton_continuation_equals_one_pass(splits, monkeypatch):
+    """Prefill in several calls (starting mid-chunk, on a boundary, ending mid-chunk) equals the naive pass; whole
+    chunks in groups of two."""
+    monkeypatch.setattr(triton_chunk, "GROUP_CHUNKS", 2)
     m = make("gqa")
     x = torch.randn(2, sum(splits), D_MODEL, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
@@ -74,6 +77,7 @@ def test_triton_continuation_equals_one_pass(splits):
 def test_triton_recomputed_segments_equal_keeping_everything(monkeypatch):
     """Training in several recomputed segments (the memo hands the first run's choices to the recomputation)."""
     monkeypatch.setattr(ovq_layer, "TRITON_SEGMENT_CHUNKS", 2)
+    monkeypatch.setattr(triton_chunk, "GROUP_CHUNKS", 1)  # and in groups inside a segment
     x = torch.randn(1, 45, D_MODEL, generator=torch.Generator().manual_seed(7), requires_grad=True)
     results = []
     for cc in (0, 1):

@@ -28,7 +28,11 @@ from mixerzoo.ops import max_last
 from ... import ops
 from .decide import decide
 
-__all__ = ["chunk_forward", "supports"]
+__all__ = ["chunk_forward", "supports", "GROUP_CHUNKS"]
+
+# whole chunks batched into one kernel launch and one attention call at most: a group holds every chunk's dictionary
+# snapshot (keys and values, float32: 64 chunks x 2048 rows x 128 dims x 2 kv heads = 134 MB each) while it runs
+GROUP_CHUNKS = 64
 
 
 def supports(spec: ops.Spec) -> bool:
@@ -135,19 +139,25 @@ def chunk_forward(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if torch.compiler.is_compiling():  # a dict mutated inside a checkpoint: see mixerzoo_ovq.chunk.chunk_forward
         memo = None
     first = min((L - buf_k.shape[2]) % L, T)   # the rest of a buffered chunk
-    whole = (T - first) // L * L
-    sizes = [first, whole, T - first - whole]
+    n_whole = (T - first) // L
+    # whole chunks in groups of at most GROUP_CHUNKS (a long prefill, not cut into recomputed segments, would
+    # otherwise hold every chunk's dictionary snapshot at once)
+    groups = [min(GROUP_CHUNKS, n_whole - g) * L for g in range(0, n_whole, GROUP_CHUNKS)]
+    sizes = [first, *groups, T - first - n_whole * L]
     qs, ks, vs = q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)
     outs, carry = [], (dk, dv, counts, log_counts, buf_k, buf_v)
     if first:
         o, *carry = ops.advance(spec, qs[0], ks[0], vs[0], pos, *carry)
         outs.append(o)
-    if whole:
-        o, dk, dv, counts = _whole_chunks(spec, qs[1], ks[1], vs[1], *carry[:3], (pos + first) // L, memo)
+    B, Hkv = k.shape[:2]
+    t = pos + first
+    for g, (qg, kg, vg) in enumerate(zip(qs[1:-1], ks[1:-1], vs[1:-1])):
+        group_memo = None if memo is None else memo.setdefault(g, {})
+        o, dk, dv, counts = _whole_chunks(spec, qg, kg, vg, *carry[:3], t // L, group_memo)
         outs.append(o)
-        B, Hkv = k.shape[:2]
         carry = (dk, dv, counts, counts.log(), k.new_empty(B, Hkv, 0, k.shape[3]), v.new_empty(B, Hkv, 0, v.shape[3]))
-    if T - first - whole:
-        o, *carry = ops.advance(spec, qs[2], ks[2], vs[2], pos + first + whole, *carry)
+        t += qg.shape[2]
+    if sizes[-1]:
+        o, *carry = ops.advance(spec, qs[-1], ks[-1], vs[-1], t, *carry)
         outs.append(o)
     return (torch.cat(outs, dim=2) if len(outs) > 1 else outs[0], *carry)
