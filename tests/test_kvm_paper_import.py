@@ -19,6 +19,7 @@ import torch
 from mixerzoo.mixers.attention import Attention
 from mixerzoo.mixers.qkv import QKVProjection
 from mixerzoo.model import LanguageModel, LMConfig
+from mixerzoo.model.config import ConfigError
 from mixerzoo.model.channel_mixers import RWKV7ChannelMix, ReLUSquared, build_channel_mixer, default_d_ff
 from mixerzoo.positional import RoPE
 
@@ -197,7 +198,7 @@ def test_embed_norm_off_is_the_default_and_on_normalises_the_embedding():
 
 # -- the importer: the committed fixture (their code's output), no repository needed --------------------------------
 FIXTURES = Path(__file__).parent / "fixtures" / "kvm_paper"
-FIXTURE_NAMES = ["gptalpha", "gptalpha_bswa"]
+FIXTURE_NAMES = ["gptalpha", "gptalpha_bswa", "gptalpha_halfrope_swa"]
 
 
 def _expected(name: str) -> dict:
@@ -234,7 +235,7 @@ def _their_config(name: str) -> dict:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("token_mixer", "kvm"), ("alt_layer_every", 2), ("use_skip_connections", 1), ("use_block_lambdas", 1),
+    ("token_mixer", "kvm"), ("use_skip_connections", 1), ("use_block_lambdas", 1),
     ("logit_softcap", 30.0), ("residual_scale", 0.5), ("gptalpha_value_residual_mode", "linear"),
     ("token_mixer_class_path", "elsewhere.Mixer"), ("d_v_head", 16)])
 def test_unsupported_fields_refused_in_one_line(field, value):
@@ -244,6 +245,66 @@ def test_unsupported_fields_refused_in_one_line(field, value):
     with pytest.raises(UnsupportedArchitectureError) as e:
         lm_config_from_kvm_paper({**_their_config("gptalpha"), field: value})
     assert f"{field}={value!r}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_hybrid_mapping_and_its_alternate_mixer_refused():
+    """``alt_layer_every: 2``: alternate swa layers with their own RoPE, one value-residual anchor per group taken
+    from the embedding output; an alternate token mixer with no equal here is refused by its field."""
+    from mixerzoo.hub.kvm_paper import lm_config_from_kvm_paper
+    from mixerzoo.hub.pretrained import UnsupportedArchitectureError
+
+    theirs = _their_config("gptalpha_halfrope_swa")
+    cfg = lm_config_from_kvm_paper(theirs)
+    assert cfg.layer_types == ["alt_swa", "attention"] and cfg.n_layers == 3
+    assert cfg.value_residual_groups == "layer_name" and cfg.value_residual_anchor == "embedding"
+    assert cfg.mixers["alt_swa"]["window"] == 24 and cfg.mixers["alt_swa"]["positional"]["rotary_fraction"] == 1.0
+    assert cfg.mixers["attention"]["positional"]["rotary_fraction"] == 0.5
+    assert lm_config_from_kvm_paper({**theirs, "alt_share_v0": 1}).value_residual_groups == "model"
+    with pytest.raises(UnsupportedArchitectureError, match="alt_token_mixer='ovq'"):
+        lm_config_from_kvm_paper({**theirs, "alt_token_mixer": "ovq"})
+
+
+def test_value_residual_groups_and_embedding_anchor():
+    """Defaults: one model-wide anchor (the first value-residual layer's values). ``layer_name``: one per layer
+    name. ``embedding``: a group's anchor is its first layer's value projection of its norm of the embedding
+    output; for a group starting at layer 0 that is the default anchor, so the model is unchanged."""
+    torch.manual_seed(3)
+    opts = {"value_residual": True, "value_gate_rank": 4}
+    base = dict(vocab_size=50, d_model=32, n_layers=4, n_heads=2, layer_types=["a", "b"],
+                mixers={"a": {"mixer": "attention", **opts}, "b": {"mixer": "swa", "window": 4, **opts}})
+    ref = LanguageModel(LMConfig(**base))
+    for block in ref.blocks:
+        block.mixer.qkv.v_gate_down.weight.data.normal_()
+    ids = torch.randint(0, 50, (2, 9))
+    variants = {k: LanguageModel(LMConfig(**base, **k2)) for k, k2 in {
+        "same": {"value_residual_anchor": "embedding"},
+        "groups": {"value_residual_groups": "layer_name"},
+        "both": {"value_residual_groups": "layer_name", "value_residual_anchor": "embedding"}}.items()}
+    for m in variants.values():
+        m.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        y = ref(ids)[0]
+        assert torch.equal(variants["same"](ids)[0], y)
+        seen = {}
+        for name, m in variants.items():
+            hooks = [b.mixer.qkv.register_forward_hook(lambda mod, a, out, i=i: seen.__setitem__((name, i), out[2]))
+                     for i, b in enumerate(m.blocks)]
+            m(ids)
+            for h in hooks:
+                h.remove()
+        # layer 1 ("b") starts its own group: its values pass unmixed with first_layer anchors, and with the
+        # embedding anchor they are mixed with its projection of the embedding output
+        b1 = variants["groups"].blocks[1]
+        x1 = variants["groups"].embed(ids)
+        x1 = variants["groups"].blocks[0](x1)[0]
+        v_plain = b1.mixer.qkv.v_proj(b1.norm1(x1))
+        assert torch.allclose(seen[("groups", 1)], v_plain.view(2, 9, 2, 16).transpose(1, 2), atol=1e-6)
+        anchor = b1.mixer.qkv.v_proj(b1.norm1(variants["both"].embed(ids)))
+        mixed = v_plain + (anchor - v_plain) * b1.mixer.qkv.value_gate(b1.norm1(x1))
+        assert torch.allclose(seen[("both", 1)], mixed.view(2, 9, 2, 16).transpose(1, 2), atol=1e-6)
+        assert not torch.allclose(variants["groups"](ids)[0], y)
+    with pytest.raises(ConfigError, match="value_residual_groups"):
+        LMConfig(**base, value_residual_groups="layer")
 
 
 def test_bswa_sinks_refused_and_config_mapping():

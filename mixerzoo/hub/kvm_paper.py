@@ -33,12 +33,15 @@ RoPE (``rope_partial_dim``,        ``positional: {name: rope, rotary_fraction: p
 =================================  ===========================================================================
 
 Token mixers: ``gptalpha`` -> ``attention``, ``gptalpha_bswa`` -> ``bswa`` (``chunk_len``, ``n_bswa_chunks``;
-``sink_len: 0`` only), ``swa`` -> ``swa`` (``window: swa_window_size``, or ``chunk_len`` when not positive).
-Everything else is refused with :class:`UnsupportedArchitectureError`, one line naming the field: the KVM and OVQ
-token mixers (their value gate is input-dependent and KVM's temperatures are per query head, which those layers
-do not take yet), the hybrids with ``alt_layer_every`` (their main and alternate layers each take a value-residual
-anchor of their own, the main one projected from the embedding by layer 1's weights), skip connections, block
-lambdas, logit softcap, a residual scale other than 1, and the value-residual modes other than ``rwkv``.
+``sink_len: 0`` only), ``swa`` -> ``swa`` (``window: swa_window_size``, or ``chunk_len`` when not positive). Their
+hybrids (``alt_layer_every: k``, e.g. the SWA baseline ``gptalpha_halfrope_swa_rope``) become ``layer_types:
+[alt_<mixer>, <mixer>, ...]`` with the alternate layers' own RoPE (``alt_rope_*``), ``value_residual_groups:
+layer_name`` (one anchor for the main and one for the alternate layers; ``model`` with ``alt_share_v0``) and
+``value_residual_anchor: embedding`` (their main layers' anchor is layer 1's value projection of the embedding
+output). Everything else is refused with :class:`UnsupportedArchitectureError`, one line naming the field: the KVM
+and OVQ token mixers (their value gate is input-dependent and KVM's temperatures are per query head, which those
+layers do not take yet), skip connections, block lambdas, logit softcap, a residual scale other than 1, sinks in
+bswa, and the value-residual modes other than ``rwkv``.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ DEFAULTS: dict[str, Any] = {
     "logit_softcap": 0.0, "residual_scale": None, "use_value_residual": 1, "use_tokenshift_att": 0,
     "gptalpha_value_residual_mode": "rwkv", "gptalpha_token_shift_mode": "rwkv", "swa_value_residual_mode": "rwkv",
     "swa_token_shift_mode": "rwkv", "swa_window_size": -1, "sink_len": 1, "chunk_len": 256, "n_bswa_chunks": 2,
+    "alt_token_mixer": "swa", "alt_token_mixer_class_path": None, "alt_rope_theta": 10000.0,
+    "alt_rope_partial_dim": 64, "alt_share_v0": 0,
 }
 
 # their token mixer -> (mixer here, the config fields naming its value-residual and token-shift modes)
@@ -228,47 +233,40 @@ def value_gate_rank(hidden_size: int) -> int:
     return max(32, int(round((1.3 * hidden_size ** 0.5) / 32) * 32))
 
 
-def lm_config_from_kvm_paper(cfg: dict) -> LMConfig:
-    """The :class:`LMConfig` equal to the authors' model of config ``cfg`` (their field names; missing fields take
-    their defaults).
+def _token_mixer(cfg: dict, alt: bool) -> str:
+    """Their token mixer's short name (``gptalpha``, ``swa``, ...) for the main or the alternate layers."""
+    field = "alt_token_mixer" if alt else "token_mixer"
+    class_path = cfg.get(f"{field}_class_path")
+    if class_path is None:
+        return str(cfg[field])
+    m = re.fullmatch(r"model\.(\w+)_mixer\.SequenceMixer", str(class_path))
+    if m is None:
+        raise _refuse(f"{field}_class_path", class_path, "only their own token mixers are known")
+    return m.group(1)
 
-    Raises:
-        UnsupportedArchitectureError: a field the mapping cannot represent exactly (one line naming it).
-    """
-    cfg = {**DEFAULTS, **cfg}
-    class_path = cfg.get("token_mixer_class_path")
-    token_mixer = cfg["token_mixer"]
-    if class_path is not None:
-        m = re.fullmatch(r"model\.(\w+)_mixer\.SequenceMixer", str(class_path))
-        if m is None:
-            raise _refuse("token_mixer_class_path", class_path, "only their own token mixers are known")
-        token_mixer = m.group(1)
+
+def _layer_options(cfg: dict, token_mixer: str, alt: bool) -> dict:
+    """The mixer options of their main (or alternate) layers."""
+    field = "alt_token_mixer" if alt else "token_mixer"
     if token_mixer not in TOKEN_MIXERS:
         why = ("the KVM layer does not take the input-dependent value gate and per-query-head temperatures yet"
                if token_mixer == "kvm" else "no mixer here equals it yet")
-        raise _refuse("token_mixer", token_mixer, why)
-    if int(cfg["alt_layer_every"] or -1) > 1:
-        raise _refuse("alt_layer_every", cfg["alt_layer_every"], "a hybrid's main and alternate layers each take a "
-                      "value-residual anchor of their own, the main one projected from the embedding by layer 1")
-    for field, off in (("use_skip_connections", 0), ("use_block_lambdas", 0), ("logit_softcap", 0.0)):
-        if cfg[field] not in (off, None, False):
-            raise _refuse(field, cfg[field], "not used by their 120M/350M models and not implemented here")
-    if cfg["residual_scale"] not in (None, 1, 1.0):
-        raise _refuse("residual_scale", cfg["residual_scale"], "residual branches are added unscaled here")
+        raise _refuse(field, token_mixer, why)
     mixer, prefix = TOKEN_MIXERS[token_mixer]
     d, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     d_qk = cfg["d_qk_head"] or cfg["d_head"] or d // n_heads
     d_v = cfg["d_v_head"] or cfg["d_head"] or d // n_heads
     if d_qk != d_v:
         raise _refuse("d_v_head", d_v, f"keys have {d_qk} channels per head and values must have as many")
-    partial = int(cfg["rope_partial_dim"])
+    rope = "alt_rope" if alt else "rope"
+    partial = int(cfg[f"{rope}_partial_dim"])
     if partial < 0 or partial > d_qk or partial % 2:
-        raise _refuse("rope_partial_dim", partial, f"must be an even count within the head's {d_qk} channels")
+        raise _refuse(f"{rope}_partial_dim", partial, f"must be an even count within the head's {d_qk} channels")
     positional: Any = "nope" if partial == 0 else {
-        "name": "rope", "theta": float(cfg["rope_theta"]), "rotary_fraction": partial / d_qk, "pairing": "adjacent",
-        "frequencies": "linspace", "direction": -1, "table_dtype": "bfloat16"}
+        "name": "rope", "theta": float(cfg[f"{rope}_theta"]), "rotary_fraction": partial / d_qk,
+        "pairing": "adjacent", "frequencies": "linspace", "direction": -1, "table_dtype": "bfloat16"}
     if positional != "nope" and int(d_qk * positional["rotary_fraction"]) // 2 * 2 != partial:
-        raise _refuse("rope_partial_dim", partial, f"{partial} of {d_qk} channels is not a representable fraction")
+        raise _refuse(f"{rope}_partial_dim", partial, f"{partial} of {d_qk} channels is not a representable fraction")
     shift_mode = cfg[f"{prefix}_token_shift_mode"] if cfg["use_tokenshift_att"] else "none"
     if shift_mode not in ("rwkv", "none"):
         raise _refuse(f"{prefix}_token_shift_mode", shift_mode, "token shift here is RWKV's lerp ('rwkv') or none")
@@ -290,11 +288,48 @@ def lm_config_from_kvm_paper(cfg: dict) -> LMConfig:
     elif mixer == "swa":
         window = int(cfg["swa_window_size"])
         opts["window"] = window if window > 0 else int(cfg["chunk_len"])
+    return opts
+
+
+def lm_config_from_kvm_paper(cfg: dict) -> LMConfig:
+    """The :class:`LMConfig` equal to the authors' model of config ``cfg`` (their field names; missing fields take
+    their defaults).
+
+    A hybrid (``alt_layer_every: k``: layers ``0, k, 2k, ...`` run the alternate token mixer with the ``alt_rope_*``
+    fields) becomes ``layer_types: [alt_<mixer>, <mixer>, ...]`` (one alternate name, then ``k - 1`` main names)
+    with ``value_residual_groups: layer_name`` (unless ``alt_share_v0``) and ``value_residual_anchor:
+    embedding``: their main layers' anchor is layer 1's value projection of the embedding output.
+
+    Raises:
+        UnsupportedArchitectureError: a field the mapping cannot represent exactly (one line naming it).
+    """
+    cfg = {**DEFAULTS, **cfg}
+    for field, off in (("use_skip_connections", 0), ("use_block_lambdas", 0), ("logit_softcap", 0.0)):
+        if cfg[field] not in (off, None, False):
+            raise _refuse(field, cfg[field], "not used by their 120M/350M models and not implemented here")
+    if cfg["residual_scale"] not in (None, 1, 1.0):
+        raise _refuse("residual_scale", cfg["residual_scale"], "residual branches are added unscaled here")
+    main = _layer_options(cfg, _token_mixer(cfg, alt=False), alt=False)
+    d, n_layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+    every = int(cfg["alt_layer_every"] or -1)
+    hybrid: dict[str, Any] = {}
+    if every > 1:
+        alt = _layer_options(cfg, _token_mixer(cfg, alt=True), alt=True)
+        alt_name = f"alt_{alt['mixer']}"
+        layer_types, mixers = [alt_name] + [main["mixer"]] * (every - 1), {alt_name: alt, main["mixer"]: main}
+        if every > n_layers:
+            layer_types = layer_types[:n_layers]
+            mixers = {k: v for k, v in mixers.items() if k in layer_types}
+        hybrid = {"value_residual_groups": "model" if cfg["alt_share_v0"] else "layer_name",
+                  "value_residual_anchor": "embedding"}
+    else:
+        layer_types, mixers = [main["mixer"]], {main["mixer"]: main}
     d_ff = int(float(cfg["ffn_expansion"]) * d) // 32 * 32
-    return LMConfig(vocab_size=int(cfg["vocab_size"]), d_model=d, n_layers=int(cfg["num_hidden_layers"]),
-                    n_heads=n_heads, layer_types=[mixer], mixers={mixer: opts},
+    return LMConfig(vocab_size=int(cfg["vocab_size"]), d_model=d, n_layers=n_layers,
+                    n_heads=int(cfg["num_attention_heads"]), layer_types=layer_types, mixers=mixers,
                     channel_mixer="rwkv7" if cfg["use_tokenshift_ffn"] else "relu2", d_ff=d_ff, norm="layernorm",
-                    norm_eps=1e-5, embed_norm=True, tie_embeddings=False, out_init="zero", pad_vocab_multiple=1)
+                    norm_eps=1e-5, embed_norm=True, tie_embeddings=False, out_init="zero", pad_vocab_multiple=1,
+                    **hybrid)
 
 
 _TOP = {"transformer.wte.weight": "embed.weight", "transformer.ln_emb.weight": "embed_norm.weight",
@@ -318,13 +353,14 @@ def weights_from_kvm_paper(state: dict[str, torch.Tensor], config: LMConfig) -> 
     Raises:
         UnsupportedArchitectureError: a weight with no place in the mapped backbone (names it).
     """
-    shift = next(iter(config.mixers.values())).get("token_shift", False)
+    specs = config.layer_specs()
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         mapped = _TOP.get(name)
         if mapped is None:
             m = _LAYER_RE.fullmatch(name)
-            if m is not None and m.group(2) == "attn.x_v" and not shift:
+            if m is not None and m.group(2) == "attn.x_v" and int(m.group(1)) < len(specs) \
+                    and not specs[int(m.group(1))].options.get("token_shift", False):
                 continue
             target = _LAYER.get(m.group(2)) if m is not None else None
             if target is None:

@@ -58,6 +58,12 @@ class LMConfig:
         norm_eps: Epsilon of the norms.
         embed_norm: A norm (of kind ``norm``) right after the embedding, before the first block (GPTAlpha-2's
             ``ln_emb``, as in RWKV's ``ln0``); the first value-residual layer's values come from its output too.
+        value_residual_groups: Which layers with the ``value_residual`` option share one anchor ``v_first``:
+            ``model`` (all of them: the KVM paper, appendix B) or ``layer_name`` (one anchor per layer name of
+            ``layer_types``, as GPTAlpha-2's hybrids keep one for their main and one for their alternate layers).
+        value_residual_anchor: Where a group's anchor comes from: ``first_layer`` (the values its first layer
+            projects from its own input) or ``embedding`` (its first layer's norm and value projection applied to
+            the embedding output instead, as GPTAlpha-2 computes it; the same for a group that starts at layer 0).
         tie_embeddings: Share the embedding matrix with the output head.
         init_std: Std of the normal init of Linear/Embedding weights (biases zero).
         out_init: Residual output projections (``o_proj``, ``down_proj``): ``scaled`` (std
@@ -78,6 +84,8 @@ class LMConfig:
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     embed_norm: bool = False
+    value_residual_groups: str = "model"
+    value_residual_anchor: str = "first_layer"
     tie_embeddings: bool = True
     init_std: float = 0.02
     out_init: str = "scaled"
@@ -90,6 +98,12 @@ class LMConfig:
                 raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
         if self.d_ff is not None and self.d_ff < 1:
             raise ConfigError(f"model.d_ff must be a positive integer or null, got {self.d_ff!r}")
+        if self.value_residual_groups not in ("model", "layer_name"):
+            raise ConfigError(f"model.value_residual_groups must be 'model' or 'layer_name', got "
+                              f"{self.value_residual_groups!r}")
+        if self.value_residual_anchor not in ("first_layer", "embedding"):
+            raise ConfigError(f"model.value_residual_anchor must be 'first_layer' or 'embedding', got "
+                              f"{self.value_residual_anchor!r}")
         if self.out_init not in ("scaled", "zero"):
             raise ConfigError(f"model.out_init must be 'scaled' or 'zero', got {self.out_init!r}")
         if isinstance(self.layer_types, str):

@@ -105,11 +105,35 @@ class Block(nn.Module):
         self.channel = build_channel_mixer(config.channel_mixer, config.d_model, config.d_ff,
                                            config.channel_token_shift)
         self._pass_shared = bool(getattr(self.mixer, "uses_shared", False))
+        # the value residual's anchor under this block's group (None: the default, one model-wide "v_first")
+        grouped = config.value_residual_groups != "model" or config.value_residual_anchor != "first_layer"
+        qkv = getattr(self.mixer, "qkv", None)
+        self._anchor_key = None
+        if grouped and self._pass_shared and getattr(qkv, "value_residual", False):
+            self._anchor_key = "v_first" if config.value_residual_groups == "model" else f"v_first/{spec.name}"
+        self._anchor_from_embedding = config.value_residual_anchor == "embedding"
+
+    def _grouped_mixer(self, h: torch.Tensor, mixer_state, shared: dict):
+        """The mixer with its group's value-residual anchor under the key ``v_first`` it reads; the group's first
+        layer projects the anchor from the embedding output (``shared["x0"]``) through its own norm and value
+        projection when ``value_residual_anchor`` is ``embedding``, else publishes the values it makes itself."""
+        key = self._anchor_key
+        if self._anchor_from_embedding and key not in shared:
+            shared[key] = self.mixer.qkv.v_proj(self.norm1(shared["x0"]))
+        own = {k: v for k, v in shared.items() if k != "v_first"}
+        if key in shared:
+            own["v_first"] = shared[key]
+        y, mixer_state = self.mixer(h, mixer_state, shared=own)
+        if "v_first" in own:
+            shared.setdefault(key, own["v_first"])
+        return y, mixer_state
 
     def forward(self, x: torch.Tensor, state: tuple | None = None, shared: dict | None = None):
         mixer_state, channel_state = state if state is not None else (None, None)
         h = self.norm1(x)
-        if self._pass_shared:
+        if self._anchor_key is not None and shared is not None:
+            y, mixer_state = self._grouped_mixer(h, mixer_state, shared)
+        elif self._pass_shared:
             y, mixer_state = self.mixer(h, mixer_state, shared=shared)
         else:
             y, mixer_state = self.mixer(h, mixer_state)
@@ -207,7 +231,7 @@ class LanguageModel(nn.Module):
         x = self.embed(input_ids)
         if self.config.embed_norm:
             x = self.embed_norm(x)
-        shared: dict[str, Any] = {}
+        shared: dict[str, Any] = {"x0": x} if self.config.value_residual_anchor == "embedding" else {}
         states = states if states is not None else [None] * len(self.blocks)
         new_states = []
         recompute = self.activation_checkpointing and self.training
