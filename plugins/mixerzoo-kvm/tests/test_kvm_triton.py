@@ -13,7 +13,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from mixerzoo import decisions  # noqa: E402
 from mixerzoo.evaluation.cost import count_launches  # noqa: E402
+from mixerzoo.testing.cuda_autocast import emulate_cuda_autocast  # noqa: E402
 from mixerzoo_kvm import KVMAttention  # noqa: E402
 from mixerzoo_kvm.backends.triton import route_folds_triton  # noqa: E402
 from mixerzoo_kvm.chunk import route_folds  # noqa: E402
@@ -25,8 +27,10 @@ TOL = dict(atol=2e-5, rtol=1e-4)  # test_kvm_equivalence's forward tolerance
 GRAD_TOL = dict(atol=5e-5, rtol=1e-4)  # and its gradients'
 
 # fixed and power_law budgets, merge gate on/off, gated appends, two protected sinks, pre-RoPE memory keys, GQA
+# (soft routing, an ablation, routes with the PyTorch loop on this path: checked that it still does)
 TRITON_CONFIGS = ["default", "power_law", "linear_gate_appends", "no_merge_gate", "quarter_rope_sinks2",
-                  "no_sink_protection", "value_mean", "pre_rope_gqa_grow", "gqa_token_shift", "one_window_chunk"]
+                  "no_sink_protection", "value_mean", "pre_rope_gqa_grow", "gqa_token_shift", "one_window_chunk",
+                  "soft_routing"]
 
 
 @pytest.mark.parametrize("name", TRITON_CONFIGS)
@@ -70,6 +74,60 @@ def test_triton_gradients_equal_naive(name, T, checkpoint_chunks):
         grads.append({"x": xg.grad, **{n: p.grad.clone() for n, p in layer.named_parameters()}})
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], **GRAD_TOL, msg=n)
+
+
+@pytest.mark.parametrize("name", ["power_law", "linear_gate_appends"])
+def test_triton_path_under_cuda_autocast_and_bf16_weights(name):
+    """Under CUDA's autocast rules (emulated) and with bf16 weights no kernel meets two floating dtypes, outputs
+    are bf16 and gradients finite, and the output equals the chunk form's to bf16 rounding."""
+    x = torch.randn(2, 45, D_MODEL, generator=torch.Generator().manual_seed(8))
+    for weights in (torch.float32, torch.bfloat16):
+        outs = []
+        for backend in ("triton", "chunk"):
+            layer = make(**CONFIGS[name], backend=backend).to(weights).train()
+            xw = x.to(weights).requires_grad_(True)
+            with emulate_cuda_autocast():
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=weights == torch.float32):
+                    y, _ = layer(xw)
+                y.float().sum().backward()
+            assert y.dtype == torch.bfloat16
+            for n, p in layer.named_parameters():
+                assert p.grad is None or (p.grad.dtype == weights and torch.isfinite(p.grad).all()), n
+            outs.append(y.detach().float())
+        # the same function; the groups differ (longer on the Triton path), so fp32 rounding and then bf16's differ
+        torch.testing.assert_close(outs[0], outs[1], atol=4e-3, rtol=2e-2)
+
+
+def test_triton_path_float64_gradients_equal_naive():
+    """In float64 the kernel routes in float64 and the gradients equal naive's to float64 rounding."""
+    layer = make(**CONFIGS["power_law"], backend="triton").double().train()
+    x = torch.randn(1, 61, D_MODEL, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    w = torch.randn(1, 61, D_MODEL, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    grads = []
+    for form in ("naive", "triton"):
+        layer.zero_grad(set_to_none=True)
+        y, _ = naive_forward(layer, x) if form == "naive" else layer(x)
+        assert y.dtype == torch.float64
+        (y * w).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-10, rtol=1e-9, msg=n)
+
+
+def test_decisions_recorded_and_replayed():
+    """While the conformance kit records or replays decisions, the Triton path passes every fold's choices through
+    ``decision`` (routing with the PyTorch loop), so a replay reproduces the recorded pass."""
+    layer = make(**CONFIGS["power_law"], backend="triton").eval()
+    x = torch.randn(1, 45, D_MODEL, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        y_kernel, _ = layer(x)
+        with decisions.record() as taken:
+            y_rec, _ = layer(x)
+        with decisions.replay(taken) as stats:
+            y_rep, _ = layer(x)
+    assert taken and stats.decisions == len(taken) and stats.differ == 0
+    torch.testing.assert_close(y_rec, y_kernel, atol=0, rtol=0)
+    torch.testing.assert_close(y_rep, y_rec, atol=0, rtol=0)
 
 
 def _sizes(schedule, C: int, n_folds: int, m0: int, first_chunk: int) -> list[int]:

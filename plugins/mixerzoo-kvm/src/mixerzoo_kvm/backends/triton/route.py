@@ -16,8 +16,8 @@ from torch import nn
 
 from mixerzoo import decisions
 
-from ...chunk import FoldRouting, route_folds
-from ...ops import KVMParams, KVMSpec, accum_dtype
+from ...chunk import route_folds
+from ...ops import FoldRouting, KVMParams, KVMSpec, accum_dtype
 from .route_kernel import route_folds_kernel
 
 __all__ = ["route_folds_triton"]
@@ -33,8 +33,8 @@ def _route_folds_op(s_k0: torch.Tensor, kbar: torch.Tensor, g: torch.Tensor | No
                     ln_w: torch.Tensor, ln_b: torch.Tensor, ln_eps: float, n_protected: int, gate_appends: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``target (B, H, F, C)`` int64 and ``appended (B, H, F, C)`` bool for memory keys ``kbar (B, H, F, C, D)``
-    continuing key sums ``s_k0 (B, H, m, D)`` (both in the accumulation dtype), gates ``g (B, H, F, C)`` or None,
-    ``sizes`` the ``F + 1`` state sizes."""
+    continuing key sums ``s_k0 (B, H, m, D)``, gates ``g (B, H, F, C)`` or None, ``LN_s``'s ``ln_w, ln_b (D,)``
+    (all in one dtype, the accumulation dtype), ``sizes`` the ``F + 1`` state sizes."""
     B, H, n_folds, C, D = kbar.shape
     R = max(sizes[-1], 1)
     s_k = torch.zeros(B * H, R, D, dtype=kbar.dtype, device=kbar.device)
@@ -44,10 +44,9 @@ def _route_folds_op(s_k0: torch.Tensor, kbar: torch.Tensor, g: torch.Tensor | No
     if n_folds and B * H:
         size_t = torch.tensor(sizes, dtype=torch.int32).to(kbar.device, non_blocking=True)
         kb = kbar.contiguous()
-        gg = kb if g is None else g.to(kb.dtype).contiguous()  # not read without a gate
-        route_folds_kernel[(B * H,)](s_k, kb, gg, size_t, ln_w.to(kb.dtype).contiguous(),
-                                     ln_b.to(kb.dtype).contiguous(), target, appended, n_folds, R, C, D,
-                                     ln_eps, n_protected, HAS_GATE=g is not None, GATE_APPENDS=gate_appends,
+        gg = kb if g is None else g.contiguous()  # not read without a gate
+        route_folds_kernel[(B * H,)](s_k, kb, gg, size_t, ln_w.contiguous(), ln_b.contiguous(), target, appended,
+                                     n_folds, R, C, D, ln_eps, n_protected, HAS_GATE=g is not None, GATE_APPENDS=gate_appends,
                                      BLOCK_C=_block(C), BLOCK_D=_block(D), BLOCK_R=32)
     return target, appended.bool()
 
@@ -75,7 +74,7 @@ def route_folds_triton(spec: KVMSpec, params: KVMParams, s_k0: torch.Tensor, kba
     """
     ln = params.ln_s
     if spec.routing != "hard" or not isinstance(ln, nn.LayerNorm) or decisions._ACTIVE:
-        return route_folds(spec, params, s_k0, kbar, g, sizes)
+        return FoldRouting.stack(route_folds(spec, params, s_k0, kbar, g, sizes), kbar, sizes)
     C, D = kbar.shape[-2], kbar.shape[-1]
     for m, m_new in zip(sizes[:-1], sizes[1:]):
         if m and spec.n_protected >= m_new and m_new - m < C:
@@ -83,6 +82,8 @@ def route_folds_triton(spec: KVMSpec, params: KVMParams, s_k0: torch.Tensor, kba
     dtype = accum_dtype(kbar, s_k0)
     w = ln.weight if ln.weight is not None else torch.ones(D, device=kbar.device)
     b = ln.bias if ln.bias is not None else torch.zeros(D, device=kbar.device)
-    target, appended = _route_folds_op(s_k0.to(dtype), kbar.to(dtype), g, list(sizes), w.detach(), b.detach(),
-                                       float(ln.eps), spec.n_protected, spec.gate_appends)
+    # every floating input in the key sums' dtype (a CUDA kernel takes no mixed dtypes; autocast leaves g in bf16)
+    target, appended = _route_folds_op(s_k0.to(dtype), kbar.to(dtype), None if g is None else g.to(dtype),
+                                       list(sizes), w.detach().to(dtype), b.detach().to(dtype), float(ln.eps),
+                                       spec.n_protected, spec.gate_appends)
     return FoldRouting(target=target, appended=appended)
