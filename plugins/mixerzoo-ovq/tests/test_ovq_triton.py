@@ -8,7 +8,7 @@ import torch
 from mixerzoo.evaluation.cost import count_launches
 from mixerzoo.kernels import triton_available
 from mixerzoo.testing import run_conformance
-from mixerzoo_ovq import OVQAttention, VQAttention
+from mixerzoo_ovq import OVQAttention, VQAttention, naive
 from mixerzoo_ovq import layer as ovq_layer
 from mixerzoo_ovq.backends.triton import chunk as triton_chunk
 
@@ -40,6 +40,22 @@ def test_triton_layer_equals_naive(name):
         y_ref, (dk, dv, counts), k, v = naive_layer(m, x)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     check_state(state, dk, dv, counts, k, v, 37, m.chunk_len)
+
+
+def test_triton_kernel_tiles_a_dictionary_of_several_blocks():
+    """A dictionary past the kernel's row tile (110 rows, tiles of 64) and a chunk of 32 keys of 32 dims: the
+    choices across tiles (best row of each tile, merged into the running means tile by tile) equal the paper's."""
+    torch.manual_seed(0)
+    m = OVQAttention(64, n_heads=2, head_dim=32, chunk_len=32, max_size=256, backend="triton")
+    x = torch.randn(1, 6 * 32 + 5, 64, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        y, state = m(x)
+        o, (dk, dv, counts) = naive.ovq_attention(*m.project(x, torch.arange(x.shape[1]))[:3], 32, m.schedule)
+    assert state.dk.shape[2] > 64
+    torch.testing.assert_close(y, m.o_proj(o.transpose(1, 2).flatten(2)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.counts, counts)
+    torch.testing.assert_close(state.dk, dk, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.dv, dv, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["default", "gqa"])
