@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixerzoo.kernels import use_triton
 from mixerzoo.mixers.qkv import QKVProjection
 from mixerzoo.ops import run_segments
 from mixerzoo.protocol import Mixer
@@ -24,7 +25,10 @@ from .ops import FS, PHIS
 from .recurrent import trellis_step
 from .state import TrellisMemory, TrellisState, zero_memory
 
-__all__ = ["Trellis", "TrellisState", "ShortConv"]
+__all__ = ["Trellis", "TrellisState", "ShortConv", "BACKENDS"]
+
+BACKENDS = ("auto", "chunk", "triton")
+"""Forms of the memory recurrence for ``T > 1`` (the ``backend`` option)."""
 
 
 def check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -99,6 +103,13 @@ class Trellis(Mixer):
             in backward, so autograd keeps the memory at segment starts instead of every chunk-start memory and
             inner gradient (``(m x d)`` per chunk, several times a token's keys and values); 0 keeps everything
             (faster). Results are identical.
+            Default (None): 32 chunks for the loop over chunks, 512 for the Triton kernels, whose segment costs
+            a fixed number of launches (about 360 per forward, recomputation and backward) while its memory
+            (the chunk-start memories, ``2 m d`` per chunk and head) stays far below attention's at 32k tokens.
+        backend: the form of the memory recurrence for ``T > 1``: ``auto`` (default: the Triton kernels of
+            ``backends/triton`` for CUDA tensors, the chunked form's loop over chunks otherwise), ``chunk`` (always
+            the loop) or ``triton`` (always the kernels; on a CPU through Triton's interpreter, for tests at small
+            sizes). All give the same results; decoding (``T == 1``) is the same step for every backend.
 
     State: :class:`TrellisState` (two memories, their chunk-start copies, the convolution cache).
 
@@ -113,14 +124,17 @@ class Trellis(Mixer):
                  forget_init: float = 0.99, gamma_init: float = 1e-2, detach_inner_grad: bool = False,
                  short_conv: bool = True, conv_size: int = 4, qk_norm: str | None = None,
                  write_norm: str | None = "l2", norm_eps: float = 1e-5, bias: bool = False,
-                 checkpoint_chunks: int = 32, layer_idx: int = 0) -> None:
+                 checkpoint_chunks: int | None = None, backend: str = "auto", layer_idx: int = 0) -> None:
         super().__init__()
         check_choice("phi", phi, PHIS)
-        if not isinstance(checkpoint_chunks, int) or isinstance(checkpoint_chunks, bool) or checkpoint_chunks < 0:
+        if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or isinstance(checkpoint_chunks, bool)
+                                              or checkpoint_chunks < 0):
             raise ValueError(f"trellis checkpoint_chunks must be an integer >= 0 (0: no recomputation), "
                              f"got {checkpoint_chunks!r}")
         self.checkpoint_chunks = checkpoint_chunks
         check_choice("f", f, FS)
+        check_choice("backend", backend, BACKENDS)
+        self.backend = backend
         if write_norm not in (None, "none", "l2"):
             raise ValueError(f"trellis option write_norm={write_norm!r} is not known; use null/none or l2")
         for name, value, low in (("num_slots", num_slots, 1), ("chunk_len", chunk_len, 1), ("n_heads", n_heads, 1),
@@ -182,7 +196,7 @@ class Trellis(Mixer):
             # projections, their convolved and unit copies, the reads or the output path's intermediates; and
             # backward's gradients of q, k, v and a exist one segment at a time, not for the whole sequence
             y, (*memory, conv_cache) = run_segments(self._layer, (x,), pos, (*memory, conv_cache),
-                                                    span=self.chunk_len * self.checkpoint_chunks, dim=1)
+                                                    span=self.chunk_len * self._checkpoint_chunks(x.device), dim=1)
         return y, TrellisState(*memory, conv=conv_cache, pos=pos + T)
 
     def _layer(self, x: torch.Tensor, pos: int, mk, mk_grad, mv, mv_grad, conv_cache):
@@ -199,8 +213,24 @@ class Trellis(Mixer):
                                          self.chunk_len, memory=memory, **opts)
                 o = o[:, :, None]
             else:
-                o, memory = trellis_chunked(q, k, v, a, log_beta, gamma, self.chunk_len, memory=memory, **opts)
+                o, memory = self._chunked(x.device)(q, k, v, a, log_beta, gamma, self.chunk_len, memory=memory,
+                                                    **opts)
         return (self.output(o, x), *memory, conv_cache)
+
+    def _checkpoint_chunks(self, device: torch.device) -> int:
+        """Chunks per recomputed training segment: the ``checkpoint_chunks`` option, or its default for the form
+        ``backend`` picks on ``device``."""
+        if self.checkpoint_chunks is not None:
+            return self.checkpoint_chunks
+        return 512 if use_triton(self.backend, device) else 32
+
+    def _chunked(self, device: torch.device):
+        """The chunked form for tensors on ``device`` under the ``backend`` option."""
+        if use_triton(self.backend, device):
+            from .backends.triton import trellis_chunked_triton  # imports triton: only where it is used
+
+            return trellis_chunked_triton
+        return trellis_chunked
 
     def memory_inputs(self, x: torch.Tensor, pos: int, conv_cache: torch.Tensor | None, work: torch.dtype):
         """What the memory reads and writes, from ``x (B, T, d_model)`` at absolute position ``pos``: projections,
@@ -260,4 +290,5 @@ class Trellis(Mixer):
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, head_dim={self.head_dim}, num_slots={self.num_slots}, "
                 f"chunk_len={self.chunk_len}, phi={self.phi}, f={self.f}, forget_gate={self.forget_gate}, "
-                f"detach_inner_grad={self.detach_inner_grad}, write_norm={'l2' if self.write_norm else None}")
+                f"detach_inner_grad={self.detach_inner_grad}, write_norm={'l2' if self.write_norm else None}, "
+                f"backend={self.backend}")
