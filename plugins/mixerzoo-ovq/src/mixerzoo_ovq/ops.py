@@ -91,9 +91,10 @@ def _keys_values_mask(dk, dv, log_counts, kc, vc, G: int, Lq: int, dtype):
     B, Hkv, n, _ = dk.shape
     Lk = kc.shape[2]
     keys, values = torch.cat([dk, kc], dim=2), torch.cat([dv, vc], dim=2)
-    i = torch.arange(Lk - Lq, Lk, device=kc.device).repeat(G)[:, None]
-    j = torch.arange(Lk, device=kc.device)[None, :]
-    causal = torch.zeros(G * Lq, Lk, dtype=dtype, device=kc.device).masked_fill(j > i, float("-inf"))
+    causal = torch.zeros(G * Lq, Lk, dtype=dtype, device=kc.device)
+    if Lq > 1:  # one query (a decode step) is the chunk's last position and sees all its keys: five launches fewer
+        i = torch.arange(Lk - Lq, Lk, device=kc.device).repeat(G)[:, None]
+        causal = causal.masked_fill(torch.arange(Lk, device=kc.device)[None, :] > i, float("-inf"))
     mask = torch.cat([log_counts.to(dtype)[:, :, None, :].expand(B, Hkv, G * Lq, n),
                       causal.expand(B, Hkv, G * Lq, Lk)], dim=-1)
     return keys, values, mask
