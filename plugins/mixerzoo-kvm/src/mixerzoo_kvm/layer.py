@@ -88,7 +88,8 @@ class KVMAttention(Mixer):
             interpreter: for tests), ``cpu_lean`` (the same function arranged for a CPU,
             :mod:`mixerzoo_kvm.backends.cpu_lean`), or ``auto`` (default): ``triton`` for CUDA tensors when Triton
             is importable, else ``cpu_lean`` for training on a CPU and ``chunk`` otherwise. One token with a state
-            always takes the decode step (:mod:`mixerzoo_kvm.recurrent`).
+            always takes the decode step (:mod:`mixerzoo_kvm.recurrent`); where ``triton`` is chosen, a fold in it
+            routes with the kernel (winner-take-all) and updates the state by scatter-adds, with no host sync.
 
     State: :class:`mixerzoo_kvm.KVMState` (``m`` compressed rows plus at most ``L`` window tokens).
 
@@ -217,8 +218,11 @@ class KVMAttention(Mixer):
                                          group_growth=TRITON_GROUP_GROWTH)
             elif form == "chunk":
                 o, new_state = kvm_chunk(self.spec, self.params, q, k, v, g, state)
-            else:
-                o, new_state = kvm_step(self.spec, self.params, q, k, v, g, state)
+            else:  # a fold inside the decode step routes with the Triton kernel where the parallel form would
+                route = None
+                if use_triton(self.backend, x.device):
+                    from .backends.triton import route_folds_triton as route
+                o, new_state = kvm_step(self.spec, self.params, q, k, v, g, state, route=route)
             y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         new_state.shift = shift
         return y, new_state

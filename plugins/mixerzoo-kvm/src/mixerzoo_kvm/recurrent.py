@@ -7,19 +7,21 @@ mask is needed.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
-from .ops import (KVMParams, KVMSpec, accum_dtype, joint_keys, joint_queries, keep_from, layer_norm_s, matmul_acc,
-                  memory_keys, read_values, route_overflow, state_budget)
+from .ops import (FoldRouting, KVMParams, KVMSpec, accum_dtype, joint_keys, joint_queries, keep_from, layer_norm_s,
+                  matmul_acc, memory_keys, read_values, route_overflow, state_budget)
 from .state import KVMState
 
 __all__ = ["kvm_step", "fold"]
 
 
 def fold(spec: KVMSpec, params: KVMParams, s_k: torch.Tensor, s_v: torch.Tensor, rho: torch.Tensor,
-                   count: torch.Tensor | None, k_o: torch.Tensor, v_o: torch.Tensor, g_o: torch.Tensor | None,
-                   tokens_seen: int):
+         count: torch.Tensor | None, k_o: torch.Tensor, v_o: torch.Tensor, g_o: torch.Tensor | None,
+         tokens_seen: int, route: Callable[..., FoldRouting] | None = None):
     """Fold one overflow block ``Omega`` (one chunk) into the state (section 4, "KVM Recurrence").
 
     Args:
@@ -28,6 +30,9 @@ def fold(spec: KVMSpec, params: KVMParams, s_k: torch.Tensor, s_v: torch.Tensor,
         k_o, v_o: the block's keys (after q/k norm and RoPE) and values ``(B, H, C, D)``.
         g_o: the block's merge gates ``(B, H, C)`` or None (gate off).
         tokens_seen: context length ``e`` at the fold, for the budget ``B(e)``.
+        route: a device backend's routing of folds (:func:`mixerzoo_kvm.chunk.route_folds`'s arguments, a
+            :class:`~mixerzoo_kvm.ops.FoldRouting` back), used for winner-take-all routing: then the state is
+            updated by one scatter-add per sum (:func:`_scatter_fold`); None: :func:`route_overflow` here.
 
     Returns:
         new ``(s_k, s_v, rho, count)`` with ``m' >= m`` rows, in :func:`accum_dtype` (fp32, float64 kept).
@@ -47,6 +52,10 @@ def fold(spec: KVMSpec, params: KVMParams, s_k: torch.Tensor, s_v: torch.Tensor,
     kbar = kbar.to(dtype)
     gk = kbar if g_o is None else (g_o[..., None] * kbar).to(dtype)  # eq. (3)
     gv = v_o if g_o is None else (g_o[..., None] * v_o).to(dtype)  # eq. (4)
+    if route is not None and spec.routing == "hard":
+        r = route(spec, params, s_k, kbar[:, :, None], None if g_o is None else g_o[:, :, None], [m, m + n_append])
+        return _scatter_fold(spec, s_k, s_v, rho, count, kbar, v_o, g_o, r.target[:, :, 0], r.appended[:, :, 0],
+                             m + n_append)
     rows_k, rows_v = (gk, gv) if spec.gate_appends else (kbar, v_o)
     route = route_overflow(layer_norm_s(params.ln_s, s_k), kbar, rows_k, n_append, params.ln_s, spec.n_protected,
                            soft=spec.routing == "soft")
@@ -73,14 +82,41 @@ def fold(spec: KVMSpec, params: KVMParams, s_k: torch.Tensor, s_v: torch.Tensor,
     return s_k, s_v, rho, count
 
 
+def _scatter_fold(spec: KVMSpec, s_k, s_v, rho, count, kbar, v_o, g_o, target: torch.Tensor,
+                  appended: torch.Tensor, m_new: int):
+    """The state after one fold whose routing is given (``target, appended (B, H, C)``, winner-take-all): every
+    token adds ``(w_j k_bar_j, w_j v_j)`` to its row (eqs. 3, 4; ``w_j = g_j`` for merged tokens, 1 for appended ones
+    unless ``gate_appends``; an appended token's row starts empty), the radius of an appended row is ``||v_j||``,
+    each token counts once: one ``index_add`` per sum, no host sync. Sums ``(B, H, m, D)`` in, ``m_new`` rows out."""
+    B, H, C, D = kbar.shape
+    dtype = s_k.dtype
+    if g_o is None:
+        x_k, x_v = kbar, v_o
+    else:
+        g = g_o.to(dtype)
+        w = (g if spec.gate_appends else torch.where(appended, torch.ones_like(g), g))[..., None]
+        x_k, x_v = w * kbar, w * v_o
+    idx = (target + torch.arange(B * H, device=kbar.device).view(B, H, 1) * m_new).reshape(-1)
+    n_new = m_new - s_k.shape[2]
+
+    def add(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        grown = F.pad(t, (0, 0, 0, n_new) if t.dim() == 4 else (0, n_new))
+        return grown.reshape(B * H * m_new, -1).index_add(0, idx, x.reshape(B * H * C, -1)).view(grown.shape)
+
+    rho = add(rho, torch.where(appended, v_o.norm(dim=-1), 0.0))
+    count = None if count is None else add(count, torch.ones_like(rho[:, :, :C]))
+    return add(s_k, x_k), add(s_v, x_v), rho, count
+
+
 def kvm_step(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             g: torch.Tensor | None, state: KVMState) -> tuple[torch.Tensor, KVMState]:
+             g: torch.Tensor | None, state: KVMState, route: Callable[..., FoldRouting] | None = None
+             ) -> tuple[torch.Tensor, KVMState]:
     """One decoding step (``T = 1``), with as few tensor operations as possible.
 
     A single query sees every state row and every window token, so no mask is needed; when the token starts
     a chunk, the chunk leaving the window is first folded with :func:`fold`.
     Same contract as :func:`mixerzoo_kvm.chunk.kvm_chunk` (``q (B, H_q, 1, D)``, ``k, v (B, H, 1, D)``,
-    ``g (B, H, 1)``).
+    ``g (B, H, 1)``); ``route``: a device backend's routing, passed to :func:`fold`.
     """
     C, nb = spec.chunk_len, spec.n_bswa_chunks
     B, Hq, _, D = q.shape
@@ -95,7 +131,7 @@ def kvm_step(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor,
     if p0 == c * C and c >= nb:  # this token starts chunk c: chunk c - nb leaves the window
         lo = (c - nb) * C - kpos0
         s_k, s_v, rho, count = fold(spec, params, s_k, s_v, rho, count, K[:, :, lo:lo + C], V[:, :, lo:lo + C],
-                                              None if Gt is None else Gt[:, :, lo:lo + C], p0)
+                                  None if Gt is None else Gt[:, :, lo:lo + C], p0, route)
     w0 = max((c - nb + 1) * C, 0) - kpos0
     q = joint_queries(q, torch.tensor([p0], device=q.device), spec.unrotate)
     keys = joint_keys(layer_norm_s(params.ln_s, s_k) * params.tau_state[None, :, None, None],
