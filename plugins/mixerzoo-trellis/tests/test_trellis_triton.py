@@ -92,6 +92,23 @@ def test_triton_matches_chunk_form_at_other_chunk_lengths(chunk_len):
                 inputs)
 
 
+def test_tile_too_large_for_the_kernels_runs_the_loop(monkeypatch):
+    """A memory tile over the kernels' shared-memory bound takes chunk.py's loop: same results, no Triton launch."""
+    from mixerzoo.evaluation.cost import count_launches
+    from mixerzoo_trellis.backends.triton import scan
+
+    inputs = one_batch(9, seed=20, dv=DK, requires_grad=False)
+    monkeypatch.setattr(scan, "MAX_TILE_BYTES", 0)
+    out = {}
+    counted = count_launches(lambda: out.setdefault("y", triton_chunked(*inputs, chunk_len=4)))
+    assert counted["triton"] == 0
+    y, mem = out["y"]
+    y_ref, mem_ref = trellis_chunked(*inputs, chunk_len=4)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    for got, want in zip(mem, mem_ref):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("cut", [5, 8])
 def test_triton_prefill_in_two_calls(cut):
     """A prefill cut inside a chunk (5) and on a boundary (8), continued from the returned memory, equals one pass

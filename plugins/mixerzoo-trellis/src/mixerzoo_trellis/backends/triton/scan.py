@@ -34,7 +34,7 @@ import triton.language as tl
 
 from mixerzoo.kernels import jit
 
-from ...chunk import trellis_chunked
+from ...chunk import _scan, trellis_chunked
 
 __all__ = ["triton_scan", "trellis_chunked_triton"]
 
@@ -138,6 +138,25 @@ def _warps(M: int, D: int) -> int:
     return 8 if M * D >= 64 * 64 else 4
 
 
+MAX_TILE_BYTES = 64 * 1024
+"""Largest padded ``(m, d)`` memory tile the kernels take (bytes). The backward program stages about
+``1 + 1.4 * num_stages`` tiles in shared memory (compiled for sm_90: 168 KB for a 64 x 128 fp32 tile at 3 stages,
+148 KB for 64 x 128 float64 at 1 stage, 295 KB for 64 x 256 float64 at 1, above an H100's 227 KB per block);
+larger tiles run ``chunk.py``'s loop over chunks instead."""
+
+
+def _stages(M: int, D: int, itemsize: int) -> int:
+    """Software-pipelining depth of the chunk loop: 3 while the staged tiles fit in shared memory, else 1."""
+    _, BM, BD = _blocks(1, M, D)
+    return 3 if BM * BD * itemsize <= 32 * 1024 else 1
+
+
+def fits(M: int, D: int, dtype: torch.dtype) -> bool:
+    """Whether a memory of ``M`` slots of width ``D`` in ``dtype`` fits the kernels (:data:`MAX_TILE_BYTES`)."""
+    _, BM, BD = _blocks(1, M, D)
+    return BM * BD * dtype.itemsize <= MAX_TILE_BYTES
+
+
 @torch.library.custom_op("mixerzoo_trellis::scan", mutates_args=())
 def _scan_op(w: torch.Tensor, a: torch.Tensor, decay: torch.Tensor, step: torch.Tensor, m_start: torch.Tensor,
              m_grad: torch.Tensor, silu: bool, detach: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -149,7 +168,7 @@ def _scan_op(w: torch.Tensor, a: torch.Tensor, decay: torch.Tensor, step: torch.
     m_end = w.new_empty(G, M, D, dtype=dt)
     BC, BM, BD = _blocks(C, M, D)
     _scan_fwd[(G,)](w, a, decay, step, m_start, m_grad, U, M0, m_end, N, C, M, D, BC=BC, BM=BM, BD=BD, SILU=silu,
-                    num_warps=_warps(M, D))
+                    num_warps=_warps(M, D), num_stages=_stages(M, D, dt.itemsize))
     return U, M0, m_end
 
 
@@ -172,7 +191,8 @@ def _scan_backward_op(w: torch.Tensor, a: torch.Tensor, decay: torch.Tensor, ste
     dms, dmg = torch.empty_like(M0[:, 0]), torch.empty_like(m_grad)
     BC, BM, BD = _blocks(C, M, D)
     _scan_bwd[(G,)](w, a, decay, step, M0, m_grad, dU, dM0, dm_end, dw, da, ddec, dstep, dms, dmg, N, C, M, D,
-                    BC=BC, BM=BM, BD=BD, SILU=silu, DETACH=detach, num_warps=_warps(M, D))
+                    BC=BC, BM=BM, BD=BD, SILU=silu, DETACH=detach, num_warps=_warps(M, D),
+                    num_stages=_stages(M, D, M0.dtype.itemsize))
     return dw, da, ddec, dstep, dms, dmg
 
 
@@ -219,10 +239,13 @@ def triton_scan(w: torch.Tensor, a: torch.Tensor, decay_end: torch.Tensor, to_en
 
     Returns:
         ``U (B, H, N, C, m)``, chunk-start memories ``(B, H, N, m, d)``, the memory after the last chunk and the
-        gradient base of the last chunk, all in ``m_start``'s dtype.
+        gradient base of the last chunk, all in ``m_start``'s dtype. A memory tile over :data:`MAX_TILE_BYTES`
+        (e.g. ``m = 64, d = 256`` in float64) runs ``chunk._scan``, the loop over chunks, instead.
     """
     B, H, N, C, D = w.shape
     M = a.shape[-1]
+    if not fits(M, D, m_start.dtype):
+        return _scan(w, a, decay_end, to_end, gamma, m_start, m_grad, phi, detach)
     step = to_end * gamma  # e_s = gamma exp(L_C - L_s), (B, H, N, C)
 
     def flat(t: torch.Tensor, *tail: int) -> torch.Tensor:
