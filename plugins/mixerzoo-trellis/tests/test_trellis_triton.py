@@ -7,6 +7,7 @@ rule reference."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,6 +158,34 @@ def test_layer_backend_option():
         Trellis(32, n_heads=2, backend="cuda")
 
 
+def test_layer_conformance_on_the_triton_path():
+    """The kit's checks (split continuation, decode, cuda-autocast, float64, bf16 weights, state) with the kernels."""
+    from mixerzoo.testing import run_conformance
+    from mixerzoo_trellis import Trellis
+
+    run_conformance(lambda: Trellis(32, n_heads=2, num_slots=8, gamma_init=0.3, chunk_len=5, backend="triton"),
+                    d_model=32, seq_len=40, splits=(1, 6, 17, 33))
+
+
+def test_triton_form_compiles_without_graph_break():
+    """``torch.compile(fullgraph=True)`` over the Triton form (the kernels are opaque custom ops), forward and
+    backward equal to eager."""
+    inputs = [t.float() for t in one_batch(13, seed=21, dv=DK)]
+    inputs = [t.detach().requires_grad_() for t in inputs]
+
+    def form(*args):
+        y, mem = triton_chunked(*args, chunk_len=4)
+        return y, mem.mk
+
+    compiled = torch.compile(form, fullgraph=True, backend="aot_eager")
+    y, mk = compiled(*inputs)
+    y_eager, mk_eager = form(*inputs)
+    torch.testing.assert_close(y, y_eager, rtol=0, atol=0)
+    grads = torch.autograd.grad(y.sum() + mk.sum(), inputs)
+    for g, g_eager in zip(grads, torch.autograd.grad(y_eager.sum() + mk_eager.sum(), inputs)):
+        torch.testing.assert_close(g, g_eager, rtol=0, atol=0)
+
+
 def test_triton_launches_do_not_grow_with_length():
     """Forward and backward of the Triton form dispatch the same operators at 4 and 12 chunks (the recurrence is
     one kernel per direction), where the chunk form's loop grows with every chunk."""
@@ -195,8 +224,15 @@ def test_identity_phi_exact_recurrence_is_fla_gated_delta_rule():
     ``gamma / beta``, state ``M^T``; pass 1's read is that kernel's output (``S_t q_t``), but pass 2 reads ``MV^T r``,
     a contraction over the state's value side, which no fla kernel outputs: it is formed here from the state after
     every prefix. Any C > 1 (stale gradients) or phi = silu has no fla counterpart (docs/mechanisms/trellis.md)."""
-    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule as gdr
     from mixerzoo_trellis.ops import normalized_silu
+
+    # fla's reference file imports only torch and einops: loaded by path, without fla's package import (seconds of
+    # model and kernel modules)
+    path = Path(importlib.util.find_spec("fla").submodule_search_locations[0]) / "ops/gated_delta_rule/naive.py"
+    spec = importlib.util.spec_from_file_location("fla_gated_delta_rule_naive", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    gdr = module.naive_recurrent_gated_delta_rule
 
     T = 7
     q, k, v, a, lb, gamma = make_inputs(T, seed=19, dv=DK)
