@@ -175,11 +175,11 @@ def _sizes(schedule, C: int, n_folds: int, m0: int, first_chunk: int) -> list[in
                                           ({"schedule": {"name": "linear", "rate": 0.7}, "gate_appends": True}, 0),
                                           ({"schedule": {"name": "linear", "rate": 0.7}, "sink_len": 3}, 40)])
 def test_kernel_decisions_equal_route_folds(opts, m0, gated):
-    """The kernel's append / merge decisions (C = 32, head_dim 32, 6 folds, from an empty state or continuing
-    ``m0`` rows) equal the PyTorch loop's, token for token."""
-    layer = make(**opts, chunk_len=32)
+    """The kernel's append / merge decisions (C = 48, head_dim 32, 6 folds, from an empty state or continuing
+    ``m0`` rows) equal the PyTorch loop's, token for token; C and the rows span several of the kernel's tiles."""
+    layer = make(**opts, chunk_len=48)
     g = torch.Generator().manual_seed(m0 + 1)
-    B, H, n_folds, C, D = 2, 2, 6, 32, 32
+    B, H, n_folds, C, D = 2, 2, 6, 48, 32
     kbar = torch.randn(B, H, n_folds, C, D, generator=g)
     gate = 1 + torch.nn.functional.elu(torch.randn(B, H, n_folds, C, generator=g)) if gated else None
     s0 = torch.randn(B, H, m0, D, generator=g) * 3

@@ -4,10 +4,13 @@ attention over ``[snapshot rows ; block sliding window]`` reads all query chunks
 
 Steps of :func:`kvm_chunk` (section numbers are the paper's, "Key-Value Means", section 4):
 
-1. :func:`route_folds` (no gradient, a loop over the folds of this call): the append / merge decisions of every
-   overflow block ("Append", "Merge"), with the budget ``M*`` ("Merge", last paragraph).
+1. :func:`route_folds` (no gradient, a loop over the folds of this call; a device backend passes its own, e.g.
+   :mod:`mixerzoo_kvm.backends.triton`'s one kernel for all folds): the append / merge decisions of every overflow
+   block ("Append", "Merge"), with the budget ``M*`` ("Merge", last paragraph), stacked as a
+   :class:`~mixerzoo_kvm.ops.FoldRouting`.
 2. :func:`fold_additions`: what each overflow token adds to its row, the gated memory key and value (eqs. 3, 4;
-   appended and initialising tokens ungated).
+   appended and initialising tokens ungated), and :func:`radii`, the appended rows' value radii: all folds of a
+   group at once, so the operators a call dispatches do not grow with its folds (the routing loop aside).
 3. :func:`snapshots`: every fold's additions scattered into its rows at once, a running sum over the folds, so
    snapshot ``f`` is the state after ``f`` folds (the merge update ``s_new = s_+ + sum_j g_j k_bar_j``; an
    appended row is an empty row its token is added to).

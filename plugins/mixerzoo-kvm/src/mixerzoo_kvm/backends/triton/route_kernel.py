@@ -105,21 +105,35 @@ def route_folds_kernel(s_k_ptr, kb_ptr, g_ptr, sizes_ptr, w_ptr, b_ptr, target_p
         app_i = appended.to(tl.int32)
         pos = (tl.associative_scan(app_i, 0, _SUM) - app_i).to(tl.int64)  # order among the appended tokens
         own_row = m + pos
-        # 3. merge targets over the appended rows too (first maximum; the current rows win a tie)
-        if HAS_GATE and GATE_APPENDS:
-            new_rows = kb * g[:, None]
-        else:
-            new_rows = kb
-        hat_new = _layer_norm_rows(new_rows, col_ok, w, b, D, ln_eps)
-        sim_new = tl.dot(kb, tl.trans(hat_new), input_precision="ieee")  # (BLOCK_C, BLOCK_C): column = token
-        col_valid = appended & (own_row >= n_protected)
-        sim_new = tl.where(col_valid[None, :], sim_new, float("-inf"))
-        new_best, new_tok = tl.reduce((sim_new, tl.broadcast_to(cc[None, :], (BLOCK_C, BLOCK_C))), 1, _FIRST_MAX)
-        new_row = m + tl.reduce(tl.where(cc[None, :] == new_tok[:, None], pos[None, :], 0), 1, _SUM)
+        # 3. merge targets over the appended rows too (first maximum; the current rows win a tie), a tile of
+        # candidate tokens at a time (a C x C product at once would not fit a GPU's shared memory at C = 256):
+        # the appended flags and own rows go through the outputs, which the tiles read back
+        tl.store(target_ptr + kbase + cc, own_row, mask=tok_ok)
+        tl.store(appended_ptr + kbase + cc, app_i.to(tl.int8), mask=tok_ok)
+        tl.debug_barrier()
+        new_best = tl.full((BLOCK_C,), float("-inf"), kb.dtype)
+        new_row = tl.full((BLOCK_C,), 0, tl.int64)
+        for j0 in range(0, C, BLOCK_R):
+            jj = j0 + rr
+            j_ok = jj < C
+            kj = tl.load(kb_ptr + (kbase + jj[:, None]) * D + dd[None, :], mask=j_ok[:, None] & col_ok[None, :],
+                         other=0.0)
+            if HAS_GATE and GATE_APPENDS:
+                kj = kj * tl.load(g_ptr + kbase + jj, mask=j_ok, other=1.0)[:, None]
+            app_j = tl.load(appended_ptr + kbase + jj, mask=j_ok, other=0) != 0
+            row_j = tl.load(target_ptr + kbase + jj, mask=j_ok, other=0)
+            hat_j = _layer_norm_rows(kj, col_ok, w, b, D, ln_eps)
+            sim_j = tl.dot(kb, tl.trans(hat_j), input_precision="ieee")  # (BLOCK_C, BLOCK_R): column = token
+            sim_j = tl.where((app_j & (row_j >= n_protected))[None, :], sim_j, float("-inf"))
+            tile_best, tile_arg = tl.reduce((sim_j, tl.broadcast_to(rr[None, :], (BLOCK_C, BLOCK_R))), 1, _FIRST_MAX)
+            tile_row = tl.reduce(tl.where(rr[None, :] == tile_arg[:, None], row_j[None, :], 0), 1, _SUM)
+            take = tile_best > new_best
+            new_row = tl.where(take, tile_row, new_row)
+            new_best = tl.where(take, tile_best, new_best)
         merged_row = tl.where(new_best > best, new_row, best_row)
         target = tl.where(appended, own_row, merged_row)
+        tl.debug_barrier()  # every tile has read the own rows before they are overwritten
         tl.store(target_ptr + kbase + cc, target, mask=tok_ok)
-        tl.store(appended_ptr + kbase + cc, app_i.to(tl.int8), mask=tok_ok)
         # 4. the key sums the next fold routes against
         if HAS_GATE:
             if GATE_APPENDS:
