@@ -236,7 +236,7 @@ def _their_config(name: str) -> dict:
 
 @pytest.mark.parametrize("field, value", [
     ("token_mixer", "kvm"), ("use_skip_connections", 1), ("use_block_lambdas", 1),
-    ("logit_softcap", 30.0), ("residual_scale", 0.5), ("gptalpha_value_residual_mode", "linear"),
+    ("logit_softcap", 30.0), ("gptalpha_value_residual_mode", "linear"),
     ("token_mixer_class_path", "elsewhere.Mixer"), ("d_v_head", 16)])
 def test_unsupported_fields_refused_in_one_line(field, value):
     from mixerzoo.hub.kvm_paper import lm_config_from_kvm_paper
@@ -305,6 +305,26 @@ def test_value_residual_groups_and_embedding_anchor():
         assert not torch.allclose(variants["groups"](ids)[0], y)
     with pytest.raises(ConfigError, match="value_residual_groups"):
         LMConfig(**base, value_residual_groups="layer")
+
+
+def test_residual_scale_by_hand_and_off_by_default():
+    """``residual_scale: s``: ``x + s * mixer(norm1(x))``, then ``+ s * channel(norm2(.))``; 1 is the plain sum."""
+    torch.manual_seed(4)
+    base = dict(vocab_size=50, d_model=32, n_layers=1, n_heads=2, out_init="scaled")
+    plain, half = LanguageModel(LMConfig(**base)), LanguageModel(LMConfig(**base, residual_scale=0.5))
+    one = LanguageModel(LMConfig(**base, residual_scale=1.0))
+    for m in (half, one):
+        m.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        assert torch.equal(one.blocks[0](x)[0], plain.blocks[0](x)[0])
+    b = plain.blocks[0]
+    with torch.no_grad():
+        y = x + 0.5 * b.mixer(b.norm1(x))[0]
+        y = y + 0.5 * b.channel(b.norm2(y))[0]
+        torch.testing.assert_close(half.blocks[0](x)[0], y, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ConfigError, match="residual_scale"):
+        LMConfig(**base, residual_scale=0)
 
 
 def test_bswa_sinks_refused_and_config_mapping():
@@ -399,7 +419,7 @@ def test_parity_with_their_code_512_tokens(name, tmp_path):
     from mixerzoo.model import generate
 
     fields = {**mf.CONFIGS[name], "hidden_size": 96, "num_hidden_layers": 3, "num_attention_heads": 3,
-              "rope_partial_dim": 16, "rope_theta": 500.0}
+              "rope_partial_dim": 16, "rope_theta": 500.0, "residual_scale": 0.5}
     theirs = mf.their_model(fields, seed=7)
     folder = tmp_path / "theirs"
     theirs.save_pretrained(folder, safe_serialization=True)

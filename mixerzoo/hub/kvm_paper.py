@@ -40,8 +40,8 @@ layer_name`` (one anchor for the main and one for the alternate layers; ``model`
 ``value_residual_anchor: embedding`` (their main layers' anchor is layer 1's value projection of the embedding
 output). Everything else is refused with :class:`UnsupportedArchitectureError`, one line naming the field: the KVM
 and OVQ token mixers (their value gate is input-dependent and KVM's temperatures are per query head, which those
-layers do not take yet), skip connections, block lambdas, logit softcap, a residual scale other than 1, sinks in
-bswa, and the value-residual modes other than ``rwkv``.
+layers do not take yet), skip connections, block lambdas, logit softcap, sinks in bswa, and the value-residual
+modes other than ``rwkv``. ``residual_scale`` (0.5 in their 350M models) is ``model.residual_scale``.
 """
 
 from __future__ import annotations
@@ -307,8 +307,6 @@ def lm_config_from_kvm_paper(cfg: dict) -> LMConfig:
     for field, off in (("use_skip_connections", 0), ("use_block_lambdas", 0), ("logit_softcap", 0.0)):
         if cfg[field] not in (off, None, False):
             raise _refuse(field, cfg[field], "not used by their 120M/350M models and not implemented here")
-    if cfg["residual_scale"] not in (None, 1, 1.0):
-        raise _refuse("residual_scale", cfg["residual_scale"], "residual branches are added unscaled here")
     main = _layer_options(cfg, _token_mixer(cfg, alt=False), alt=False)
     d, n_layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
     every = int(cfg["alt_layer_every"] or -1)
@@ -329,7 +327,7 @@ def lm_config_from_kvm_paper(cfg: dict) -> LMConfig:
                     n_heads=int(cfg["num_attention_heads"]), layer_types=layer_types, mixers=mixers,
                     channel_mixer="rwkv7" if cfg["use_tokenshift_ffn"] else "relu2", d_ff=d_ff, norm="layernorm",
                     norm_eps=1e-5, embed_norm=True, tie_embeddings=False, out_init="zero", pad_vocab_multiple=1,
-                    **hybrid)
+                    residual_scale=float(cfg["residual_scale"] or 1.0), **hybrid)
 
 
 _TOP = {"transformer.wte.weight": "embed.weight", "transformer.ln_emb.weight": "embed_norm.weight",

@@ -58,6 +58,8 @@ class LMConfig:
         norm_eps: Epsilon of the norms.
         embed_norm: A norm (of kind ``norm``) right after the embedding, before the first block (GPTAlpha-2's
             ``ln_emb``, as in RWKV's ``ln0``); the first value-residual layer's values come from its output too.
+        residual_scale: Each block adds ``residual_scale`` times its mixer's and its channel mixer's output to the
+            residual stream (GPTAlpha-2's ``residual_scale``: 0.5 in the KVM paper's 350M models); 1: plain sum.
         value_residual_groups: Which layers with the ``value_residual`` option share one anchor ``v_first``:
             ``model`` (all of them: the KVM paper, appendix B) or ``layer_name`` (one anchor per layer name of
             ``layer_types``, as GPTAlpha-2's hybrids keep one for their main and one for their alternate layers).
@@ -84,6 +86,7 @@ class LMConfig:
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     embed_norm: bool = False
+    residual_scale: float = 1.0
     value_residual_groups: str = "model"
     value_residual_anchor: str = "first_layer"
     tie_embeddings: bool = True
@@ -98,6 +101,9 @@ class LMConfig:
                 raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
         if self.d_ff is not None and self.d_ff < 1:
             raise ConfigError(f"model.d_ff must be a positive integer or null, got {self.d_ff!r}")
+        if isinstance(self.residual_scale, bool) or not isinstance(self.residual_scale, (int, float)) \
+                or not self.residual_scale > 0:
+            raise ConfigError(f"model.residual_scale must be a positive number, got {self.residual_scale!r}")
         if self.value_residual_groups not in ("model", "layer_name"):
             raise ConfigError(f"model.value_residual_groups must be 'model' or 'layer_name', got "
                               f"{self.value_residual_groups!r}")

@@ -94,7 +94,8 @@ def check_mixer_outputs(model: "LanguageModel") -> list:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: sequence mixer then channel mixer. State: ``(mixer_state, channel_state)``."""
+    """Pre-norm residual block: sequence mixer then channel mixer, each branch scaled by ``residual_scale``
+    (``x + s * mixer(norm1(x))``, then ``x + s * channel(norm2(x))``). State: ``(mixer_state, channel_state)``."""
 
     def __init__(self, config: LMConfig, layer_idx: int, spec) -> None:
         super().__init__()
@@ -105,6 +106,7 @@ class Block(nn.Module):
         self.channel = build_channel_mixer(config.channel_mixer, config.d_model, config.d_ff,
                                            config.channel_token_shift)
         self._pass_shared = bool(getattr(self.mixer, "uses_shared", False))
+        self._residual_scale = float(config.residual_scale)
         # the value residual's anchor under this block's group (None: the default, one model-wide "v_first")
         grouped = config.value_residual_groups != "model" or config.value_residual_anchor != "first_layer"
         qkv = getattr(self.mixer, "qkv", None)
@@ -137,8 +139,9 @@ class Block(nn.Module):
             y, mixer_state = self.mixer(h, mixer_state, shared=shared)
         else:
             y, mixer_state = self.mixer(h, mixer_state)
-        x = x + y
+        x = x + y if self._residual_scale == 1.0 else x + y * self._residual_scale
         y, channel_state = self.channel(self.norm2(x), channel_state)
+        y = y if self._residual_scale == 1.0 else y * self._residual_scale
         return x + y, (mixer_state, channel_state)
 
 
