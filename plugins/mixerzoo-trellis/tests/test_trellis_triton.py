@@ -17,7 +17,6 @@ from mixerzoo.kernels import triton_available
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 
 from mixerzoo_trellis.chunk import trellis_chunked  # noqa: E402
-from mixerzoo_trellis.naive import trellis_naive  # noqa: E402
 from mixerzoo_trellis.ops import FS, PHIS  # noqa: E402
 from mixerzoo_trellis.state import TrellisMemory  # noqa: E402
 

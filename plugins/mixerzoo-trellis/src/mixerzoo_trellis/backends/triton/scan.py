@@ -28,6 +28,8 @@ in that dtype; gradients are returned in each input's own dtype. Wrapped in ``to
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -145,6 +147,11 @@ MAX_TILE_BYTES = 64 * 1024
 larger tiles run ``chunk.py``'s loop over chunks instead."""
 
 
+def _on_device(t: torch.Tensor):
+    """Launch on ``t``'s GPU (Triton launches on the current CUDA device, which may be another one)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 def _stages(M: int, D: int, itemsize: int) -> int:
     """Software-pipelining depth of the chunk loop: 3 while the staged tiles fit in shared memory, else 1."""
     _, BM, BD = _blocks(1, M, D)
@@ -167,8 +174,9 @@ def _scan_op(w: torch.Tensor, a: torch.Tensor, decay: torch.Tensor, step: torch.
     M0 = w.new_empty(G, N, M, D, dtype=dt)
     m_end = w.new_empty(G, M, D, dtype=dt)
     BC, BM, BD = _blocks(C, M, D)
-    _scan_fwd[(G,)](w, a, decay, step, m_start, m_grad, U, M0, m_end, N, C, M, D, BC=BC, BM=BM, BD=BD, SILU=silu,
-                    num_warps=_warps(M, D), num_stages=_stages(M, D, dt.itemsize))
+    with _on_device(w):
+        _scan_fwd[(G,)](w, a, decay, step, m_start, m_grad, U, M0, m_end, N, C, M, D, BC=BC, BM=BM, BD=BD,
+                        SILU=silu, num_warps=_warps(M, D), num_stages=_stages(M, D, dt.itemsize))
     return U, M0, m_end
 
 
@@ -190,9 +198,10 @@ def _scan_backward_op(w: torch.Tensor, a: torch.Tensor, decay: torch.Tensor, ste
     dw, da, ddec, dstep = (torch.empty_like(t) for t in (w, a, decay, step))
     dms, dmg = torch.empty_like(M0[:, 0]), torch.empty_like(m_grad)
     BC, BM, BD = _blocks(C, M, D)
-    _scan_bwd[(G,)](w, a, decay, step, M0, m_grad, dU, dM0, dm_end, dw, da, ddec, dstep, dms, dmg, N, C, M, D,
-                    BC=BC, BM=BM, BD=BD, SILU=silu, DETACH=detach, num_warps=_warps(M, D),
-                    num_stages=_stages(M, D, M0.dtype.itemsize))
+    with _on_device(w):
+        _scan_bwd[(G,)](w, a, decay, step, M0, m_grad, dU, dM0, dm_end, dw, da, ddec, dstep, dms, dmg, N, C, M, D,
+                        BC=BC, BM=BM, BD=BD, SILU=silu, DETACH=detach, num_warps=_warps(M, D),
+                        num_stages=_stages(M, D, M0.dtype.itemsize))
     return dw, da, ddec, dstep, dms, dmg
 
 
