@@ -53,12 +53,40 @@ def jit(fn: Callable | None = None, **kwargs):
         raise ImportError("this mixer's Triton kernels need triton: pip install triton (a CUDA build of torch on "
                           "Linux ships it)")
     if interpreted():
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return InterpretedFunction(fn, **kwargs)
+        return _interpreted_class()(fn, **kwargs)
     import triton
 
     return triton.jit(fn, **kwargs)
+
+
+@functools.cache
+def _interpreted_class():
+    """``InterpretedFunction`` whose launches can call ``triton.language``'s own jitted functions (``tl.sum``,
+    ``tl.max``, ``tl.argmax``, ``tl.cumsum``, ...). Triton makes those ``JITFunction``s when it is imported without
+    ``TRITON_INTERPRET=1``, and a ``JITFunction`` refuses to be called outside a compiled kernel; during an
+    interpreted launch it is called as an ``InterpretedFunction`` of the Python function it wraps, as it would be
+    with the variable set."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    interpreted: dict = {}
+
+    def as_python(self, *args, **kwargs):  # a device function call, as InterpretedFunction makes one
+        key = id(self)  # not the JITFunction itself: its hash walks the source it references
+        if key not in interpreted:
+            interpreted[key] = InterpretedFunction(self.fn)
+        return interpreted[key](*args, **kwargs)
+
+    class Interpreted(InterpretedFunction):
+        def run(self, *args, **kwargs):
+            refuse = JITFunction.__call__
+            JITFunction.__call__ = as_python
+            try:
+                return super().run(*args, **kwargs)
+            finally:
+                JITFunction.__call__ = refuse
+
+    return Interpreted
 
 
 def use_triton(backend: str, device: torch.device) -> bool:

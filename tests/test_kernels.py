@@ -37,6 +37,27 @@ def test_kernel_runs_on_the_device_at_hand():
     torch.testing.assert_close(_scale(x), 2 * x)
 
 
+@kernels.jit
+def _reductions_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i)
+    tl.store(y_ptr, tl.sum(x, axis=0))
+    tl.store(y_ptr + 1, tl.max(x, axis=0))
+    tl.store(y_ptr + 2, tl.argmax(x, axis=0).to(tl.float32))
+    tl.store(y_ptr + 3 + i, tl.cumsum(x, axis=0))
+
+
+def test_triton_language_functions_run_where_the_kernel_runs():
+    """tl.sum, tl.max, tl.argmax, tl.cumsum are jitted functions of triton.language; in the interpreter they run
+    without TRITON_INTERPRET=1 set before triton's import."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(64, device=device)
+    y = torch.empty(67, device=device)
+    _reductions_kernel[(1,)](x, y, BLOCK=64)
+    torch.testing.assert_close(y[:3], torch.stack([x.sum(), x.max(), x.argmax().float()]))
+    torch.testing.assert_close(y[3:], x.cumsum(0))
+
+
 def test_a_kernel_is_one_launch():
     x = torch.randn(300)
     if torch.cuda.is_available():
