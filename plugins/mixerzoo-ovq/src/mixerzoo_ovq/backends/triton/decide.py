@@ -23,13 +23,6 @@ __all__ = ["decide"]
 
 BLOCK_N = 64  # dictionary rows per tile (scores ``L x BLOCK_N``, one-hot merge ``BLOCK_N x L``)
 
-# Reductions and scans go through tl.reduce / tl.associative_scan with triton.language's own combiners rather than
-# tl.sum, tl.max, tl.argmax, tl.cumsum: those are triton.jit functions, which Triton's interpreter cannot call unless
-# TRITON_INTERPRET=1 was set before triton was first imported; and the interpreter runs exactly these combiners as
-# one numpy call (any other combiner element by element, ~1000x slower).
-_SUM = tl.standard._sum_combine
-_FIRST_MAX = tl.standard._argmax_combine_tie_break_left  # the largest and the first index holding it (torch.max's)
-
 
 @jit
 def _decide_kernel(k_ptr, dk_ptr, cnt_ptr, nnew_ptr, scores_ptr, assign_ptr, n0, C, N_TOT,
@@ -63,28 +56,26 @@ def _decide_kernel(k_ptr, dk_ptr, cnt_ptr, nnew_ptr, scores_ptr, assign_ptr, n0,
                            other=0.0)
             s = tl.dot(kc, tl.trans(dblk), input_precision="ieee")
             s = tl.where((rows < n)[None, :], s, float("-inf"))
-            m, a = tl.reduce((s, tl.broadcast_to(ni[None, :], (BL, BN))), 1, _FIRST_MAX)
+            m, a = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)  # torch.max's
             a = a + nb
             arg = tl.where(m > best, a, arg)
             best = tl.maximum(best, m)
         # an empty dictionary (the first chunk): similarity to the nearest earlier key of the chunk
         sk = tl.dot(kc, tl.trans(kc), input_precision="ieee")
         earlier = (li[None, :] < li[:, None]) & lvalid[None, :]
-        first, _ = tl.reduce((tl.where(earlier, sk, float("-inf")), tl.broadcast_to(li[None, :], (BL, BL))), 1,
-                             _FIRST_MAX)
+        first = tl.max(tl.where(earlier, sk, float("-inf")), axis=1)
         score = tl.where(n == 0, first, best)
         if HAS_SCORES:
             score = tl.load(scores_ptr + pid.to(tl.int64) * C * L + c * L + li, mask=lvalid, other=0.0)
         score = tl.where(lvalid, score, float("inf"))
         # step 2: the n_new smallest scores become centroids (rank by score, ties to the earlier key)
         before = (score[None, :] < score[:, None]) | ((score[None, :] == score[:, None]) & (li[None, :] < li[:, None]))
-        rank = tl.reduce(before.to(tl.int32), 1, _SUM)
+        rank = tl.sum(before.to(tl.int32), axis=1)
         is_new = (rank < n_new) & lvalid
-        new_rank = tl.associative_scan(is_new.to(tl.int32), 0, _SUM) - 1
+        new_rank = tl.cumsum(is_new.to(tl.int32), axis=0) - 1
         # step 3: the other keys join their nearest existing centroid (first chunk: nearest new one)
-        _, jstar = tl.reduce((tl.where(is_new[None, :], sk, float("-inf")), tl.broadcast_to(li[None, :], (BL, BL))),
-                             1, _FIRST_MAX)
-        near_new = tl.reduce(tl.where(li[None, :] == jstar[:, None], new_rank[None, :], 0), 1, _SUM)
+        jstar = tl.argmax(tl.where(is_new[None, :], sk, float("-inf")), axis=1, tie_break_left=True)
+        near_new = tl.sum(tl.where(li[None, :] == jstar[:, None], new_rank[None, :], 0), axis=1)
         assign = tl.where(is_new, n + new_rank, tl.where(n == 0, near_new, arg))
         tl.store(a_base + c * L + li, assign, mask=lvalid)
         # eq. 19 with rate 1 / count: every touched row becomes the running mean of all keys it absorbed
@@ -93,7 +84,7 @@ def _decide_kernel(k_ptr, dk_ptr, cnt_ptr, nnew_ptr, scores_ptr, assign_ptr, n0,
             rows = nb + ni
             rvalid = rows < n_after
             onehot = ((assign[None, :] == rows[:, None]) & lvalid[None, :]).to(tl.float32)
-            m = tl.reduce(onehot, 1, _SUM)
+            m = tl.sum(onehot, axis=1)
             ssum = tl.dot(onehot, kc, input_precision="ieee")
             ptrs = d_base + rows[:, None] * D + di[None, :]
             old = tl.load(ptrs, mask=rvalid[:, None] & dvalid[None, :], other=0.0)

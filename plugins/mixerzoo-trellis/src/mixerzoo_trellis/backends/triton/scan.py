@@ -94,10 +94,6 @@ def _scan_bwd(W, A, DEC, STEP, M0, MG, DU, DM0, DMEND,
     a_idx, a_mask = rc[:, None] * M + rm[None, :], mc[:, None] & mm[None, :]
     dmn = tl.load(DMEND + pid * M * D + mem_idx, mask=mem_mask, other=0.0)  # gradient of the memory after chunk c
     g0 = tl.load(MG + pid * M * D + mem_idx, mask=mem_mask, other=0.0)
-    # Sums are tl.reduce with triton's own sum combiner, not tl.sum: tl.sum is a triton.jit function of
-    # triton.language, which the interpreter (mixerzoo.kernels.jit without a GPU) cannot call unless
-    # TRITON_INTERPRET=1 was set before triton was imported; the interpreter sums with numpy for this combiner,
-    # and compiled Triton lowers it as it lowers tl.sum.
     for i in range(0, N):
         c = N - 1 - i
         base = pid * N + c
@@ -109,10 +105,10 @@ def _scan_bwd(W, A, DEC, STEP, M0, MG, DU, DM0, DMEND,
         dec = tl.load(DEC + base).to(mem.dtype)
         z = tl.dot(w, tl.trans(g), input_precision="ieee")  # (BC, BM), recomputed
         u, p, dudz = _inner(z, a, SILU)
-        dmm = tl.reduce(dmn * mem, 1, tl.standard._sum_combine)
-        tl.store(DDEC + base, tl.reduce(dmm, 0, tl.standard._sum_combine))
+        dmm = tl.sum(dmn * mem, axis=1)
+        tl.store(DDEC + base, tl.sum(dmm, axis=0))
         due = -tl.dot(w, tl.trans(dmn), input_precision="ieee")  # gradient of u * e, (BC, BM)
-        tl.store(DSTEP + base * C + rc, tl.reduce(due * u, 1, tl.standard._sum_combine), mask=mc)
+        tl.store(DSTEP + base * C + rc, tl.sum(due * u, axis=1), mask=mc)
         du = tl.load(DU + base * C * M + a_idx, mask=a_mask, other=0.0).to(mem.dtype) + due * e[:, None]
         dz = du * dudz
         tl.store(DA + base * C * M + a_idx, -du * p, mask=a_mask)
