@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["decision", "record", "replay", "Replay", "DecisionMismatch"]
+__all__ = ["decision", "watched", "record", "replay", "Replay", "DecisionMismatch"]
 
 _ACTIVE: list[Callable[[str, torch.Tensor], torch.Tensor]] = []
 
@@ -42,6 +42,12 @@ def decision(name: str, choice: torch.Tensor) -> torch.Tensor:
     if not _ACTIVE:
         return choice
     return _ACTIVE[-1](name, choice)
+
+
+def watched() -> bool:
+    """Whether :func:`record` or :func:`replay` is running, so every choice must pass through :func:`decision`
+    one at a time (a fused kernel that makes many choices at once then takes the path that reports each)."""
+    return bool(_ACTIVE)
 
 
 @contextlib.contextmanager

@@ -73,7 +73,7 @@ def route_folds_triton(spec: KVMSpec, params: KVMParams, s_k0: torch.Tensor, kba
         ValueError: a fold with tokens to merge and no unprotected row (``n_protected >= m + n_append``).
     """
     ln = params.ln_s
-    if spec.routing != "hard" or not isinstance(ln, nn.LayerNorm) or decisions._ACTIVE:
+    if spec.routing != "hard" or not isinstance(ln, nn.LayerNorm) or decisions.watched():
         return FoldRouting.stack(route_folds(spec, params, s_k0, kbar, g, sizes), kbar, sizes)
     C, D = kbar.shape[-2], kbar.shape[-1]
     for m, m_new in zip(sizes[:-1], sizes[1:]):
