@@ -234,7 +234,17 @@ def decode_cell(layer, contexts: list[int], task: dict) -> dict:
 def launches_cell(layer, T: int, task: dict, trainable: bool) -> dict:
     """Operators, kernel launches and host syncs (:func:`mixerzoo.evaluation.cost.count_launches`) of one training
     step at ``T`` tokens (``trainable`` mixers) and of one decode step after a no-grad prefill of ``T`` tokens,
-    each after one uncounted run of the same (lazy initialisation, caches)."""
+    each after one uncounted run of the same (lazy initialisation, caches). With ``--skip-kernels`` Triton kernels
+    are counted but not run (:func:`mixerzoo.evaluation.cost.kernels_skipped`)."""
+    import contextlib
+
+    from mixerzoo.evaluation.cost import kernels_skipped
+
+    with kernels_skipped() if task.get("skip_kernels") else contextlib.nullcontext():
+        return _launches(layer, T, task, trainable)
+
+
+def _launches(layer, T: int, task: dict, trainable: bool) -> dict:
     import torch
     from mixerzoo.evaluation.cost import count_launches, prefill
 
@@ -652,6 +662,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "CUDA); per-cell: the timed rounds of a length in one process, each memory and decode cell "
                          "in a fresh one (default on the CPU: its resident-set peak needs a fresh process); launch "
                          "counts always run shared")
+    ap.add_argument("--skip-kernels", action="store_true",
+                    help="--measure launches: count Triton kernels without running them (the interpreter takes "
+                         "minutes per kernel at 32k on a CPU; a path with no host sync dispatches the same operators "
+                         "whatever the values)")
     ap.add_argument("--cell-timeout", type=float, default=None,
                     help="seconds a cell may take (a worker process killed after it); default: 60 with --processes "
                          "shared (600 for launch counts), none per cell")
@@ -697,7 +711,7 @@ def main(argv: list[str] | None = None) -> None:
 
     base = {"threads": args.threads, "device": args.device, "dtype": args.dtype, "d_model": args.d_model,
             "head_dim": args.head_dim, "layers": args.model_layers,
-            "activation_checkpointing": args.activation_checkpointing}
+            "activation_checkpointing": args.activation_checkpointing, "skip_kernels": args.skip_kernels}
     for flag, tool in ((args.profile, profile), (args.memory_profile, memory_profile), (args.op_lines, op_lines)):
         if flag:
             tool(flag[0], int(flag[1]), base)

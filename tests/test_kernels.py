@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mixerzoo import kernels
-from mixerzoo.evaluation.cost import count_launches
+from mixerzoo.evaluation.cost import count_launches, kernels_skipped
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -72,3 +72,16 @@ def test_use_triton_rule():
     assert kernels.use_triton("triton", cpu) and kernels.use_triton("triton", cuda)
     assert not kernels.use_triton("auto", cpu) and kernels.use_triton("auto", cuda) == kernels.triton_available()
     assert not kernels.use_triton("chunk", cuda)
+
+
+def test_kernels_skipped_counts_the_same_and_runs_nothing():
+    x = torch.randn(300)
+    if torch.cuda.is_available():
+        x = x.cuda()
+    ran = count_launches(lambda: _scale(x).sum())
+    with kernels_skipped():
+        y = _scale(x)
+        skipped = count_launches(lambda: _scale(x).sum())
+    assert skipped == ran
+    assert not x.any() and not y.any()  # the kernel's tensors zero-filled, not computed
+    torch.testing.assert_close(_scale(torch.ones(3, device=x.device)), torch.full((3,), 2.0, device=x.device))

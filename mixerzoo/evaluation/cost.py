@@ -45,7 +45,7 @@ import collections
 import contextlib
 import time
 import weakref
-from typing import Callable, ContextManager, Sequence
+from typing import Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -55,7 +55,8 @@ from ..model.config import ConfigError
 from ..protocol import state_nbytes, state_tensors
 from .models import model_device, model_vocab, stream_logits
 
-__all__ = ["Timer", "CudaPeakMemory", "LiveTensorBytes", "LaunchCount", "count_launches", "kept_for_backward",
+__all__ = ["Timer", "CudaPeakMemory", "LiveTensorBytes", "LaunchCount", "count_launches", "kernels_skipped",
+           "kept_for_backward",
            "training_step", "time_training_steps", "training_step_memory", "prefill", "decode_rounds", "measure_cost",
            "cost_sweep", "HOST_SYNC_OPS"]
 
@@ -480,6 +481,36 @@ class LaunchCount(TorchDispatchMode):
 
             owner.run = run
             self._patched.append((owner, original))
+
+
+@contextlib.contextmanager
+def kernels_skipped() -> Iterator[None]:
+    """Inside the block, a Triton kernel launched from Python (``JITFunction.run``, or the interpreter's) is not run:
+    its tensor arguments are zero-filled instead (so indices it would have written are valid). For
+    :class:`LaunchCount` on a CPU, where the interpreter takes minutes per kernel at long sequences: a code path
+    with no host sync dispatches the same operators whatever the values, so the count is the same as with the
+    kernels run (check it at a short length, where both are cheap). Values computed inside are meaningless."""
+    import sys
+
+    if "triton" not in sys.modules:
+        yield
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    def skip(fn_self, *args, **kwargs):
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                a.detach().zero_()
+
+    saved = [(owner, owner.run) for owner in (JITFunction, InterpretedFunction)]
+    try:
+        for owner, _ in saved:
+            owner.run = skip
+        yield
+    finally:
+        for owner, run in saved:
+            owner.run = run
 
 
 def count_launches(fn: Callable[[], object]) -> dict:
