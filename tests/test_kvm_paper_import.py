@@ -92,7 +92,8 @@ def test_rope_bfloat16_tables():
     pos = torch.arange(100, 110)
     cos, sin = rope.cos_sin(pos, torch.float32)
     c, s = exact.cos_sin(pos, torch.float32)
-    assert cos.dtype == torch.float32 and torch.equal(cos, c.bfloat16().float()) and torch.equal(sin, s.bfloat16().float())
+    assert cos.dtype == torch.float32
+    assert torch.equal(cos, c.bfloat16().float()) and torch.equal(sin, s.bfloat16().float())
     assert not torch.equal(cos, c)
 
 

@@ -127,8 +127,8 @@ class Trellis(Mixer):
                  checkpoint_chunks: int | None = None, backend: str = "auto", layer_idx: int = 0) -> None:
         super().__init__()
         check_choice("phi", phi, PHIS)
-        if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int) or isinstance(checkpoint_chunks, bool)
-                                              or checkpoint_chunks < 0):
+        if checkpoint_chunks is not None and (not isinstance(checkpoint_chunks, int)
+                                              or isinstance(checkpoint_chunks, bool) or checkpoint_chunks < 0):
             raise ValueError(f"trellis checkpoint_chunks must be an integer >= 0 (0: no recomputation), "
                              f"got {checkpoint_chunks!r}")
         self.checkpoint_chunks = checkpoint_chunks

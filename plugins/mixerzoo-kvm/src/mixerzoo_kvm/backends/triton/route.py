@@ -46,8 +46,8 @@ def _route_folds_op(s_k0: torch.Tensor, kbar: torch.Tensor, g: torch.Tensor | No
         kb = kbar.contiguous()
         gg = kb if g is None else g.contiguous()  # not read without a gate
         route_folds_kernel[(B * H,)](s_k, kb, gg, size_t, ln_w.contiguous(), ln_b.contiguous(), target, appended,
-                                     n_folds, R, C, D, ln_eps, n_protected, HAS_GATE=g is not None, GATE_APPENDS=gate_appends,
-                                     BLOCK_C=_block(C), BLOCK_D=_block(D), BLOCK_R=32)
+                                     n_folds, R, C, D, ln_eps, n_protected, HAS_GATE=g is not None,
+                                     GATE_APPENDS=gate_appends, BLOCK_C=_block(C), BLOCK_D=_block(D), BLOCK_R=32)
     return target, appended.bool()
 
 
