@@ -1,0 +1,65 @@
+"""Every bundled plugin's Triton kernels compile for an H100 (sm_90) at the GPU benchmark's sizes and fit its
+shared memory, checked without a GPU: Triton compiles to a cubin with its bundled ptxas on any machine. What this
+does not check (a GPU run does: ``benchmarks/gpu_suite.py``'s kernels step): that the compiled kernels compute the
+right values, and how fast. Runs in a subprocess, because a plugin's kernels are defined once per process, and
+on a machine without a GPU :mod:`mixerzoo.kernels` defines them for Triton's interpreter."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+H100_SHARED = 232_448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+
+SCRIPT = textwrap.dedent('''
+    import json
+    import mixerzoo.kernels as kernels
+    kernels.interpreted = lambda: False  # before any plugin defines its kernels: triton.jit, not the interpreter
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from mixerzoo_kvm.backends.triton import route_kernel
+    from mixerzoo_ovq.backends.triton import decide
+    from mixerzoo_trellis.backends.triton import scan
+
+    def compile_(fn, signature, constexprs, num_warps):
+        signature = {**signature, **{name: "constexpr" for name in constexprs}}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).metadata.shared
+
+    out = {}
+    p = "*fp32"
+    out["kvm route_folds C=256 D=128"] = compile_(
+        route_kernel.route_folds_kernel,
+        {"s_k_ptr": p, "kb_ptr": p, "g_ptr": p, "sizes_ptr": "*i32", "w_ptr": p, "b_ptr": p, "target_ptr": "*i64",
+         "appended_ptr": "*i8", "n_folds": "i32", "R": "i32", "C": "i32", "D": "i32", "ln_eps": "fp32",
+         "n_protected": "i32"},
+        {"HAS_GATE": True, "GATE_APPENDS": False, "BLOCK_C": 256, "BLOCK_D": 128, "BLOCK_R": 32}, 4)
+    out["ovq decide L=128 D=128"] = compile_(
+        decide._decide_kernel,
+        {"k_ptr": p, "dk_ptr": p, "cnt_ptr": p, "nnew_ptr": "*i32", "scores_ptr": p, "assign_ptr": "*i32",
+         "n0": "i32", "C": "i32", "N_TOT": "i32"},
+        {"L": 128, "D": 128, "BL": 128, "BD": 128, "BN": decide.BLOCK_N, "HAS_SCORES": False}, 8)
+    for name, fn, ptrs in (("fwd", scan._scan_fwd, ["W", "A", "DEC", "STEP", "MS", "MG", "U", "M0", "MEND"]),
+                           ("bwd", scan._scan_bwd, ["W", "A", "DEC", "STEP", "M0", "MG", "DU", "DM0", "DMEND", "DW",
+                                                    "DA", "DDEC", "DSTEP", "DMS", "DMG"])):
+        consts = {"BC": 16, "BM": 64, "BD": 128, "SILU": True, **({"DETACH": False} if name == "bwd" else {})}
+        signature = {**{n: p for n in ptrs}, **{n: "i32" for n in "NCMD"}}
+        out[f"trellis scan {name} C=16 m=64 d=128"] = compile_(fn, signature, consts, 8)
+    print(json.dumps(out))
+''')
+
+
+def test_kernels_compile_for_h100_within_its_shared_memory():
+    if "nvidia" not in __import__("triton.backends", fromlist=["backends"]).backends:
+        pytest.skip("this Triton has no CUDA backend")
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(shared) == 4
+    too_big = {k: v for k, v in shared.items() if v > H100_SHARED}
+    assert not too_big, f"shared memory over an H100's {H100_SHARED} bytes per block: {too_big}"
