@@ -199,7 +199,7 @@ def test_embed_norm_off_is_the_default_and_on_normalises_the_embedding():
 
 # -- the importer: the committed fixture (their code's output), no repository needed --------------------------------
 FIXTURES = Path(__file__).parent / "fixtures" / "kvm_paper"
-FIXTURE_NAMES = ["gptalpha", "gptalpha_bswa", "gptalpha_halfrope_swa"]
+FIXTURE_NAMES = ["gptalpha", "gptalpha_bswa", "gptalpha_halfrope_swa", "kvm_fixed", "kvm_sqrt"]
 
 
 def _expected(name: str) -> dict:
@@ -236,7 +236,7 @@ def _their_config(name: str) -> dict:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("token_mixer", "kvm"), ("use_skip_connections", 1), ("use_block_lambdas", 1),
+    ("token_mixer", "ovq"), ("use_skip_connections", 1), ("use_block_lambdas", 1),
     ("logit_softcap", 30.0), ("gptalpha_value_residual_mode", "linear"),
     ("token_mixer_class_path", "elsewhere.Mixer"), ("d_v_head", 16)])
 def test_unsupported_fields_refused_in_one_line(field, value):
@@ -398,6 +398,47 @@ def test_evaluate_runs_on_an_imported_folder(tmp_path):
     assert json.loads((tmp_path / "report" / "results.json").read_text())["results"]["cost"]
 
 
+def test_kvm_config_mapping():
+    """Their KVM fields as the KVM layer's options: fixed and power-law budgets, sinks, vlens (the radius readout),
+    the merge gate on keys and values, gated appends, per-query-head temperatures (learned or fixed at 1)."""
+    from mixerzoo.hub.kvm_paper import lm_config_from_kvm_paper, weights_from_kvm_paper
+    from safetensors.torch import load_file
+
+    fixed = lm_config_from_kvm_paper(_their_config("kvm_fixed")).mixers["kvm"]
+    assert fixed["schedule"] == {"name": "fixed", "size": 16} and fixed["chunk_len"] == 16 and fixed["sink_len"] == 1
+    assert fixed["value_norm"] == "radius" and fixed["merge_gate"] and not fixed["gate_appends"]
+    assert fixed["learned_temperatures"] and fixed["temperatures"] == "query" and fixed["value_gate_rank"] == 32
+    sqrt = lm_config_from_kvm_paper(_their_config("kvm_sqrt")).mixers["kvm"]
+    assert sqrt["schedule"] == {"name": "power_law", "coef": 4.0, "exponent": 0.5, "min_size": 8, "max_size": 80000}
+    assert sqrt["n_kv_heads"] == 2 and sqrt["n_heads"] == 4
+    ablations = {**_their_config("kvm_fixed"), "kvm_use_vlens": 0, "kvm_use_merge_gate_keys": 0,
+                 "kvm_use_merge_gate_values": 0, "kvm_apply_merge_gate_to_appends": 1, "kvm_use_head_temps": 0,
+                 "sink_len": 0, "state_budget_mode": "kvm_saturation", "state_saturation_n": 1024,
+                 "n_max_d_chunks": 10000, "state_min_len": 1}
+    config = lm_config_from_kvm_paper(ablations)
+    opts = config.mixers["kvm"]
+    assert opts["value_norm"] == "mean" and not opts["merge_gate"] and opts["gate_appends"] and opts["sink_len"] == 0
+    assert not opts["learned_temperatures"] and opts["schedule"] == {"name": "saturating", "max_size": 1024}
+    state = load_file(str(FIXTURES / "kvm_fixed" / "model.safetensors"))
+    state = {k: v for k, v in state.items() if not k.endswith(("_head_temp", "key_weighting.weight"))}
+    weights = weights_from_kvm_paper(state, config)
+    assert torch.equal(weights["blocks.1.mixer.tau_state"], torch.ones(2))
+    LanguageModel(config).load_state_dict(weights)  # every tensor in its place
+
+
+@pytest.mark.parametrize("field, value", [
+    ("kvm_apply_merge_gate_to_initial_state", 1), ("kvm_use_merge_gate_values", 0), ("state_round_down", 64),
+    ("state_budget_mode", "linear"), ("sink_len", 16), ("rope_partial_dim", 0)])
+def test_kvm_fields_not_representable_refused_in_one_line(field, value):
+    from mixerzoo.hub.kvm_paper import lm_config_from_kvm_paper
+    from mixerzoo.hub.pretrained import UnsupportedArchitectureError
+
+    theirs = {**_their_config("kvm_sqrt"), field: value}
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        lm_config_from_kvm_paper(theirs)
+    assert f"{field}={value!r}" in str(e.value) and "\n" not in str(e.value)
+
+
 # -- parity against the authors' code itself (MIXERZOO_KVM_PAPER: a checkout of their repository) ------------------
 def _make_fixture_module():
     import importlib.util
@@ -408,10 +449,19 @@ def _make_fixture_module():
     return module
 
 
-@pytest.mark.parametrize("name", ["gptalpha"])
+# the widths of the 512-token parity test: KVM fixed with chunks of 32 (14 folds into 32 rows), KVM sqrt with chunks
+# of 16 and grouped-query attention (a power-law state of 4 sqrt(t) rows: 90 at 512 tokens)
+PARITY = {"gptalpha": {"rope_partial_dim": 16},
+          "kvm_fixed": {"rope_partial_dim": 16, "chunk_len": 32, "state_min_len": 32},
+          "kvm_sqrt": {"rope_partial_dim": 12, "chunk_len": 16, "state_min_len": 16, "num_attention_heads": 4,
+                       "num_key_value_heads": 2}}
+
+
+@pytest.mark.parametrize("name", sorted(PARITY))
 def test_parity_with_their_code_512_tokens(name, tmp_path):
-    """Their model from their code (small width, random weights), saved by their ``save_pretrained``, imported:
-    logits within 1e-4 in float32 over 512 tokens, greedy continuation identical."""
+    """Their model from their code (small width, random weights incl. the value and merge gates and the
+    temperatures), saved by their ``save_pretrained``, imported: logits within 1e-4 in float32 over 512 tokens,
+    greedy continuation identical (their KVM readout's bfloat16 cast switched off: ``readout_cast_off``)."""
     mf = _make_fixture_module()
     if mf.kvm_paper_path() is None:
         pytest.skip("MIXERZOO_KVM_PAPER (a checkout of SmerkyG/KVM-paper) is not set")
@@ -420,7 +470,7 @@ def test_parity_with_their_code_512_tokens(name, tmp_path):
     from mixerzoo.model import generate
 
     fields = {**mf.CONFIGS[name], "hidden_size": 96, "num_hidden_layers": 3, "num_attention_heads": 3,
-              "rope_partial_dim": 16, "rope_theta": 500.0, "residual_scale": 0.5}
+              "rope_theta": 500.0, "residual_scale": 0.5, **PARITY[name]}
     theirs = mf.their_model(fields, seed=7)
     folder = tmp_path / "theirs"
     theirs.save_pretrained(folder, safe_serialization=True)
@@ -428,11 +478,11 @@ def test_parity_with_their_code_512_tokens(name, tmp_path):
     import_kvm_paper(folder, tmp_path / "ours")
     ours = load_model(tmp_path / "ours").model
     tokens = torch.randint(0, mf.VOCAB - 1, (1, 512), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
+    with torch.no_grad(), mf.readout_cast_off():
         diff = (ours(tokens)[0] - theirs(tokens).logits.float()).abs().max().item()
-    assert diff <= 1e-4, diff
-    prompt = tokens[:, :64]
-    assert torch.equal(generate(ours, prompt, 16, temperature=0.0)[:, 64:], mf.their_greedy(theirs, prompt, 16))
+        assert diff <= 1e-4, diff
+        prompt = tokens[:, :64]
+        assert torch.equal(generate(ours, prompt, 16, temperature=0.0)[:, 64:], mf.their_greedy(theirs, prompt, 16))
 
 
 def test_load_model_reads_their_folder_directly():
@@ -445,15 +495,16 @@ def test_load_model_reads_their_folder_directly():
         assert (loaded.model(exp["tokens"])[0] - exp["logits"]).abs().max().item() <= 1e-4
 
 
-def test_imported_folder_loads_in_transformers_with_their_logits(tmp_path):
+@pytest.mark.parametrize("name", ["gptalpha", "kvm_sqrt"])
+def test_imported_folder_loads_in_transformers_with_their_logits(name, tmp_path):
     """The imported folder is a mixerzoo export: transformers loads it (``trust_remote_code``) and its logits are
     still the authors'."""
     from transformers import AutoModelForCausalLM
 
     from mixerzoo.hub.kvm_paper import import_kvm_paper
 
-    import_kvm_paper(FIXTURES / "gptalpha", tmp_path / "ours")
+    import_kvm_paper(FIXTURES / name, tmp_path / "ours")
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), trust_remote_code=True)
-    exp = _expected("gptalpha")
+    exp = _expected(name)
     with torch.no_grad():
         assert (model(exp["tokens"]).logits.float() - exp["logits"]).abs().max().item() <= 1e-4

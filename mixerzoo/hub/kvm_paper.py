@@ -33,15 +33,46 @@ RoPE (``rope_partial_dim``,        ``positional: {name: rope, rotary_fraction: p
 =================================  ===========================================================================
 
 Token mixers: ``gptalpha`` -> ``attention``, ``gptalpha_bswa`` -> ``bswa`` (``chunk_len``, ``n_bswa_chunks``;
-``sink_len: 0`` only), ``swa`` -> ``swa`` (``window: swa_window_size``, or ``chunk_len`` when not positive). Their
-hybrids (``alt_layer_every: k``, e.g. the SWA baseline ``gptalpha_halfrope_swa_rope``) become ``layer_types:
-[alt_<mixer>, <mixer>, ...]`` with the alternate layers' own RoPE (``alt_rope_*``), ``value_residual_groups:
-layer_name`` (one anchor for the main and one for the alternate layers; ``model`` with ``alt_share_v0``) and
-``value_residual_anchor: embedding`` (their main layers' anchor is layer 1's value projection of the embedding
-output). Everything else is refused with :class:`UnsupportedArchitectureError`, one line naming the field: the KVM
-and OVQ token mixers (their value gate is input-dependent and KVM's temperatures are per query head, which those
-layers do not take yet), skip connections, block lambdas, logit softcap, sinks in bswa, and the value-residual
-modes other than ``rwkv``. ``residual_scale`` (0.5 in their 350M models) is ``model.residual_scale``.
+``sink_len: 0`` only), ``swa`` -> ``swa`` (``window: swa_window_size``, or ``chunk_len`` when not positive), ``kvm``
+-> ``kvm`` (mixerzoo_kvm.KVMAttention; their eager ``model/kvm_mixer.py``):
+
+=======================================  ======================================================================
+theirs                                   mixerzoo ``kvm`` option
+=======================================  ======================================================================
+``chunk_len``, ``n_bswa_chunks``,        ``chunk_len``, ``n_bswa_chunks``, ``sink_len`` (protected from
+``sink_len``                             merges; fewer than ``chunk_len``)
+``state_budget_mode: fixed``             ``schedule: {name: fixed, size: min(state_min_len, chunk_len *
+                                         n_max_d_chunks)}`` (never below the first chunk's rows)
+``state_budget_mode: power_law``         ``schedule: {name: power_law, coef: state_growth_factor, exponent:
+                                         state_growth_exponent, min_size: state_min_len, max_size: chunk_len *
+                                         n_max_d_chunks}`` (``state_round_down: 1`` only)
+``state_budget_mode: kvm_saturation``    ``schedule: {name: saturating, max_size: state_saturation_n}``
+                                         (``state_min_len`` up to ``chunk_len``, no cap below the plateau)
+``kvm_use_vlens``                        ``value_norm: radius`` (1, with ``eps: 1e-12``, F.normalize's clamp) or
+                                         ``mean`` (0: sums over counts)
+``kvm_use_merge_gate_keys/_values``      ``merge_gate`` (both 1 or both 0); ``key_weighting`` -> ``gate_proj``
+``kvm_apply_merge_gate_to_appends``      ``gate_appends``
+``kvm_use_head_temps``                   ``learned_temperatures``, with ``temperatures: query``
+                                         (``state_head_temp`` -> ``tau_state``, ``front_head_temp`` ->
+                                         ``tau_bswa``, one per query head)
+``ln_s_k``                               ``ln_s``
+=======================================  ======================================================================
+
+Their hybrids (``alt_layer_every: k``, e.g. the SWA baseline ``gptalpha_halfrope_swa_rope`` or
+``kvm_swa_saturate1024``) become ``layer_types: [alt_<mixer>, <mixer>, ...]`` with the alternate layers' own RoPE
+(``alt_rope_*``), ``value_residual_groups: layer_name`` (one anchor for the main and one for the alternate layers;
+``model`` with ``alt_share_v0``) and ``value_residual_anchor: embedding`` (their main layers' anchor is layer 1's
+value projection of the embedding output). Everything else is refused with :class:`UnsupportedArchitectureError`,
+one line naming the field: the OVQ and RWKV-7 token mixers, skip connections, block lambdas, logit softcap, sinks in
+bswa, the value-residual modes other than ``rwkv``, and in KVM: ``kvm_apply_merge_gate_to_initial_state: 1``, a merge
+gate on keys only or values only, ``state_round_down`` other than 1 in a growing budget, other budget modes,
+``sink_len >= chunk_len``, ``rope_partial_dim: 0`` (their KVM then zeroes every memory-key channel) and a KVM
+alternate layer whose ``alt_rope_partial_dim`` differs from ``rope_partial_dim``. ``residual_scale`` (0.5 in their
+350M models) is ``model.residual_scale``.
+
+Their KVM readout casts the renormalised state values to bfloat16 (``(normalize(s_v) * s_vlen).bfloat16()``);
+mixerzoo reads them in the computation dtype, so imported float32 models equal theirs with that cast switched off
+(the parity tests' ``readout_cast_off``); with it on, their float32 logits differ by the cast's rounding.
 """
 
 from __future__ import annotations
@@ -76,10 +107,16 @@ DEFAULTS: dict[str, Any] = {
     "swa_token_shift_mode": "rwkv", "swa_window_size": -1, "sink_len": 1, "chunk_len": 256, "n_bswa_chunks": 2,
     "alt_token_mixer": "swa", "alt_token_mixer_class_path": None, "alt_rope_theta": 10000.0,
     "alt_rope_partial_dim": 64, "alt_share_v0": 0,
+    "kvm_value_residual_mode": "rwkv", "kvm_token_shift_mode": "rwkv", "kvm_apply_merge_gate_to_initial_state": 0,
+    "kvm_apply_merge_gate_to_appends": 0, "kvm_use_merge_gate_keys": 1, "kvm_use_merge_gate_values": 1,
+    "kvm_use_head_temps": 1, "kvm_use_vlens": 1, "n_max_d_chunks": 1, "state_budget_mode": "fixed",
+    "state_growth_factor": 1.0, "state_growth_exponent": 0.5, "state_round_down": 1, "state_min_len": -1,
+    "state_saturation_n": None,
 }
 
 # their token mixer -> (mixer here, the config fields naming its value-residual and token-shift modes)
-TOKEN_MIXERS = {"gptalpha": ("attention", "gptalpha"), "gptalpha_bswa": ("bswa", "gptalpha"), "swa": ("swa", "swa")}
+TOKEN_MIXERS = {"gptalpha": ("attention", "gptalpha"), "gptalpha_bswa": ("bswa", "gptalpha"), "swa": ("swa", "swa"),
+                "kvm": ("kvm", "kvm")}
 
 
 class KVMPaperSource:
@@ -94,7 +131,7 @@ class KVMPaperSource:
 
 def _refuse(field: str, value: Any, why: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(f"KVM paper model: {field}={value!r} is not supported ({why}); mixerzoo "
-                                        f"imports their GPTAlpha-2 attention, swa and bswa models")
+                                        f"imports their GPTAlpha-2 attention, swa, bswa and KVM models")
 
 
 def _config_json(path: Path) -> dict | None:
@@ -249,9 +286,7 @@ def _layer_options(cfg: dict, token_mixer: str, alt: bool) -> dict:
     """The mixer options of their main (or alternate) layers."""
     field = "alt_token_mixer" if alt else "token_mixer"
     if token_mixer not in TOKEN_MIXERS:
-        why = ("the KVM layer does not take the input-dependent value gate and per-query-head temperatures yet"
-               if token_mixer == "kvm" else "no mixer here equals it yet")
-        raise _refuse(field, token_mixer, why)
+        raise _refuse(field, token_mixer, "no mixer here equals it yet")
     mixer, prefix = TOKEN_MIXERS[token_mixer]
     d, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     d_qk = cfg["d_qk_head"] or cfg["d_head"] or d // n_heads
@@ -288,7 +323,62 @@ def _layer_options(cfg: dict, token_mixer: str, alt: bool) -> dict:
     elif mixer == "swa":
         window = int(cfg["swa_window_size"])
         opts["window"] = window if window > 0 else int(cfg["chunk_len"])
+    elif mixer == "kvm":
+        if alt and int(cfg["alt_rope_partial_dim"]) != int(cfg["rope_partial_dim"]):
+            # their KVM zeroes the first rope_partial_dim channels of its memory keys even in the alternate layers
+            raise _refuse("alt_rope_partial_dim", cfg["alt_rope_partial_dim"], "a KVM alternate layer zeroes "
+                          "rope_partial_dim channels of its memory keys; only equal partial dims are mapped")
+        if positional == "nope":
+            raise _refuse(f"{rope}_partial_dim", partial, "their KVM then zeroes every channel of its memory keys")
+        opts.update(_kvm_options(cfg))
     return opts
+
+
+def _kvm_schedule(cfg: dict, chunk_len: int) -> dict:
+    """Their state budget (``_desired_state_len``: ``min(max(round_down(target), state_min_len), chunk_len *
+    n_max_d_chunks)``, never below the rows already held) as a mixerzoo schedule. Rows start at ``chunk_len`` (the
+    first chunk), so a ``state_min_len`` up to ``chunk_len`` changes nothing."""
+    mode, cap = str(cfg["state_budget_mode"]), chunk_len * int(cfg["n_max_d_chunks"])
+    min_len = int(cfg["state_min_len"])
+    if mode == "fixed":
+        return {"name": "fixed", "size": max(min(min_len, cap), chunk_len)}
+    if int(cfg["state_round_down"]) != 1:
+        raise _refuse("state_round_down", cfg["state_round_down"], "budgets here are not rounded to a multiple")
+    if mode == "power_law":
+        return {"name": "power_law", "coef": float(cfg["state_growth_factor"]),
+                "exponent": float(cfg["state_growth_exponent"]), "min_size": max(min(min_len, cap), 0),
+                "max_size": cap}
+    if mode == "kvm_saturation":
+        n = cfg["state_saturation_n"]
+        if n is None or int(n) < 1:
+            raise _refuse("state_saturation_n", n, "kvm_saturation needs a positive plateau")
+        if min_len > chunk_len:
+            raise _refuse("state_min_len", min_len, f"a saturating budget here has no floor above chunk_len="
+                                                    f"{chunk_len}")
+        if cap < int(n):
+            raise _refuse("n_max_d_chunks", cfg["n_max_d_chunks"], f"a saturating budget here is not capped below "
+                                                                   f"state_saturation_n={n}")
+        return {"name": "saturating", "max_size": int(n)}
+    raise _refuse("state_budget_mode", mode, "budgets here are fixed, power_law and kvm_saturation")
+
+
+def _kvm_options(cfg: dict) -> dict:
+    """Their ``kvm_*`` fields as the options of mixerzoo's KVM layer (:class:`mixerzoo_kvm.KVMAttention`)."""
+    C, sink = int(cfg["chunk_len"]), int(cfg["sink_len"])
+    if int(cfg["kvm_apply_merge_gate_to_initial_state"]):
+        raise _refuse("kvm_apply_merge_gate_to_initial_state", cfg["kvm_apply_merge_gate_to_initial_state"],
+                      "the first chunk enters the state ungated here (the paper's rule)")
+    if bool(int(cfg["kvm_use_merge_gate_keys"])) != bool(int(cfg["kvm_use_merge_gate_values"])):
+        raise _refuse("kvm_use_merge_gate_values", cfg["kvm_use_merge_gate_values"],
+                      "the merge gate here weights keys and values together (or neither)")
+    if not 0 <= sink < C:
+        raise _refuse("sink_len", sink, f"sinks here are fewer than chunk_len={C} rows")
+    return {"chunk_len": C, "n_bswa_chunks": int(cfg["n_bswa_chunks"]), "sink_len": sink,
+            "schedule": _kvm_schedule(cfg, C), "value_norm": "radius" if int(cfg["kvm_use_vlens"]) else "mean",
+            # F.normalize's clamp in their readout
+            "eps": 1e-12, "merge_gate": bool(int(cfg["kvm_use_merge_gate_keys"])),
+            "gate_appends": bool(int(cfg["kvm_apply_merge_gate_to_appends"])),
+            "learned_temperatures": bool(int(cfg["kvm_use_head_temps"])), "temperatures": "query"}
 
 
 def lm_config_from_kvm_paper(cfg: dict) -> LMConfig:
@@ -338,7 +428,9 @@ _LAYER = {"ln_attn": "norm1", "ln_mlp": "norm2", "attn.c_q": "mixer.qkv.q_proj",
           "attn.c_proj": "mixer.o_proj", "attn.x_q": "mixer.qkv.shift_mu.0", "attn.x_k": "mixer.qkv.shift_mu.1",
           "attn.x_v": "mixer.qkv.shift_mu.2", "attn.v_gate0": "mixer.qkv.v_lambda",
           "attn.v_gate1": "mixer.qkv.v_gate_down", "attn.v_gate2": "mixer.qkv.v_gate_up",
-          "mlp.x_k": "channel.shift_mu", "mlp.c_fc": "channel.up_proj", "mlp.c_proj": "channel.down_proj"}
+          "mlp.x_k": "channel.shift_mu", "mlp.c_fc": "channel.up_proj", "mlp.c_proj": "channel.down_proj",
+          "attn.ln_s_k": "mixer.ln_s", "attn.key_weighting": "mixer.gate_proj",
+          "attn.state_head_temp": "mixer.tau_state", "attn.front_head_temp": "mixer.tau_bswa"}
 _LAYER_RE = re.compile(r"transformer\.h\.(\d+)\.(.+?)(\.weight|\.bias)?$")
 
 
@@ -366,6 +458,10 @@ def weights_from_kvm_paper(state: dict[str, torch.Tensor], config: LMConfig) -> 
                                                    f"backbone (an option this importer does not map)")
             mapped = f"blocks.{m.group(1)}.{target}{m.group(3) or ''}"
         out[mapped] = tensor.reshape(-1) if mapped.endswith(("shift_mu", ".0", ".1", ".2", "v_lambda")) else tensor
+    for i, spec in enumerate(specs):  # KVM without learned temperatures: both fixed at 1 (buffers here)
+        if spec.mixer == "kvm" and not spec.options.get("learned_temperatures", True):
+            for name in ("tau_state", "tau_bswa"):
+                out.setdefault(f"blocks.{i}.mixer.{name}", torch.ones(int(spec.options["n_heads"])))
     return out
 
 

@@ -33,6 +33,8 @@ CONFIGS = {
     "pre_rope": {"positional": "rope", "memory_keys": "pre_rope", "qk_norm": None},
     "pre_rope_gqa_grow": {"positional": "rope", "memory_keys": "pre_rope", "n_heads": 4, "n_kv_heads": 2,
                           "schedule": GROW},
+    # temperatures per query head under GQA (the authors' code): naive reads tau[query head] directly
+    "gqa_query_temperatures": {"n_heads": 4, "n_kv_heads": 2, "temperatures": "query", "schedule": GROW},
 }
 
 
@@ -52,7 +54,8 @@ def make(seed: int = 0, **kw) -> KVMAttention:
 def naive_forward(layer: KVMAttention, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """The layer's output on ``x (B, T, d_model)`` from a sequence start computed by :func:`kvm_naive` on the
     layer's own projections (q/k/v, the merge gate by naive's eq. 2, the output projection), and naive's final
-    state ``{s_k, s_v, rho, count}``."""
+    state ``{s_k, s_v, rho, count}`` (with ``temperatures: query`` under GQA, repeated to one head per query head, as
+    the layer keeps it)."""
     B, T, _ = x.shape
     q, k, v, _, _ = layer.qkv.stream(x, None)
     s = layer.spec
@@ -61,6 +64,8 @@ def naive_forward(layer: KVMAttention, x: torch.Tensor) -> tuple[torch.Tensor, d
                          rotary_dim=s.rotary_dim, n_protected=s.n_protected, schedule=s.schedule,
                          value_norm=s.value_norm, eps=s.eps, gate_appends=s.gate_appends, routing=s.routing,
                          unrotate=s.unrotate)
+    if layer.repeat_kv > 1:  # query temperatures under GQA: the layer keeps each key/value head's state per query head
+        state = {n: None if t is None else t.repeat_interleave(layer.repeat_kv, dim=1) for n, t in state.items()}
     return layer.o_proj(o.transpose(1, 2).reshape(B, T, -1)), state
 
 
@@ -128,7 +133,7 @@ def _naive_and_chunk_gradients(layer: KVMAttention, x: torch.Tensor, w: torch.Te
 
 
 @pytest.mark.parametrize("name", ["default", "power_law", "soft_routing", "gqa_token_shift", "value_mean",
-                                  "pre_rope_gqa_grow"])
+                                  "pre_rope_gqa_grow", "gqa_query_temperatures"])
 def test_gradients_agree(name):
     """Both parallel forms' gradients equal naive's."""
     layer = make(**CONFIGS[name]).train()
@@ -174,7 +179,8 @@ def test_gradients_through_a_carried_state(name):
 
 @pytest.mark.parametrize(("name", "backend"), [("default", "auto"), ("power_law", "auto"), ("nope", "auto"),
                                                ("gqa_token_shift", "auto"), ("pre_rope", "auto"),
-                                               ("power_law", "chunk"), ("pre_rope", "chunk")])
+                                               ("power_law", "chunk"), ("pre_rope", "chunk"),
+                                               ("gqa_query_temperatures", "auto")])
 def test_conformance(name, backend):
     """The conformance kit; ``auto`` trains with the CPU-lean form on this CPU, ``chunk`` forces appendix A's."""
     # winner-take-all routing is a discrete decision that bf16 may flip on a near tie: the routing goes through
@@ -195,13 +201,14 @@ def _kept_bytes(layer: KVMAttention, T: int) -> int:
     each), and the token shift's previous q/k/v projections; fp32 throughout."""
     C, nb = layer.chunk_len, layer.n_bswa_chunks
     H, Hq, D = layer.qkv.n_kv_heads, layer.qkv.n_heads, layer.qkv.head_dim
+    shift = (Hq + 2 * H) * D if layer.qkv.token_shift else 0
+    H = Hq if layer.temperatures == "query" else H  # query temperatures: the state has one head per query head
     m = 0
     for c in range(nb, -(-T // C)):
         m = C if m == 0 else max(m, min(int(layer.schedule(c * C)), m + C))
     window = T - max((-(-T // C) - nb) * C, 0)
     per_row = 2 * D + 1 + (layer.value_norm == "mean")
     per_token = 2 * D + (layer.gate_proj is not None)
-    shift = (Hq + 2 * H) * D if layer.qkv.token_shift else 0
     return 4 * (H * (m * per_row + window * per_token) + shift)
 
 
@@ -312,3 +319,56 @@ def test_fixed_temperatures_ablation():
     fixed(x)[0].square().sum().backward()
     opt.step()
     assert torch.equal(fixed.tau_state, torch.ones(2)) and torch.equal(fixed.tau_bswa, torch.ones(2))
+
+
+def test_query_temperatures_equal_kv_temperatures_when_equal_within_groups():
+    """``temperatures: query`` with both temperatures equal across each GQA group's query heads is the ``kv`` layer
+    (outputs, decode); without GQA the two options are the same layer (same parameter shapes, same outputs)."""
+    x = torch.randn(2, 45, D_MODEL, generator=torch.Generator().manual_seed(3))
+    kv = make(n_heads=4, n_kv_heads=2, schedule=GROW).eval()
+    query = make(n_heads=4, n_kv_heads=2, schedule=GROW, temperatures="query").eval()
+    assert query.tau_state.shape == (4,) and kv.tau_state.shape == (2,)
+    sd = kv.state_dict()
+    sd = {n: t.repeat_interleave(2) if n.startswith("tau_") else t for n, t in sd.items()}
+    query.load_state_dict(sd)
+    with torch.no_grad():
+        torch.testing.assert_close(query(x)[0], kv(x)[0], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(decode(query, x, prefill=10), kv(x)[0], atol=2e-5, rtol=1e-4)
+    mha_kv, mha_query = make(schedule=GROW).eval(), make(schedule=GROW, temperatures="query").eval()
+    mha_query.load_state_dict(mha_kv.state_dict())
+    with torch.no_grad():
+        assert torch.equal(mha_query(x)[0], mha_kv(x)[0])
+    with pytest.raises(ValueError, match="kvm temperatures must be one of"):
+        KVMAttention(D_MODEL, n_heads=2, temperatures="value")
+
+
+def test_value_gate_rank_is_the_input_dependent_value_residual_gate():
+    """``value_gate_rank: r`` gives the layer's projection the rank-``r`` input-dependent value gate (the authors'
+    ``v_gate1``/``v_gate2``); 0 (default) leaves the layer as it was (no new parameters, same outputs). With a
+    nonzero gate, every form equals naive on the layer's own projections (a later layer of a model: ``v_first``
+    from the first)."""
+    torch.manual_seed(0)
+    plain = KVMAttention(D_MODEL, n_heads=2, chunk_len=4, value_residual=True, token_shift=True, schedule=GROW)
+    gated = KVMAttention(D_MODEL, n_heads=2, chunk_len=4, value_residual=True, token_shift=True, schedule=GROW,
+                         value_gate_rank=3)
+    assert not any("v_gate" in n for n, _ in plain.named_parameters())
+    assert gated.qkv.v_gate_down.weight.shape == (3, D_MODEL) and gated.qkv.v_gate_up.weight.shape == (D_MODEL, 3)
+    x = torch.randn(2, 45, D_MODEL, generator=torch.Generator().manual_seed(3))
+    v_first = torch.randn(2, 45, D_MODEL, generator=torch.Generator().manual_seed(4))
+    gated.load_state_dict(plain.state_dict(), strict=False)  # W_down starts at zero: the per-channel gate
+    with torch.no_grad():
+        torch.testing.assert_close(gated(x, None, {"v_first": v_first})[0], plain(x, None, {"v_first": v_first})[0])
+        gated.qkv.v_gate_down.weight.normal_(0.0, 0.5)
+        gated.qkv.v_lambda.normal_(0.0, 1.0)
+        q, k, v, _, _ = gated.qkv.stream(x, None, {"v_first": v_first})
+        s = gated.spec
+        o, _ = kvm_naive(q, k, v, merge_gate(x, gated.gate_proj), ln_s=gated.ln_s, tau_state=gated.tau_state,
+                         tau_bswa=gated.tau_bswa, chunk_len=s.chunk_len, n_bswa_chunks=s.n_bswa_chunks,
+                         rotary_dim=s.rotary_dim, n_protected=s.n_protected, schedule=s.schedule)
+        want = gated.o_proj(o.transpose(1, 2).reshape(2, 45, -1))
+        assert (want - plain(x, None, {"v_first": v_first})[0]).abs().max() > 1e-3  # the gate matters
+        for backend in ("chunk", "cpu_lean"):
+            gated.backend = backend
+            torch.testing.assert_close(gated(x, None, {"v_first": v_first})[0], want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="needs value_residual"):
+        KVMAttention(D_MODEL, n_heads=2, value_gate_rank=3)

@@ -31,7 +31,7 @@ GRAD_TOL = dict(atol=5e-5, rtol=1e-4)  # and its gradients'
 # (soft routing, an ablation, routes with the PyTorch loop on this path: checked that it still does)
 TRITON_CONFIGS = ["default", "power_law", "linear_gate_appends", "no_merge_gate", "quarter_rope_sinks2",
                   "no_sink_protection", "value_mean", "pre_rope_gqa_grow", "gqa_token_shift", "one_window_chunk",
-                  "soft_routing"]
+                  "soft_routing", "gqa_query_temperatures"]
 
 
 @pytest.mark.parametrize("name", TRITON_CONFIGS)
@@ -91,6 +91,7 @@ def test_decode_fold_has_no_host_sync(backend):
 @pytest.mark.parametrize(("name", "T", "checkpoint_chunks"), [("default", 37, 4), ("power_law", 37, 4),
                                                               ("linear_gate_appends", 37, 4),
                                                               ("pre_rope_gqa_grow", 37, 4), ("value_mean", 37, 4),
+                                                              ("gqa_query_temperatures", 37, 4),
                                                               ("power_law", 150, 1), ("gqa_token_shift", 150, 1)])
 def test_triton_gradients_equal_naive(name, T, checkpoint_chunks):
     """Parameter and input gradients equal naive's (with 150 tokens and ``checkpoint_chunks: 1``: many groups,

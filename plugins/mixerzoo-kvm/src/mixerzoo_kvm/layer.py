@@ -26,6 +26,7 @@ __all__ = ["KVMAttention"]
 HALF_ROPE = {"name": "rope", "rotary_fraction": 0.5}
 MEMORY_KEYS = ("zero_rotary", "pre_rope")
 BACKENDS = ("auto", "chunk", "cpu_lean", "triton")
+TEMPERATURES = ("kv", "query")
 # query chunks per recomputed group on the Triton path (checkpoint_chunks x this): few groups, few launches; each
 # group holds its snapshots (rows x D per chunk) only while it runs
 TRITON_GROUP_SCALE = 4
@@ -53,7 +54,8 @@ class KVMAttention(Mixer):
     Args:
         d_model: model width.
         n_heads: query heads (paper: 6 at d_model 768 and 8 at d_model 1024, head_dim 128).
-        n_kv_heads: key/value heads (GQA; the state, gate and temperatures are per key/value head).
+        n_kv_heads: key/value heads (GQA; the state and the merge gate are per key/value head, the temperatures as
+            ``temperatures`` says).
         head_dim: channels per head (default ``d_model // n_heads``).
         chunk_len: ``C``, tokens per chunk (paper 256).
         n_bswa_chunks: chunks in the block sliding window (paper 2): window ``L = n_bswa_chunks * C``.
@@ -69,6 +71,10 @@ class KVMAttention(Mixer):
             RoPE, ``q_pre . LN_s(s_k)``; the window keeps RoPE as trained). See docs/mechanisms/kvm.md.
         qk_norm: per-head norm on q and k (default ``layernorm`` with bias, as in the paper).
         token_shift, value_residual, bias: backbone options of :class:`mixerzoo.mixers.QKVProjection`.
+        value_gate_rank: 0 (default): the value-residual gate is per channel, ``sigmoid(lambda)`` (paper eq. 8);
+            ``r > 0``: input-dependent, ``sigmoid(lambda + W_up W_down x)`` with a rank-``r`` product, as the
+            authors' code (GPTAlpha-2) and RWKV-7 have it (:class:`mixerzoo.mixers.QKVProjection`). Needs
+            ``value_residual``.
         value_norm: ``radius`` (paper: renormalise each value row to its stored radius) or ``mean`` (ablation:
             the plain mean of the row's values).
         protect_sinks: keep the ``sink_len`` first rows out of merges (ablation: False).
@@ -78,6 +84,13 @@ class KVMAttention(Mixer):
             scale ``1/sqrt(head_dim)``, not differentiated, like the argmax).
         learned_temperatures: learn the per-head inverse temperatures ``tau_state`` and ``tau_bswa`` (paper); False
             fixes both at 1 (the authors' ablation: plain softmax over state rows and window keys).
+        temperatures: ``kv`` (default): ``tau_state`` and ``tau_bswa`` are ``(n_kv_heads,)``, one per key/value head
+            (section 4, "Readout": they scale the keys); ``query``: ``(n_heads,)``, one per query head, as the
+            authors' code has them (``state_head_temp``, ``front_head_temp``). The two differ only under GQA
+            (``n_kv_heads < n_heads``); there every form runs with the keys, values and gates repeated to one
+            key/value head per query head (exact: a head's routing depends on its keys and gates only, so the
+            repeated heads' states are copies), which costs ``n_heads / n_kv_heads`` times the state work and
+            keeps a state of ``n_heads`` heads.
         eps: ``eps_norm`` of the value renormalisation.
         checkpoint_chunks: training memory: query chunks are read in groups of at most this many (``x max(1, n // 64)``
             for a call of ``n`` chunks), each recomputed in backward from the state entering it, so autograd keeps
@@ -110,7 +123,8 @@ class KVMAttention(Mixer):
                  protect_sinks: bool = True, merge_gate: bool = True, gate_appends: bool = False,
                  routing: str = "hard", eps: float = 1e-6, layer_idx: int = 0,
                  memory_keys: str = "zero_rotary", learned_temperatures: bool = True,
-                 checkpoint_chunks: int = 4, backend: str = "auto") -> None:
+                 checkpoint_chunks: int = 4, backend: str = "auto", value_gate_rank: int = 0,
+                 temperatures: str = "kv") -> None:
         super().__init__()
         if not isinstance(chunk_len, int) or chunk_len < 1:
             raise ValueError(f"kvm chunk_len must be a positive integer, got {chunk_len!r}")
@@ -128,13 +142,20 @@ class KVMAttention(Mixer):
                              f"got {checkpoint_chunks!r}")
         if backend not in BACKENDS:
             raise ValueError(f"kvm backend must be one of {list(BACKENDS)}, got {backend!r}")
+        if temperatures not in TEMPERATURES:
+            raise ValueError(f"kvm temperatures must be one of {list(TEMPERATURES)} ('kv': one per key/value head; "
+                             f"'query': one per query head), got {temperatures!r}")
         if memory_keys not in MEMORY_KEYS:
             raise ValueError(f"kvm memory_keys must be one of {list(MEMORY_KEYS)} ('zero_rotary': paper eq. 1; "
                              f"'pre_rope': for models whose RoPE rotates every channel), got {memory_keys!r}")
         self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim,
                                  HALF_ROPE if positional is None else positional, qk_norm, token_shift,
-                                 value_residual, bias)
+                                 value_residual, bias, value_gate_rank=value_gate_rank)
         H, D = self.qkv.n_kv_heads, self.qkv.head_dim
+        self.temperatures = temperatures
+        # query temperatures under GQA: the ops run with one key/value head per query head (repeated)
+        self.repeat_kv = self.qkv.n_heads // H if temperatures == "query" else 1
+        H_t = H * self.repeat_kv  # heads the temperatures (and the state) have
         if memory_keys == "zero_rotary" and self.rotary_dim >= D:
             raise ValueError(f"kvm positional rotates all {D} channels of a head; KVM zeroes the rotary channels of "
                              f"its memory keys, so nothing would be left to match on. Use partial RoPE "
@@ -144,10 +165,10 @@ class KVMAttention(Mixer):
         self.o_proj = nn.Linear(n_heads * D, d_model, bias=bias)
         self.ln_s = nn.LayerNorm(D)  # LN_s of eq. (1) and of the key readout
         if learned_temperatures:  # per-head inverse temperatures on the keys
-            self.tau_state, self.tau_bswa = nn.Parameter(torch.ones(H)), nn.Parameter(torch.ones(H))
+            self.tau_state, self.tau_bswa = nn.Parameter(torch.ones(H_t)), nn.Parameter(torch.ones(H_t))
         else:  # ablation: fixed at 1 (buffers, so checkpoints of either kind name the same tensors)
-            self.register_buffer("tau_state", torch.ones(H))
-            self.register_buffer("tau_bswa", torch.ones(H))
+            self.register_buffer("tau_state", torch.ones(H_t))
+            self.register_buffer("tau_bswa", torch.ones(H_t))
         self.learned_temperatures = learned_temperatures
         self.gate_proj = nn.Linear(d_model, H, bias=False) if merge_gate else None  # W_g of eq. (2)
         self.schedule = FixedSchedule(chunk_len) if schedule is None else build_schedule(schedule)
@@ -206,6 +227,9 @@ class KVMAttention(Mixer):
         else:
             q, k, v, _, shift = self.qkv.stream(x, state, shared)
         g = merge_gate(x, self.gate_proj)
+        if self.repeat_kv > 1:  # temperatures per query head: key/value head h // G serves query head h
+            k, v = k.repeat_interleave(self.repeat_kv, dim=1), v.repeat_interleave(self.repeat_kv, dim=1)
+            g = None if g is None else g.repeat_interleave(self.repeat_kv, dim=1)
         if state is None:
             state = KVMState.empty(k, with_count=self.value_norm == "mean", with_gate=g is not None)
         if form == "cpu_lean":  # the output projection (and, lean, the queries' norm and RoPE) inside its groups
@@ -270,4 +294,5 @@ class KVMAttention(Mixer):
         return (f"chunk_len={self.chunk_len}, n_bswa_chunks={self.n_bswa_chunks}, sink_len={self.sink_len}, "
                 f"schedule={self.schedule!r}, value_norm={self.value_norm}, protect_sinks={self.protect_sinks}, "
                 f"gate_appends={self.gate_appends}, routing={self.routing}, memory_keys={self.memory_keys}, "
-                f"learned_temperatures={self.learned_temperatures}, backend={self.backend}")
+                f"learned_temperatures={self.learned_temperatures}, temperatures={self.temperatures}, "
+                f"backend={self.backend}")

@@ -109,7 +109,9 @@ def kvm_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         q: queries ``(B, H_q, T, D)``; k, v: ``(B, H, T, D)`` after q/k norm and RoPE (GQA: query head ``h``
             reads key/value head ``h // (H_q / H)``).
         g: merge gates ``(B, H, T)`` (eq. 2) or None (every weight 1).
-        ln_s: the state's LayerNorm; tau_state, tau_bswa: ``(H,)`` inverse temperatures.
+        ln_s: the state's LayerNorm; tau_state, tau_bswa: inverse temperatures, ``(H,)`` one per key/value head or
+            ``(H_q,)`` one per query head (the layer's ``temperatures: query``; they scale the keys a query head
+            reads).
         chunk_len, n_bswa_chunks, rotary_dim, n_protected (sink rows out of merges), schedule (``B(t)``),
         value_norm (``radius`` or ``mean``), eps, gate_appends, routing (``hard`` or ``soft``), unrotate: the
         layer's options (:class:`mixerzoo_kvm.KVMAttention`).
@@ -141,13 +143,15 @@ def kvm_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
                     s_k, s_v, rho, count = _fold(s_k, s_v, rho, count, kbar[o], vv[o], gg[o], c * C, **opts)
                 lo, hi, w0 = c * C, min((c + 1) * C, T), max((c - nb + 1) * C, 0)
                 key_s, val_s = _readout(s_k, s_v, rho, count, ln_s, value_norm, eps)
-                key_s = key_s * tau_state[h].to(dt)
-                key_w, val_w = kk[w0:hi] * tau_bswa[h].to(dt), vv[w0:hi]
+                key_w, val_w = kk[w0:hi], vv[w0:hi]
                 causal = pos[w0:hi][None, :] <= pos[lo:hi][:, None]
                 for hq in range(h * G, (h + 1) * G):
+                    t = hq if tau_state.shape[0] == Hq != H else h  # per query head or per key/value head
                     qc = q[b, hq, lo:hi].to(dt)
                     qm = qc if unrotate is None else unrotate(qc, pos[lo:hi])
-                    logits = torch.cat([qm @ key_s.T, (qc @ key_w.T).masked_fill(~causal, float("-inf"))], dim=-1)
+                    logits = torch.cat([qm @ (key_s * tau_state[t].to(dt)).T,
+                                        (qc @ (key_w * tau_bswa[t].to(dt)).T).masked_fill(~causal, float("-inf"))],
+                                       dim=-1)
                     out[b, hq, lo:hi] = (logits / math.sqrt(D)).softmax(dim=-1) @ torch.cat([val_s, val_w])
             for name, t in zip(("s_k", "s_v", "rho", "count"), (s_k, s_v, rho, count)):
                 final[name].append(t)
