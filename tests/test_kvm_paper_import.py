@@ -399,8 +399,8 @@ def test_evaluate_runs_on_an_imported_folder(tmp_path):
 
 
 def test_kvm_config_mapping():
-    """Their KVM fields as the KVM layer's options: fixed and power-law budgets, sinks, vlens (the radius readout),
-    the merge gate on keys and values, gated appends, per-query-head temperatures (learned or fixed at 1)."""
+    """Their KVM fields as the KVM layer's options: fixed, power-law and saturating budgets, sinks, vlens (the
+    radius readout), the merge gate on keys and values, per-query-head temperatures (learned or fixed at 1)."""
     from mixerzoo.hub.kvm_paper import lm_config_from_kvm_paper, weights_from_kvm_paper
     from safetensors.torch import load_file
 
@@ -411,13 +411,12 @@ def test_kvm_config_mapping():
     sqrt = lm_config_from_kvm_paper(_their_config("kvm_sqrt")).mixers["kvm"]
     assert sqrt["schedule"] == {"name": "power_law", "coef": 4.0, "exponent": 0.5, "min_size": 8, "max_size": 80000}
     assert sqrt["n_kv_heads"] == 2 and sqrt["n_heads"] == 4
-    ablations = {**_their_config("kvm_fixed"), "kvm_use_vlens": 0, "kvm_use_merge_gate_keys": 0,
-                 "kvm_use_merge_gate_values": 0, "kvm_apply_merge_gate_to_appends": 1, "kvm_use_head_temps": 0,
-                 "sink_len": 0, "state_budget_mode": "kvm_saturation", "state_saturation_n": 1024,
-                 "n_max_d_chunks": 10000, "state_min_len": 1}
+    ablations = {**_their_config("kvm_fixed"), "kvm_use_merge_gate_keys": 0, "kvm_use_merge_gate_values": 0,
+                 "kvm_use_head_temps": 0, "sink_len": 0, "state_budget_mode": "kvm_saturation",
+                 "state_saturation_n": 1024, "n_max_d_chunks": 10000, "state_min_len": 1}
     config = lm_config_from_kvm_paper(ablations)
     opts = config.mixers["kvm"]
-    assert opts["value_norm"] == "mean" and not opts["merge_gate"] and opts["gate_appends"] and opts["sink_len"] == 0
+    assert not opts["merge_gate"] and not opts["gate_appends"] and opts["sink_len"] == 0
     assert not opts["learned_temperatures"] and opts["schedule"] == {"name": "saturating", "max_size": 1024}
     state = load_file(str(FIXTURES / "kvm_fixed" / "model.safetensors"))
     state = {k: v for k, v in state.items() if not k.endswith(("_head_temp", "key_weighting.weight"))}
@@ -428,6 +427,7 @@ def test_kvm_config_mapping():
 
 @pytest.mark.parametrize("field, value", [
     ("kvm_apply_merge_gate_to_initial_state", 1), ("kvm_use_merge_gate_values", 0), ("state_round_down", 64),
+    ("kvm_apply_merge_gate_to_appends", 1), ("kvm_use_vlens", 0),
     ("state_budget_mode", "linear"), ("sink_len", 16), ("rope_partial_dim", 0)])
 def test_kvm_fields_not_representable_refused_in_one_line(field, value):
     from mixerzoo.hub.kvm_paper import lm_config_from_kvm_paper

@@ -48,10 +48,9 @@ theirs                                   mixerzoo ``kvm`` option
                                          n_max_d_chunks}`` (``state_round_down: 1`` only)
 ``state_budget_mode: kvm_saturation``    ``schedule: {name: saturating, max_size: state_saturation_n}``
                                          (``state_min_len`` up to ``chunk_len``, no cap below the plateau)
-``kvm_use_vlens``                        ``value_norm: radius`` (1, with ``eps: 1e-12``, F.normalize's clamp) or
-                                         ``mean`` (0: sums over counts)
+``kvm_use_vlens: 1``                     ``value_norm: radius`` (with ``eps: 1e-12``, F.normalize's clamp)
 ``kvm_use_merge_gate_keys/_values``      ``merge_gate`` (both 1 or both 0); ``key_weighting`` -> ``gate_proj``
-``kvm_apply_merge_gate_to_appends``      ``gate_appends``
+``kvm_apply_merge_gate_to_appends: 0``   ``gate_appends: false``
 ``kvm_use_head_temps``                   ``learned_temperatures``, with ``temperatures: query``
                                          (``state_head_temp`` -> ``tau_state``, ``front_head_temp`` ->
                                          ``tau_bswa``, one per query head)
@@ -65,7 +64,10 @@ Their hybrids (``alt_layer_every: k``, e.g. the SWA baseline ``gptalpha_halfrope
 value projection of the embedding output). Everything else is refused with :class:`UnsupportedArchitectureError`,
 one line naming the field: the OVQ and RWKV-7 token mixers, skip connections, block lambdas, logit softcap, sinks in
 bswa, the value-residual modes other than ``rwkv``, and in KVM: ``kvm_apply_merge_gate_to_initial_state: 1``, a merge
-gate on keys only or values only, ``state_round_down`` other than 1 in a growing budget, other budget modes,
+gate on keys only or values only, ``kvm_apply_merge_gate_to_appends: 1`` (their appended rows then take the gated
+value norm ``||g v||`` as radius; ``gate_appends`` here keeps ``||v||``), ``kvm_use_vlens: 0`` (their mean readout
+divides every row by 1 + the number of folds: the count update sums the routing over state rows, not over merged
+tokens; ``value_norm: mean`` here divides by the tokens merged into the row), ``state_round_down`` other than 1 in a growing budget, other budget modes,
 ``sink_len >= chunk_len``, ``rope_partial_dim: 0`` (their KVM then zeroes every memory-key channel) and a KVM
 alternate layer whose ``alt_rope_partial_dim`` differs from ``rope_partial_dim``. ``residual_scale`` (0.5 in their
 350M models) is ``model.residual_scale``.
@@ -371,13 +373,21 @@ def _kvm_options(cfg: dict) -> dict:
     if bool(int(cfg["kvm_use_merge_gate_keys"])) != bool(int(cfg["kvm_use_merge_gate_values"])):
         raise _refuse("kvm_use_merge_gate_values", cfg["kvm_use_merge_gate_values"],
                       "the merge gate here weights keys and values together (or neither)")
+    if int(cfg["kvm_apply_merge_gate_to_appends"]):
+        # their appended rows keep ||g v|| as the radius; gate_appends here gates the sums but keeps ||v|| (eq. 6)
+        raise _refuse("kvm_apply_merge_gate_to_appends", cfg["kvm_apply_merge_gate_to_appends"],
+                      "their appended rows take the gated value norm as radius, gate_appends here the ungated one")
+    if not int(cfg["kvm_use_vlens"]):
+        # their count update sums the one-hot routing over state rows (one per merged token, added to every row
+        # when the shapes broadcast), not over merged tokens: the divisor is 1 + the folds, not the merged tokens
+        raise _refuse("kvm_use_vlens", cfg["kvm_use_vlens"], "their mean readout divides by 1 + the number of "
+                      "folds (scores.sum(-1)), value_norm: mean here by the tokens merged into the row")
     if not 0 <= sink < C:
         raise _refuse("sink_len", sink, f"sinks here are fewer than chunk_len={C} rows")
     return {"chunk_len": C, "n_bswa_chunks": int(cfg["n_bswa_chunks"]), "sink_len": sink,
-            "schedule": _kvm_schedule(cfg, C), "value_norm": "radius" if int(cfg["kvm_use_vlens"]) else "mean",
-            # F.normalize's clamp in their readout
-            "eps": 1e-12, "merge_gate": bool(int(cfg["kvm_use_merge_gate_keys"])),
-            "gate_appends": bool(int(cfg["kvm_apply_merge_gate_to_appends"])),
+            # the radius readout (their vlens), with F.normalize's clamp
+            "schedule": _kvm_schedule(cfg, C), "value_norm": "radius", "eps": 1e-12,
+            "merge_gate": bool(int(cfg["kvm_use_merge_gate_keys"])), "gate_appends": False,
             "learned_temperatures": bool(int(cfg["kvm_use_head_temps"])), "temperatures": "query"}
 
 
