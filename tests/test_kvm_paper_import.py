@@ -387,12 +387,13 @@ def test_training_checkpoint_with_yaml(tmp_path):
     assert (logits - exp["logits"]).abs().max().item() <= 1e-4
 
 
-def test_evaluate_runs_on_an_imported_folder(tmp_path):
+@pytest.mark.parametrize("name", ["gptalpha", "kvm_sqrt"])
+def test_evaluate_runs_on_an_imported_folder(name, tmp_path):
     """``mixerzoo evaluate`` takes the imported folder unchanged (the cost task: no data needed)."""
     from mixerzoo.cli import main
 
     out = tmp_path / "imported"
-    assert main(["import", str(FIXTURES / "gptalpha"), str(out), "--quiet"]) == 0
+    assert main(["import", str(FIXTURES / name), str(out), "--quiet"]) == 0
     assert main(["evaluate", "--ckpt", str(out), "--out", str(tmp_path / "report"), "--tasks", "cost",
                  "--lengths", "40", "--chunk", "16", "--decode_tokens", "2", "--cost_peak_memory", "off"]) == 0
     assert json.loads((tmp_path / "report" / "results.json").read_text())["results"]["cost"]
