@@ -89,7 +89,7 @@ MIXERS = {  # name in the tables: (registry name, layer options)
     "kvm-256/chunk": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, backend="chunk")),
     "kvm-sqrt/chunk": ("kvm", dict(KVM, schedule=SQRT, backend="chunk")),
     # the Triton kernels a GPU runs (backend auto on CUDA), forced: on a CPU through Triton's interpreter, for launch
-    # counts (a kernel is one launch), not for time
+    # counts (a kernel is one launch; the launch table also takes the core's kernels, RoPE's, for these), not time
     "kvm-256/triton": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, backend="triton")),
     "kvm-sqrt/triton": ("kvm", dict(KVM, schedule=SQRT, backend="triton")),
     "ovq": ("ovq", dict(chunk_len=128, max_size=2048)),
@@ -231,16 +231,23 @@ def decode_cell(layer, contexts: list[int], task: dict) -> dict:
             "state_bytes": {str(c): v for c, v in state.items()}}
 
 
-def launches_cell(layer, T: int, task: dict, trainable: bool) -> dict:
+def launches_cell(layer, T: int, task: dict, trainable: bool, gpu_path: bool = False) -> dict:
     """Operators, kernel launches and host syncs (:func:`mixerzoo.evaluation.cost.count_launches`) of one training
     step at ``T`` tokens (``trainable`` mixers) and of one decode step after a no-grad prefill of ``T`` tokens,
-    each after one uncounted run of the same (lazy initialisation, caches). With ``--skip-kernels`` Triton kernels
-    are counted but not run (:func:`mixerzoo.evaluation.cost.kernels_skipped`)."""
+    each after one uncounted run of the same (lazy initialisation, caches). ``gpu_path`` (the ``/triton``
+    configurations): every Triton kernel a GPU would run, the core's (RoPE's) included
+    (:func:`mixerzoo.kernels.everywhere`). With ``--skip-kernels`` Triton kernels are counted but not run
+    (:func:`mixerzoo.evaluation.cost.kernels_skipped`)."""
     import contextlib
 
+    from mixerzoo import kernels
     from mixerzoo.evaluation.cost import kernels_skipped
 
-    with kernels_skipped() if task.get("skip_kernels") else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        if task.get("skip_kernels"):
+            stack.enter_context(kernels_skipped())
+        if gpu_path:
+            stack.enter_context(kernels.everywhere())
         return _launches(layer, T, task, trainable)
 
 
@@ -315,7 +322,7 @@ def run_cell(cell: dict, task: dict, held: dict) -> dict:
     if cell["what"] == "decode":
         return decode_cell(layer, cell["contexts"], task)
     if cell["what"] == "launches":
-        return launches_cell(layer, cell["T"], task, cell.get("trainable", True))
+        return launches_cell(layer, cell["T"], task, cell.get("trainable", True), cell.get("gpu_path", False))
     layer.train()
     x = inputs(task, cell["T"])
     if not held["warm"]:  # lazy initialisation, thread pools, first kernel compilations
@@ -738,7 +745,8 @@ def main(argv: list[str] | None = None) -> None:
 def launches_table(args: argparse.Namespace, base: dict, out: dict) -> None:
     """The launch-count table: every mixer of ``--mixers`` at every length of ``--lengths``, in shared workers."""
     cells = [{"id": f"launches/{m}/{T}", "what": "launches", "mixer": m, "spec": MIXERS[m], "T": T,
-              "trainable": m in TRAINABLE} for m in args.mixers for T in args.lengths]
+              "trainable": m in TRAINABLE, "gpu_path": MIXERS[m][1].get("backend") == "triton"}
+             for m in args.mixers for T in args.lengths]
     results = run_cells({**base, "repeats": 0, "steps": 0, "rounds": 0}, cells, args.cell_timeout or 600,
                         args.budget or math.inf)
     print("\n## Launch count: operators dispatched by one training step (forward + backward) and by one decode step "

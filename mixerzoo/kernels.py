@@ -19,14 +19,17 @@ with a ``register_fake`` (static output shapes) and, where gradients flow, ``reg
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["jit", "triton_available", "interpreted", "use_triton"]
+__all__ = ["jit", "triton_available", "interpreted", "use_triton", "everywhere"]
+
+_EVERYWHERE: list[bool] = []
 
 
 @functools.cache
@@ -91,8 +94,20 @@ def _interpreted_class():
 
 def use_triton(backend: str, device: torch.device) -> bool:
     """Whether a plugin's Triton kernels serve tensors on ``device`` under the layer option ``backend``:
-    ``"triton"`` always (the interpreter on a CPU), ``"auto"`` for CUDA tensors when Triton is importable, any
-    other value never."""
+    ``"triton"`` always (the interpreter on a CPU), ``"auto"`` for CUDA tensors when Triton is importable (on any
+    device inside :func:`everywhere`), any other value never."""
     if backend == "triton":
         return True
-    return backend == "auto" and device.type == "cuda" and triton_available()
+    return backend == "auto" and (device.type == "cuda" or bool(_EVERYWHERE)) and triton_available()
+
+
+@contextlib.contextmanager
+def everywhere() -> Iterator[None]:
+    """Inside the block, ``backend: auto`` takes the Triton kernels on every device, as on a GPU (on a CPU through
+    the interpreter): to test, or count the launches of, the whole path a GPU runs, the core's kernels included
+    (RoPE's), on a CPU."""
+    _EVERYWHERE.append(True)
+    try:
+        yield
+    finally:
+        _EVERYWHERE.pop()

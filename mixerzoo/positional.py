@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import kernels
 from .strategies import build_strategy
 
-__all__ = ["PositionalEncoding", "RoPE", "NoPE", "build_positional"]
+__all__ = ["PositionalEncoding", "RoPE", "NoPE", "build_positional", "rotate_triton"]
 
 
 class PositionalEncoding(nn.Module):
@@ -139,7 +140,15 @@ class RoPE(PositionalEncoding):
             return self.rotate(x, *self.cos_sin(positions, x.dtype))
         if torch.is_grad_enabled() and x.requires_grad:
             return _Rotation.apply(x, positions, self)
-        return self.rotate_fast(x, *self.cos_sin(positions, x.dtype))
+        return self._rotate_by(x, positions)
+
+    def _rotate_by(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """:meth:`rotate_fast` at ``positions``: on a GPU one Triton launch (:func:`rotate_triton`: the angles,
+        their ``cos, sin`` and the rotation in one kernel, where the eager form takes about 14 kernels), else
+        :meth:`cos_sin` and :meth:`rotate_fast`."""
+        if kernels.use_triton("auto", x.device) and x.dim() <= 4:
+            return rotate_triton(self, x, positions, inverse)
+        return self.rotate_fast(x, *self.cos_sin(positions, x.dtype), inverse=inverse)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` with its first ``rotary_dim`` channels rotated by the angles whose ``cos, sin`` are given
@@ -196,12 +205,91 @@ class _Rotation(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, positions: torch.Tensor, rope: RoPE) -> torch.Tensor:
         ctx.rope = rope
         ctx.save_for_backward(positions)
-        return rope.rotate_fast(x, *rope.cos_sin(positions, x.dtype))
+        return rope._rotate_by(x, positions)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (positions,) = ctx.saved_tensors
-        return ctx.rope.rotate_fast(grad, *ctx.rope.cos_sin(positions, grad.dtype), inverse=True), None, None
+        return ctx.rope._rotate_by(grad, positions, inverse=True), None, None
+
+
+_ROPE_KERNEL = None
+
+
+def _rope_kernel():
+    """The Triton kernel of :func:`rotate_triton`, defined on first use (Triton is imported only then)."""
+    global _ROPE_KERNEL
+    if _ROPE_KERNEL is None:
+        import triton.language as tl
+
+        @kernels.jit
+        def rope_kernel(x_ptr, out_ptr, pos_ptr, inv_freq_ptr, T, D, sx0, sx1, sx2, so0, so1, so2, n1, sign,
+                        HALF: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, ADJACENT: tl.constexpr,
+                        TABLE: tl.constexpr, TABLE_BF16: tl.constexpr):
+            # one program per (index of the two leading axes, time step): one head vector, its HALF channel pairs
+            pid = tl.program_id(0)
+            t = pid % T
+            lead = pid // T
+            i0, i1 = lead // n1, lead % n1
+            xb = x_ptr + i0.to(tl.int64) * sx0 + i1.to(tl.int64) * sx1 + t.to(tl.int64) * sx2
+            ob = out_ptr + i0.to(tl.int64) * so0 + i1.to(tl.int64) * so1 + t.to(tl.int64) * so2
+            j = tl.arange(0, BLOCK)
+            ok = j < HALF
+            if ADJACENT:
+                c1, c2 = 2 * j, 2 * j + 1
+            else:
+                c1, c2 = j, j + HALF
+            x1 = tl.load(xb + c1, mask=ok)
+            x2 = tl.load(xb + c2, mask=ok)
+            angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + j, mask=ok).to(tl.float32)
+            cos, sin = tl.cos(angle), tl.sin(angle) * sign  # sign: the direction, negated to rotate back
+            if TABLE_BF16:  # table_dtype bfloat16: round to nearest even on the float32 bits, as torch rounds
+                cb, sb = cos.to(tl.uint32, bitcast=True), sin.to(tl.uint32, bitcast=True)
+                cb = (cb + 0x7FFF + ((cb >> 16) & 1)) & 0xFFFF0000
+                sb = (sb + 0x7FFF + ((sb >> 16) & 1)) & 0xFFFF0000
+                cos, sin = cb.to(tl.float32, bitcast=True), sb.to(tl.float32, bitcast=True)
+            elif TABLE is not None:  # the other table dtypes' rounding, as RoPE.cos_sin
+                cos, sin = cos.to(TABLE).to(tl.float32), sin.to(TABLE).to(tl.float32)
+            cos, sin = cos.to(x1.dtype), sin.to(x1.dtype)
+            o1 = (x1 * cos).to(x1.dtype) - (x2 * sin).to(x1.dtype)
+            o2 = (x2 * cos).to(x1.dtype) + (x1 * sin).to(x1.dtype)
+            tl.store(ob + c1, o1.to(x1.dtype), mask=ok)
+            tl.store(ob + c2, o2.to(x1.dtype), mask=ok)
+            if TAIL > 0:  # the channels past rotary_dim pass unchanged
+                c = 2 * HALF + tl.arange(0, TAIL)
+                tl.store(ob + c, tl.load(xb + c, mask=c < D), mask=c < D)
+
+        _ROPE_KERNEL = rope_kernel
+    return _ROPE_KERNEL
+
+
+def _block(n: int) -> int:
+    """The power of two ``>= n`` (at least 16) a Triton block of ``n`` elements takes."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
+def rotate_triton(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """:meth:`RoPE.rotate_fast` at ``positions`` in one Triton launch: ``x (..., time, head_dim)`` (at most 4
+    axes, any strides) -> a new tensor of ``x``'s shape and dtype; ``positions (time,)``. The angles are made in
+    float32 as :meth:`RoPE.cos_sin` makes them, the products and sums in ``x``'s dtype, each rounded as the eager
+    form rounds it (equal to it within a unit in the last place: ``cos``, ``sin`` and contracted multiply-adds may
+    round differently). On a CPU it runs in Triton's interpreter (tests only)."""
+    import triton.language as tl
+
+    x4 = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
+    if x4.stride(-1) != 1:
+        x4 = x4.contiguous()
+    out = torch.empty_like(x4)
+    n0, n1, T, D = x4.shape
+    r = rope.rotary_dim
+    if n0 * n1 * T:
+        table = {None: None, "bfloat16": None, "float16": tl.float16, "float32": tl.float32}[rope.table_dtype]
+        _rope_kernel()[(n0 * n1 * T,)](
+            x4, out, positions.to(x.device, torch.int64).contiguous(), rope.inv_freq, T, D, *x4.stride()[:3],
+            *out.stride()[:3], n1, float(-rope.direction if inverse else rope.direction), HALF=r // 2,
+            BLOCK=_block(r // 2), TAIL=_block(D - r) if D > r else 0, ADJACENT=rope.pairing == "adjacent",
+            TABLE=table, TABLE_BF16=rope.table_dtype == "bfloat16")
+    return out.view(x.shape)
 
 
 def build_positional(spec: Any, head_dim: int) -> PositionalEncoding:

@@ -72,6 +72,9 @@ def test_use_triton_rule():
     assert kernels.use_triton("triton", cpu) and kernels.use_triton("triton", cuda)
     assert not kernels.use_triton("auto", cpu) and kernels.use_triton("auto", cuda) == kernels.triton_available()
     assert not kernels.use_triton("chunk", cuda)
+    with kernels.everywhere():
+        assert kernels.use_triton("auto", cpu) == kernels.triton_available() and not kernels.use_triton("chunk", cpu)
+    assert not kernels.use_triton("auto", cpu)
 
 
 def test_kernels_skipped_counts_the_same_and_runs_nothing():

@@ -1,4 +1,4 @@
-"""Every bundled plugin's Triton kernels compile for an H100 (sm_90) at the GPU benchmark's sizes and fit its
+"""Every bundled plugin's Triton kernels (and the core's RoPE kernel) compile for an H100 (sm_90) at the GPU benchmark's sizes and fit its
 shared memory, checked without a GPU: Triton compiles to a cubin with its bundled ptxas on any machine. What this
 does not check (a GPU run does: ``benchmarks/gpu_suite.py``'s kernels step): that the compiled kernels compute the
 right values, and how fast. Runs in a subprocess, because a plugin's kernels are defined once per process, and
@@ -50,6 +50,14 @@ SCRIPT = textwrap.dedent('''
         consts = {"BC": 16, "BM": 64, "BD": 128, "SILU": True, **({"DETACH": False} if name == "bwd" else {})}
         signature = {**{n: p for n in ptrs}, **{n: "i32" for n in "NCMD"}}
         out[f"trellis scan {name} C=16 m=64 d=128"] = compile_(fn, signature, consts, 8)
+    from mixerzoo import positional
+    for dt in ("fp32", "bf16"):
+        out[f"rope {dt} r=64 d=128"] = compile_(
+            positional._rope_kernel(),
+            {"x_ptr": "*" + dt, "out_ptr": "*" + dt, "pos_ptr": "*i64", "inv_freq_ptr": p,
+             **{n: "i32" for n in ("T", "D", "sx0", "sx1", "sx2", "so0", "so1", "so2", "n1")}, "sign": "fp32"},
+            {"HALF": 32, "BLOCK": 32, "TAIL": 64, "ADJACENT": dt == "bf16", "TABLE": None, "TABLE_BF16": dt == "bf16"},
+            4)
     print(json.dumps(out))
 ''')
 
@@ -60,6 +68,6 @@ def test_kernels_compile_for_h100_within_its_shared_memory():
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(shared) == 4
+    assert len(shared) == 6
     too_big = {k: v for k, v in shared.items() if v > H100_SHARED}
     assert not too_big, f"shared memory over an H100's {H100_SHARED} bytes per block: {too_big}"

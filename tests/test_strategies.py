@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from mixerzoo.positional import NoPE, RoPE, build_positional
+from mixerzoo import kernels
+from mixerzoo.positional import NoPE, RoPE, build_positional, rotate_triton
 from mixerzoo.registry import UnknownNameError
 from mixerzoo.schedules import (FixedSchedule, LinearSchedule, PowerLawSchedule, SaturatingSchedule,
                                 build_schedule)
@@ -122,6 +123,63 @@ def test_rope_backward_recomputes_the_angles(fraction, dtype):
     g_ref, = torch.autograd.grad((ref * w).sum(), x)
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(g, g_ref, **tol)
+
+
+GPU = torch.cuda.is_available()
+KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if GPU else [])  # the interpreter lacks bf16
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs triton")
+@pytest.mark.parametrize("options", [dict(), dict(rotary_fraction=0.5), dict(pairing="adjacent", rotary_fraction=0.5),
+                                     dict(frequencies="linspace", direction=-1, table_dtype="bfloat16"),
+                                     dict(rotary_fraction=0.25, table_dtype="float16")], ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_rope_triton_kernel_equals_the_eager_rotation(options, dtype):
+    """The GPU's one-launch rotation (angles, tables and rotation in one Triton kernel; on a CPU in the
+    interpreter) against ``rotate_fast``, both ways round, on a strided input with channels past rotary_dim, and
+    through ``apply`` with gradients (the backward rotates back with the kernel too)."""
+    device = "cuda" if GPU else "cpu"
+    rope = RoPE(head_dim=24, **options).to(device)
+    x = torch.randn(2, 9, 3, 24, generator=torch.Generator().manual_seed(0)).to(device, dtype).transpose(1, 2)
+    pos = torch.arange(4090, 4099, device=device)
+    tol = dict(atol=4e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for inverse in (False, True):
+        got = rotate_triton(rope, x, pos, inverse)
+        assert got.shape == x.shape and got.dtype == dtype
+        torch.testing.assert_close(got, rope.rotate_fast(x, *rope.cos_sin(pos, dtype), inverse=inverse), **tol)
+    assert torch.equal(rotate_triton(rope, x[0, 0], pos)[..., rope.rotary_dim:], x[0, 0, :, rope.rotary_dim:])
+    xg = x.detach().requires_grad_(True)
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    with kernels.everywhere():
+        out = rope.apply(xg, pos)
+    g, = torch.autograd.grad((out * w).sum(), xg)
+    ref = rope.rotate(xg, *rope.cos_sin(pos, dtype))
+    g_ref, = torch.autograd.grad((ref * w).sum(), xg)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(g, g_ref, **tol)
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs triton")
+def test_rope_triton_kernel_is_one_launch_in_a_decode_step():
+    """A decode step of an attention layer on the GPU's path: RoPE's angles, tables and rotations of the query and
+    the key are two launches instead of about 28, and the step's output is the eager one."""
+    from mixerzoo import registry
+    from mixerzoo.evaluation.cost import count_launches, prefill
+
+    layer = registry.get("attention")(d_model=64, n_heads=2, positional={"name": "rope", "rotary_fraction": 0.5})
+    layer.eval()
+    x = torch.randn(1, 20, 64, generator=torch.Generator().manual_seed(0))
+    token = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        state = prefill(layer, x, 20)
+        eager = count_launches(lambda: layer(token, state))
+        y0 = layer(token, state)[0]
+        with kernels.everywhere():
+            layer(token, state)
+            fused = count_launches(lambda: layer(token, state))
+            y1 = layer(token, state)[0]
+    assert fused["triton"] == 2 and fused["launches"] <= eager["launches"] - 20, (eager, fused)
+    torch.testing.assert_close(y1, y0, atol=1e-6, rtol=1e-5)
 
 
 def test_nope_and_bad_rope():
