@@ -381,6 +381,7 @@ _NO_KERNEL = frozenset({
     "aten.set_", "aten.resize_", "aten._reshape_alias", "aten.t", "aten.unsqueeze_", "aten.squeeze_",
     "aten.as_strided_", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset",
     "aten.is_same_size", "aten._has_compatible_shallow_copy_type",
+    "aten.promote_types", "aten.result_type",  # dtype arithmetic on the host
 })
 
 
