@@ -3,7 +3,7 @@
 # (benchmarks/run.py), into docs/results/ (or $OUT). Run from the repository root on an otherwise idle
 # machine: the tables compare mixers against attention in interleaved rounds, but absolute times move with load.
 #   sh benchmarks/cpu_tables.sh                  # everything (about 45 minutes on an idle 2-core EPYC VM)
-#   sh benchmarks/cpu_tables.sh launches         # the launch counts only (about 4 minutes; exact, under any load)
+#   sh benchmarks/cpu_tables.sh launches         # the launch counts only (about 6 minutes; exact, under any load)
 set -eu
 OUT=${OUT:-docs/results}
 E=$OUT/efficiency_cpu
@@ -11,8 +11,10 @@ RUN="python benchmarks/run.py"
 ONLY=${1:-all}
 mkdir -p "$E"
 
-# Launch count: operators, kernel launches and host syncs of one training step and one decode step, every mixer.
-$RUN --measure launches --mixers all --lengths 2048 8192 --threads 1 \
+# Launch count: operators, kernel launches and host syncs of one training step and one decode step, every mixer,
+# the GPU's Triton paths (/triton) included; their kernels counted, not run (the interpreter takes minutes at 32k;
+# docs/results/launch_counts_triton_interpreted_cpu.md has them run, the same counts).
+$RUN --measure launches --mixers all --lengths 2048 8192 32768 --max-len --threads 1 --skip-kernels \
     --json $OUT/launch_counts_cpu.json > $OUT/launch_counts_cpu.md
 [ "$ONLY" = launches ] && exit 0
 
