@@ -509,3 +509,84 @@ def test_imported_folder_loads_in_transformers_with_their_logits(name, tmp_path)
     exp = _expected(name)
     with torch.no_grad():
         assert (model(exp["tokens"]).logits.float() - exp["logits"]).abs().max().item() <= 1e-4
+
+
+# -- their OVQ (model/ovq_mixer.py): refused, and the one difference that refusal names ---------------------------
+# the model fields of their released OVQ hybrid (configs/prolong/120M/ovq_swa_ts_c256_s1024_wd.yaml)
+THEIR_OVQ = dict(token_mixer="ovq", vocab_size=50304, num_hidden_layers=12, num_attention_heads=6, hidden_size=768,
+                 ffn_expansion=4, use_value_residual=1, use_tokenshift_att=1, use_tokenshift_ffn=1,
+                 rope_theta=10000, rope_partial_dim=0, alt_layer_every=2, alt_rope_partial_dim=128,
+                 ovq_window_size=256, ovq_chunk_size=256, ovq_max_centroids=1024, ovq_normalize_centroids=0,
+                 ovq_use_min_state_size=0, ovq_use_counts_for_lr_only=0, ovq_use_delta_rule=0, residual_scale=1.0)
+
+
+@pytest.mark.parametrize("field", ["token_mixer", "alt_token_mixer"])
+def test_their_ovq_refused_naming_the_difference(field):
+    """Their OVQ, as the main or the alternate mixer, is refused in one line that names the field and says what
+    differs (the first chunk's dictionary seeding)."""
+    from mixerzoo.hub.kvm_paper import lm_config_from_kvm_paper
+    from mixerzoo.hub.pretrained import UnsupportedArchitectureError
+
+    cfg = THEIR_OVQ if field == "token_mixer" else {**THEIR_OVQ, "token_mixer": "gptalpha", "alt_token_mixer": "ovq"}
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        lm_config_from_kvm_paper(cfg)
+    msg = str(e.value)
+    assert f"{field}='ovq'" in msg and "\n" not in msg
+    assert "key 0" in msg and "nearest earlier key" in msg and "second chunk" in msg
+
+
+def _mixerzoo_first_chunk_choice(k_c: torch.Tensor, num_new: int) -> torch.Tensor:
+    """mixerzoo's first-chunk rule (mixerzoo_ovq.naive.update_dictionary) as their assignment tensor: each key scored
+    by its nearest earlier key (the first: -inf), the ``num_new`` lowest become centroids ``0..num_new-1`` in chunk
+    order, every other key joins its nearest new centroid."""
+    B, H, L, _ = k_c.shape
+    earlier = torch.ones(L, L, dtype=torch.bool).tril(-1)
+    score = (k_c @ k_c.transpose(-1, -2)).masked_fill(~earlier, float("-inf")).amax(-1)
+    new_pos = score.topk(num_new, dim=-1, largest=False).indices.sort(-1).values           # (B, H, num_new)
+    centroids = k_c.gather(2, new_pos[..., None].expand(-1, -1, -1, k_c.shape[-1]))
+    assign = (k_c @ centroids.transpose(-1, -2)).argmax(-1)
+    return assign.scatter(2, new_pos, torch.arange(num_new).expand(B, H, num_new))
+
+
+def test_their_ovq_layer_differs_only_in_first_chunk_seeding(monkeypatch):
+    """One OVQ layer of theirs and mixerzoo's ``ovq`` with its weights (float32, token shift, no value residual,
+    chunks of 16, N = 64, 80 tokens): equal on the first chunk, O(1) apart from the second on; with their empty-
+    dictionary assignment replaced by mixerzoo's rule, equal on every chunk (within 1e-4: the rest of the layer -
+    read with the log-count prior, plateau schedule, spread choice, eq. 19 merge - is the same function)."""
+    mf = _make_fixture_module()
+    root = mf.kvm_paper_path()
+    if root is None:
+        pytest.skip("MIXERZOO_KVM_PAPER (a checkout of SmerkyG/KVM-paper) is not set")
+    from mixerzoo_ovq import OVQAttention
+
+    monkeypatch.syspath_prepend(str(root))
+    import model.ovq_mixer as om
+    from model.rwkv7_backbone import MixerConfig
+
+    torch.manual_seed(0)
+    L, N, T, d, H = 16, 64, 80, 64, 2
+    cfg = MixerConfig(token_mixer="ovq", vocab_size=96, num_hidden_layers=2, num_attention_heads=H, hidden_size=d,
+                      use_tokenshift_att=1, use_value_residual=0, rope_partial_dim=0, ovq_chunk_size=L,
+                      ovq_max_centroids=N, param_dtype=None)
+    theirs = om.SequenceMixer(cfg, 1)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            p.copy_(torch.rand_like(p) if name.startswith("x_") else 1 + 0.3 * torch.rand_like(p) if name == "beta"
+                    else 0.3 * torch.randn_like(p))
+    ours = OVQAttention(d, H, chunk_len=L, max_size=N, token_shift=True, checkpoint_chunks=0, backend="chunk")
+    with torch.no_grad():
+        for mine, their in (("q_proj", "c_q"), ("k_proj", "c_k"), ("v_proj", "c_v")):
+            getattr(ours.qkv, mine).weight.copy_(getattr(theirs, their).weight)
+        for i, a in enumerate("qkv"):
+            ours.qkv.shift_mu[i].copy_(getattr(theirs, f"x_{a}").reshape(-1))
+        ours.o_proj.weight.copy_(theirs.c_proj.weight)
+        ours.beta.copy_(theirs.beta)
+    x = torch.randn(1, T, d)
+    with torch.no_grad():
+        mine = ours(x)[0]
+        diff = (theirs(x, None, None, None) - mine).abs().amax(-1)[0]
+        assert diff[:L].max() <= 1e-4 and diff[L:2 * L].max() > 0.1
+        their_rule = om._get_nn_assignments
+        monkeypatch.setattr(om, "_get_nn_assignments", lambda d_k, k_c, *, num_new: their_rule(
+            d_k, k_c, num_new=num_new) if d_k.size(2) else _mixerzoo_first_chunk_choice(k_c, num_new))
+        assert (theirs(x, None, None, None) - mine).abs().max() <= 1e-4

@@ -62,7 +62,8 @@ Their hybrids (``alt_layer_every: k``, e.g. the SWA baseline ``gptalpha_halfrope
 (``alt_rope_*``), ``value_residual_groups: layer_name`` (one anchor for the main and one for the alternate layers;
 ``model`` with ``alt_share_v0``) and ``value_residual_anchor: embedding`` (their main layers' anchor is layer 1's
 value projection of the embedding output). Everything else is refused with :class:`UnsupportedArchitectureError`,
-one line naming the field: the OVQ and RWKV-7 token mixers, skip connections, block lambdas, logit softcap, sinks in
+one line naming the field: the OVQ token mixer (:data:`OVQ_DIFFERS`: the first chunk's dictionary is
+seeded differently), the RWKV-7 token mixer, skip connections, block lambdas, logit softcap, sinks in
 bswa, the value-residual modes other than ``rwkv``, and in KVM: ``kvm_apply_merge_gate_to_initial_state: 1``, a merge
 gate on keys only or values only, ``kvm_apply_merge_gate_to_appends: 1`` (their appended rows then take the gated
 value norm ``||g v||`` as radius; ``gate_appends`` here keeps ``||v||``), ``kvm_use_vlens: 0`` (their mean readout
@@ -119,6 +120,15 @@ DEFAULTS: dict[str, Any] = {
 # their token mixer -> (mixer here, the config fields naming its value-residual and token-shift modes)
 TOKEN_MIXERS = {"gptalpha": ("attention", "gptalpha"), "gptalpha_bswa": ("bswa", "gptalpha"), "swa": ("swa", "swa"),
                 "kvm": ("kvm", "kvm")}
+
+
+# Why their OVQ (``model/ovq_mixer.py``) is refused: with the same weights, mixerzoo's ovq equals it on the first
+# chunk and, given their first-chunk seeding, on every later one (float64: 1e-5, from their ``x / (|x| + 1e-5)``
+# against F.normalize); with its own seeding the outputs differ by O(1) from the second chunk on. See
+# docs/pretrained.md ("OVQ") for every difference and what mapping it would take.
+OVQ_DIFFERS = ("their OVQ seeds an empty dictionary with key 0 plus the keys least similar to key 0 and merges every "
+               "other first-chunk key into key 0's centroid, where mixerzoo's ovq scores each key by its nearest "
+               "earlier key and merges it into its nearest new centroid: outputs differ from the second chunk on")
 
 
 class KVMPaperSource:
@@ -287,6 +297,8 @@ def _token_mixer(cfg: dict, alt: bool) -> str:
 def _layer_options(cfg: dict, token_mixer: str, alt: bool) -> dict:
     """The mixer options of their main (or alternate) layers."""
     field = "alt_token_mixer" if alt else "token_mixer"
+    if token_mixer == "ovq":
+        raise _refuse(field, token_mixer, OVQ_DIFFERS)
     if token_mixer not in TOKEN_MIXERS:
         raise _refuse(field, token_mixer, "no mixer here equals it yet")
     mixer, prefix = TOKEN_MIXERS[token_mixer]
