@@ -22,6 +22,7 @@ CONFIGS = {
     "constant_lr": dict(n_heads=2, chunk_len=8, max_size=12, centroid_lr=0.25),
     "renormalize": dict(n_heads=2, chunk_len=6, max_size=12, renormalize=True),
     "backbone_options": dict(n_heads=2, chunk_len=7, max_size=12, token_shift=True, bias=True),
+    "first_key": dict(n_heads=2, chunk_len=8, max_size=12, first_chunk="first_key", token_shift=True),
 }
 
 
@@ -46,7 +47,8 @@ def naive_layer(m: OVQAttention, x: torch.Tensor):
     L, Hkv = m.chunk_len, k.shape[1]
     scores = ((lambda c: ops.random_scores(c, B, Hkv, L, m.seed, m.layer_idx)) if m.new_centroids == "random"
               else None)
-    o, dictionary = naive.ovq_attention(q, k, v, L, m.schedule, m.centroid_lr, m.renormalize, scores)
+    o, dictionary = naive.ovq_attention(q, k, v, L, m.schedule, m.centroid_lr, m.renormalize, scores,
+                                        m.first_chunk)
     return m.o_proj(o.transpose(1, 2).reshape(B, T, -1)), dictionary, k, v
 
 
@@ -235,6 +237,8 @@ def test_registered_and_usable_in_an_lm():
     (dict(schedule="linear"), "rate"),
     (dict(schedule={"name": "saturating", "max_size": 5}, max_size=6), "max_size"),
     (dict(checkpoint_chunks=-1), "checkpoint_chunks"),
+    (dict(first_chunk="random"), "first_chunk"),
+    (dict(first_chunk="first_key", backend="triton"), "first_chunk"),
 ])
 def test_bad_config_is_named(options, match):
     with pytest.raises(ValueError, match=match):

@@ -91,6 +91,23 @@ def test_first_chunk_with_empty_dictionary(fn):
     torch.testing.assert_close(new_c[0, 0], t([2, 2]))
 
 
+@pytest.mark.parametrize("fn", BOTH)
+def test_first_chunk_seeded_by_the_first_key(fn):
+    # first_key (the KVM authors' seeding): scores = similarity to k0: k0 -inf, k1 .96, k2 0, k3 .6 -> k0, k2 are
+    # new; k1 and k3 both join k0's centroid, whatever is nearest (k3 is nearer k2: .8 > .6)
+    kc = t([[1, 0], [0.96, 0.28], [0, 1], [0.6, 0.8]])[None, None]
+    vc = t([[1, 1], [3, 3], [5, 5], [7, 7]])[None, None]
+    empty = torch.zeros(1, 1, 0, 2)
+    new_k, new_v, new_c = fn(empty, empty, torch.zeros(1, 1, 0), kc, vc, n_new=2, first_chunk="first_key")
+    torch.testing.assert_close(new_k[0, 0], t([[2.56 / 3, 0.36], [0, 1]]))
+    torch.testing.assert_close(new_v[0, 0], t([[11 / 3, 11 / 3], [5, 5]]))
+    torch.testing.assert_close(new_c[0, 0], t([3, 1]))
+    # a non-empty dictionary is unchanged by the option
+    dk, dv, counts, kc, vc = tiny_chunk()
+    for a, b in zip(fn(dk, dv, counts, kc, vc, n_new=1, first_chunk="first_key"), fn(dk, dv, counts, kc, vc, 1)):
+        torch.testing.assert_close(a, b)
+
+
 def test_renormalize_keeps_key_and_value_centroids_unit_norm():
     """The paper's optional step (appendix 8.3 update_dict, lines 22-23) normalises both dictionaries."""
     dk, dv, counts, kc, vc = tiny_chunk()
@@ -120,17 +137,18 @@ def test_new_centroid_count_follows_eq_17_18(count):
     assert count(SaturatingSchedule(8), 3, 16, 20) == 0             # never shrinks
 
 
+@pytest.mark.parametrize("first_chunk", ["nearest", "first_key"])
 @pytest.mark.parametrize("n,lr,renorm,random", [(0, None, False, False), (5, None, False, False),
                                                 (5, 0.25, False, False), (5, None, True, False),
                                                 (5, None, False, True), (0, 0.25, False, True)])
-def test_update_equals_naive(n, lr, renorm, random):
+def test_update_equals_naive(n, lr, renorm, random, first_chunk):
     g = torch.Generator().manual_seed(n + 7)
     H, L = 3, 8
     dk, dv, counts, kc, vc = random_update(n, g, H=H, L=L)
     scores = torch.rand(H, L, generator=g) if random else None
     for n_new in (1, 3, L if n == 0 else 0):
-        fast = update_dictionary(dk, dv, counts, kc, vc, n_new, scores, lr, renorm)
-        ref = update_dictionary_naive(dk, dv, counts, kc, vc, n_new, scores, lr, renorm)
+        fast = update_dictionary(dk, dv, counts, kc, vc, n_new, scores, lr, renorm, first_chunk=first_chunk)
+        ref = update_dictionary_naive(dk, dv, counts, kc, vc, n_new, scores, lr, renorm, first_chunk=first_chunk)
         for a, b in zip(fast, ref):
             torch.testing.assert_close(a, b)
 

@@ -70,9 +70,16 @@ class OVQAttention(Mixer):
             a float (ablation, paper 0.25): constant rate, ``mu += lr * sum(x - mu)``.
         renormalize: put key and value centroids back on the unit sphere after each update (the paper's optional
             step, appendix 8.3 ``update_dict`` lines 22-23; "no noticeable effect").
+        first_chunk: how the first chunk seeds the empty dictionary (the paper leaves it open). ``nearest``
+            (default): each key scored by its nearest earlier key of the chunk, the rest merged into their nearest
+            new centroid. ``first_key`` (the KVM authors' reimplementation, ``model/ovq_mixer.py``): the first key
+            and the keys least similar to it become centroids, every other key merges into the first key's centroid.
+            ``first_key`` runs the chunk loop on every device (the Triton backend decides ``nearest`` only).
         beta_init: initial per-head precision ``beta``.
         positional: only ``nope`` (the dictionary merges keys from all positions).
-        token_shift, value_residual, bias: backbone options of :class:`mixerzoo.mixers.qkv.QKVProjection`.
+        token_shift, value_residual, bias, value_gate_rank: backbone options of
+            :class:`mixerzoo.mixers.qkv.QKVProjection` (``value_gate_rank > 0``: the input-dependent value-residual
+            gate of the KVM authors' backbone).
         seed: seed of the random-new-centroid ablation.
         checkpoint_chunks: training memory: the forward pass is recomputed in backward in segments of this many
             chunks, so autograd keeps one dictionary per segment rather than one ``[dictionary ; chunk]`` key list,
@@ -99,13 +106,17 @@ class OVQAttention(Mixer):
                  new_centroids: str = "spread", centroid_lr: float | None = None, renormalize: bool = False,
                  beta_init: float = 1.0, positional: Any = "nope", token_shift: bool = False,
                  value_residual: bool = False, bias: bool = False, seed: int = 0, checkpoint_chunks: int = 16,
-                 layer_idx: int = 0, backend: str = "auto") -> None:
+                 layer_idx: int = 0, backend: str = "auto", first_chunk: str = "nearest",
+                 value_gate_rank: int = 0) -> None:
         super().__init__()
         if not isinstance(chunk_len, int) or chunk_len < 1:
             raise ValueError(f"{self.mixer_name} chunk_len must be a positive integer (paper: 128), got {chunk_len!r}")
         if new_centroids not in ("spread", "random"):
             raise ValueError(f"{self.mixer_name} new_centroids must be 'spread' (paper) or 'random' (ablation), "
                              f"got {new_centroids!r}")
+        if first_chunk not in ("nearest", "first_key"):
+            raise ValueError(f"{self.mixer_name} first_chunk must be 'nearest' (default) or 'first_key' (the KVM "
+                             f"authors' seeding), got {first_chunk!r}")
         if centroid_lr is not None and not centroid_lr > 0:
             raise ValueError(f"{self.mixer_name} centroid_lr must be null (1/count, paper) or a positive float "
                              f"(ablation: 0.25), got {centroid_lr!r}")
@@ -115,20 +126,21 @@ class OVQAttention(Mixer):
                              f"position), got {positional!r}; put RoPE in the interleaved sliding-window layers "
                              f"instead")
         self.qkv = QKVProjection(d_model, n_heads, n_kv_heads, head_dim, "nope", None, token_shift,
-                                 value_residual, bias)
+                                 value_residual, bias, value_gate_rank=value_gate_rank)
         self.o_proj = nn.Linear(n_heads * self.qkv.head_dim, d_model, bias=bias)
         self.beta = nn.Parameter(torch.full((n_heads,), float(beta_init)))
         self.chunk_len, self.new_centroids, self.centroid_lr = chunk_len, new_centroids, centroid_lr
         if not isinstance(checkpoint_chunks, int) or isinstance(checkpoint_chunks, bool) or checkpoint_chunks < 0:
             raise ValueError(f"{self.mixer_name} checkpoint_chunks must be an integer >= 0 (0: no recomputation), "
                              f"got {checkpoint_chunks!r}")
-        self.renormalize, self.seed, self.layer_idx = renormalize, seed, layer_idx
+        self.renormalize, self.seed, self.layer_idx, self.first_chunk = renormalize, seed, layer_idx, first_chunk
         self.checkpoint_chunks = checkpoint_chunks
         if backend not in BACKENDS:
             raise ValueError(f"{self.mixer_name} backend must be one of {BACKENDS}, got {backend!r}")
-        if backend == "triton" and (centroid_lr is not None or renormalize):
-            raise ValueError(f"{self.mixer_name} backend 'triton' needs centroid_lr null and renormalize false (a "
-                             f"constant rate or renormalisation is non-linear in the keys); use backend 'chunk'")
+        if backend == "triton" and (centroid_lr is not None or renormalize or first_chunk != "nearest"):
+            raise ValueError(f"{self.mixer_name} backend 'triton' needs centroid_lr null, renormalize false (a "
+                             f"constant rate or renormalisation is non-linear in the keys) and first_chunk 'nearest' "
+                             f"(the seeding its kernel decides); use backend 'chunk'")
         self.backend = backend
         self._schedule_spec = schedule
         self.set_max_size(max_size)
@@ -204,7 +216,7 @@ class OVQAttention(Mixer):
     def spec(self, device: torch.device) -> ops.Spec:
         """The options the chunk loop and the decode step read (:class:`mixerzoo_ovq.ops.Spec`) on ``device``."""
         return ops.Spec(self.chunk_len, self.schedule, self.new_centroids, self.centroid_lr, self.renormalize,
-                        self.seed, self.layer_idx, read=self.read_for(device))
+                        self.seed, self.layer_idx, first_chunk=self.first_chunk, read=self.read_for(device))
 
     def forward(self, x: torch.Tensor, state: OVQState | None = None, shared: dict | None = None
                 ) -> tuple[torch.Tensor, OVQState]:
@@ -275,7 +287,8 @@ class OVQAttention(Mixer):
 
     def _batched(self, device: torch.device) -> bool:
         """Whether a call of several tokens on ``device`` takes the Triton backend (``backend`` option)."""
-        return (use_triton(self.backend, device) and self.centroid_lr is None and not self.renormalize)
+        return (use_triton(self.backend, device) and self.centroid_lr is None and not self.renormalize
+                and self.first_chunk == "nearest")
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         """The heads' reads ``o (B, H, T, D)`` concatenated and projected: ``(B, T, d_model)``."""
@@ -302,4 +315,6 @@ class OVQAttention(Mixer):
             opts += f", new_centroids={self.new_centroids}"
         if self.centroid_lr is not None:
             opts += f", centroid_lr={self.centroid_lr}"
+        if self.first_chunk != "nearest":
+            opts += f", first_chunk={self.first_chunk}"
         return opts + (", renormalize=True" if self.renormalize else "")

@@ -71,7 +71,8 @@ def new_centroid_count(schedule: Callable[[int], int], chunk_idx: int, chunk_len
 
 def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                       n_new: int, scores: torch.Tensor | None = None, centroid_lr: float | None = None,
-                      renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      renormalize: bool = False, first_chunk: str = "nearest"
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merge one finished chunk into the dictionaries (sec. 3.2 "Learning", eq. 19; appendix 8.3 ``update_dict``).
 
     Per batch row and key/value head:
@@ -85,7 +86,10 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
 
     The paper does not say how the first chunk (empty dictionary) is seeded: each key is scored by its similarity
     to the nearest earlier key of the chunk (the first key scores ``-inf``), and in step 3 the other keys join their
-    nearest new centroid. ``renormalize``: both dictionaries back to unit norm (appendix 8.3, lines 22-23).
+    nearest new centroid. ``first_chunk="first_key"`` (the KVM authors' reimplementation, their ``ovq_mixer.py``):
+    each key is scored by its similarity to the chunk's first key (which scores ``-inf``), and every other key joins
+    the first new centroid (the first key's). ``renormalize``: both dictionaries back to unit norm (appendix 8.3,
+    lines 22-23).
 
     Args:
         dk, dv: ``(B, H_kv, n, D)``; counts: ``(B, H_kv, n)``; kc, vc: ``(B, H_kv, L, D)``, unit-norm keys.
@@ -103,6 +107,8 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
             with torch.no_grad():  # the choices are discrete: no gradient flows through them
                 if n > 0:
                     best = (keys @ dk[b, h].T).amax(dim=-1)                                         # step 1
+                elif first_chunk == "first_key":
+                    best = [float(keys[i] @ keys[0]) if i else float("-inf") for i in range(L)]
                 else:
                     sim = keys @ keys.T
                     best = [float(sim[i, :i].max()) if i else float("-inf") for i in range(L)]
@@ -118,7 +124,8 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
             for i in range(L):                                                                       # step 3
                 if i not in new:
                     with torch.no_grad():
-                        t_star = max(candidates, key=lambda j: float(keys[i] @ mu_k[j]))
+                        t_star = (n if n == 0 and first_chunk == "first_key" else
+                                  max(candidates, key=lambda j: float(keys[i] @ mu_k[j])))
                     assigned.setdefault(t_star, []).append(i)
             for t_star, members in assigned.items():
                 count[t_star] += len(members)                                        # c_{t*} + c_{t*,c}
@@ -140,7 +147,7 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
 
 def ovq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_len: int,
                   schedule: Callable[[int], int], centroid_lr: float | None = None, renormalize: bool = False,
-                  scores: Callable[[int], torch.Tensor] | None = None
+                  scores: Callable[[int], torch.Tensor] | None = None, first_chunk: str = "nearest"
                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """A whole sequence of OVQ-attention from an empty dictionary (appendix 8.3, ``ovq_attention``): for each chunk
     of ``chunk_len`` tokens, attend (eq. 15), then, if the chunk is complete, grow (eq. 17-18) and update (eq. 19)
@@ -152,7 +159,7 @@ def ovq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_len: 
         schedule: ``N_t``, the dictionary rows after ``t`` tokens (eq. 17). centroid_lr, renormalize: see
             :func:`update_dictionary`.
         scores: the random ablation: ``scores(chunk_idx) -> (B, H_kv, L)`` selection scores (the layer's seeded
-            draw); None for the paper's spread-maximising choice.
+            draw); None for the paper's spread-maximising choice. first_chunk: see :func:`update_dictionary`.
 
     Returns:
         ``o (B, H, T, D)`` and the final ``(D_k, D_v, counts)``; a trailing partial chunk is attended, not merged.
@@ -166,7 +173,7 @@ def ovq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_len: 
         if kc.shape[2] == chunk_len:
             n_new = new_centroid_count(schedule, c, chunk_len, dk.shape[2])
             dk, dv, counts = update_dictionary(dk, dv, counts, kc, vc, n_new, None if scores is None else scores(c),
-                                               centroid_lr, renormalize)
+                                               centroid_lr, renormalize, first_chunk)
     return torch.cat(outs, dim=2), (dk, dv, counts)
 
 

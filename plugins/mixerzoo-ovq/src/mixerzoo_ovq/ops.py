@@ -36,6 +36,7 @@ class Spec:
         new_centroids: ``spread`` (paper) or ``random`` (ablation). centroid_lr: None (``1 / count``, eq. 19) or a
             constant rate (ablation). renormalize: the paper's optional renormalisation.
         seed, layer_idx: the random ablation's draw (:func:`random_scores`).
+        first_chunk: how an empty dictionary is seeded (:func:`update_dictionary`): ``nearest`` or ``first_key``.
         static_codebook: VQ-attention (sec. 2.2): the key dictionary is a fixed codebook and a finished chunk only
             adds its values to their codewords' means (:func:`vq_merge`).
         read: eq. 15, ``read(q, dk, dv, log_counts, kc, vc, reuse) -> (B, H, Lq, D)``: :func:`chunk_attention` or a
@@ -50,6 +51,7 @@ class Spec:
     seed: int = 0
     layer_idx: int = 0
     static_codebook: bool = False
+    first_chunk: str = "nearest"
     read: Callable[..., torch.Tensor] | None = None
 
 
@@ -128,23 +130,27 @@ def chunk_attention(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, log_cou
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0)
 
 
-def _choices(dk: torch.Tensor, kc: torch.Tensor, n_new: int, scores: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _choices(dk: torch.Tensor, kc: torch.Tensor, n_new: int, scores: torch.Tensor | None,
+             first_chunk: str = "nearest") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 1-3 of :func:`update_dictionary`, the discrete part: ``new_pos (B, H_kv, n_new)`` the chunk positions
     that become centroids (sorted), ``is_new (B, H_kv, L)`` and ``assign (B, H_kv, L)`` each key's row in the
     extended dictionary. The similarities are taken in the dictionary's dtype even under autocast (a bf16 product
     ties and reorders near neighbours, and every form must take the same choices: the Triton backend's kernel
     decides in float32)."""
     with torch.no_grad(), torch.autocast(kc.device.type, enabled=False):
-        return _choices_exact(dk, kc, n_new, scores)
+        return _choices_exact(dk, kc, n_new, scores, first_chunk)
 
 
-def _choices_exact(dk: torch.Tensor, kc: torch.Tensor, n_new: int, scores: torch.Tensor | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _choices_exact(dk: torch.Tensor, kc: torch.Tensor, n_new: int, scores: torch.Tensor | None,
+                   first_chunk: str = "nearest") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_choices` outside autocast."""
     B, Hkv, n, D = dk.shape
     L = kc.shape[2]
-    if n == 0:
+    first_key = n == 0 and first_chunk == "first_key"
+    if first_key:                                                            # similarity to the first key
+        score = (kc @ kc[:, :, :1].transpose(-1, -2))[..., 0]                # (B, Hkv, L)
+        score[..., 0] = float("-inf")
+    elif n == 0:
         sim_prev = kc @ kc.transpose(-1, -2)                                 # (B, Hkv, L, L)
         earlier = torch.ones(L, L, dtype=torch.bool, device=kc.device).tril(-1)
         score = sim_prev.masked_fill(~earlier, float("-inf")).amax(dim=-1)  # (B, Hkv, L)
@@ -156,7 +162,9 @@ def _choices_exact(dk: torch.Tensor, kc: torch.Tensor, n_new: int, scores: torch
     new_pos = decision("ovq.new_centroids", new_pos)  # the conformance kit replays choices across precisions
     is_new = torch.zeros(B, Hkv, L, dtype=torch.bool, device=kc.device).scatter(-1, new_pos, True)
     rank = is_new.long().cumsum(-1) - 1
-    if n == 0:                                                               # nearest new centroid
+    if first_key:                                                            # the first new centroid
+        best = torch.zeros(B, Hkv, L, dtype=torch.long, device=kc.device)
+    elif n == 0:                                                             # nearest new centroid
         pos_d = new_pos[..., None].expand(B, Hkv, n_new, D)
         best = (kc @ kc.gather(2, pos_d).transpose(-1, -2)).argmax(dim=-1)
     return new_pos, is_new, torch.where(is_new, n + rank, decision("ovq.nearest", best))
@@ -219,7 +227,8 @@ class _MergeChunk(torch.autograd.Function):
 def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, kc: torch.Tensor,
                       vc: torch.Tensor, n_new: int, scores: torch.Tensor | None = None,
                       centroid_lr: float | None = None, renormalize: bool = False,
-                      decisions: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      decisions: dict | None = None, first_chunk: str = "nearest"
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merge one full chunk into the dictionary (paper eq. 17-19, appendix 8.3 ``update_dict``).
 
     1. Every chunk key's best similarity to the existing key centroids (dot products ``K_c D_k^T``).
@@ -231,7 +240,9 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
 
     First chunk (``n == 0``): there is no centroid to compare with, so step 1 scores each key by its
     similarity to the nearest *earlier* key of the chunk (the first key scores ``-inf`` and always becomes a
-    centroid); in step 3 the other keys merge into their nearest new centroid.
+    centroid); in step 3 the other keys merge into their nearest new centroid. ``first_chunk="first_key"`` (the KVM
+    authors' reimplementation): keys are scored by their similarity to the chunk's first key (``-inf`` for it), and
+    every other key merges into the first new centroid (the first key's, unless the random ablation left it out).
 
     Args:
         dk, dv: ``(B, H_kv, n, D)``; counts: ``(B, H_kv, n)`` float.
@@ -259,7 +270,7 @@ def update_dictionary(dk: torch.Tensor, dv: torch.Tensor, counts: torch.Tensor, 
     if decisions:
         new_pos, is_new, assign = decisions["new_pos"], decisions["is_new"], decisions["assign"]
     else:
-        new_pos, is_new, assign = _choices(dk, kc, n_new, scores)
+        new_pos, is_new, assign = _choices(dk, kc, n_new, scores, first_chunk)
         if decisions is not None:
             decisions.update(new_pos=new_pos, is_new=is_new, assign=assign)
     counts_ext = torch.cat([counts, counts.new_ones(B, Hkv, n_new)], dim=-1)
@@ -306,7 +317,8 @@ def merge(spec: Spec, chunk_idx: int, dk: torch.Tensor, dv: torch.Tensor, counts
     n_new = new_centroid_count(spec.schedule, chunk_idx, L, dk.shape[2])
     scores = (random_scores(chunk_idx, B, kc.shape[1], L, spec.seed, spec.layer_idx, kc.device)
               if spec.new_centroids == "random" else None)
-    return update_dictionary(dk, dv, counts, kc, vc, n_new, scores, spec.centroid_lr, spec.renormalize, decisions)
+    return update_dictionary(dk, dv, counts, kc, vc, n_new, scores, spec.centroid_lr, spec.renormalize, decisions,
+                             spec.first_chunk)
 
 
 def advance(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, dk: torch.Tensor,

@@ -38,8 +38,9 @@ GROUP_CHUNKS = 64
 def supports(spec: ops.Spec) -> bool:
     """Whether the layer options in ``spec`` keep the dictionary linear in the keys given the choices: the paper's
     ``1 / count`` rate without renormalisation (either growth schedule, spread or random new centroids, or a static
-    codebook)."""
-    return spec.static_codebook or (spec.centroid_lr is None and not spec.renormalize)
+    codebook), and the paper's seeding of an empty dictionary (``first_chunk: nearest``; the kernel decides it)."""
+    return spec.static_codebook or (spec.centroid_lr is None and not spec.renormalize
+                                    and spec.first_chunk == "nearest")
 
 
 def _plan(spec: ops.Spec, first_chunk: int, n_chunks: int, n0: int) -> tuple[list[int], int]:
