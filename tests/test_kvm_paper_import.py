@@ -199,7 +199,7 @@ def test_embed_norm_off_is_the_default_and_on_normalises_the_embedding():
 
 # -- the importer: the committed fixture (their code's output), no repository needed --------------------------------
 FIXTURES = Path(__file__).parent / "fixtures" / "kvm_paper"
-FIXTURE_NAMES = ["gptalpha", "gptalpha_bswa", "gptalpha_halfrope_swa", "kvm_fixed", "kvm_sqrt"]
+FIXTURE_NAMES = ["gptalpha", "gptalpha_bswa", "gptalpha_halfrope_swa", "kvm_fixed", "kvm_sqrt", "ovq_swa"]
 
 
 def _expected(name: str) -> dict:
@@ -236,7 +236,7 @@ def _their_config(name: str) -> dict:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("token_mixer", "ovq"), ("use_skip_connections", 1), ("use_block_lambdas", 1),
+    ("token_mixer", "rwkv7"), ("use_skip_connections", 1), ("use_block_lambdas", 1),
     ("logit_softcap", 30.0), ("gptalpha_value_residual_mode", "linear"),
     ("token_mixer_class_path", "elsewhere.Mixer"), ("d_v_head", 16)])
 def test_unsupported_fields_refused_in_one_line(field, value):
@@ -261,8 +261,8 @@ def test_hybrid_mapping_and_its_alternate_mixer_refused():
     assert cfg.mixers["alt_swa"]["window"] == 24 and cfg.mixers["alt_swa"]["positional"]["rotary_fraction"] == 1.0
     assert cfg.mixers["attention"]["positional"]["rotary_fraction"] == 0.5
     assert lm_config_from_kvm_paper({**theirs, "alt_share_v0": 1}).value_residual_groups == "model"
-    with pytest.raises(UnsupportedArchitectureError, match="alt_token_mixer='ovq'"):
-        lm_config_from_kvm_paper({**theirs, "alt_token_mixer": "ovq"})
+    with pytest.raises(UnsupportedArchitectureError, match="alt_token_mixer='rwkv7'"):
+        lm_config_from_kvm_paper({**theirs, "alt_token_mixer": "rwkv7"})
 
 
 def test_value_residual_groups_and_embedding_anchor():
@@ -352,10 +352,10 @@ def test_cli_refuses_with_one_line(tmp_path, capsys):
 
     src = tmp_path / "theirs"
     shutil.copytree(FIXTURES / "gptalpha", src)
-    (src / "config.json").write_text(json.dumps({**_their_config("gptalpha"), "token_mixer": "ovq"}))
+    (src / "config.json").write_text(json.dumps({**_their_config("gptalpha"), "token_mixer": "rwkv7"}))
     assert main(["import", str(src), str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "token_mixer='ovq'" in err[0]
+    assert len(err) == 1 and "token_mixer='rwkv7'" in err[0]
     assert not (tmp_path / "out").exists()
 
 
@@ -387,7 +387,7 @@ def test_training_checkpoint_with_yaml(tmp_path):
     assert (logits - exp["logits"]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["gptalpha", "kvm_sqrt"])
+@pytest.mark.parametrize("name", ["gptalpha", "kvm_sqrt", "ovq_swa"])
 def test_evaluate_runs_on_an_imported_folder(name, tmp_path):
     """``mixerzoo evaluate`` takes the imported folder unchanged (the cost task: no data needed)."""
     from mixerzoo.cli import main
@@ -455,7 +455,9 @@ def _make_fixture_module():
 PARITY = {"gptalpha": {"rope_partial_dim": 16},
           "kvm_fixed": {"rope_partial_dim": 16, "chunk_len": 32, "state_min_len": 32},
           "kvm_sqrt": {"rope_partial_dim": 12, "chunk_len": 16, "state_min_len": 16, "num_attention_heads": 4,
-                       "num_key_value_heads": 2}}
+                       "num_key_value_heads": 2},
+          # their OVQ hybrid: chunks of 32, a plateau of 128 centroids (reached 112 rows at 512 tokens)
+          "ovq_swa": {"ovq_chunk_size": 32, "ovq_max_centroids": 128, "alt_rope_partial_dim": 32}}
 
 
 @pytest.mark.parametrize("name", sorted(PARITY))
@@ -511,7 +513,7 @@ def test_imported_folder_loads_in_transformers_with_their_logits(name, tmp_path)
         assert (model(exp["tokens"]).logits.float() - exp["logits"]).abs().max().item() <= 1e-4
 
 
-# -- their OVQ (model/ovq_mixer.py): refused, and the one difference that refusal names ---------------------------
+# -- their OVQ (model/ovq_mixer.py, the ovq_swa_ts_c256_s1024_wd models) ------------------------------------------
 # the model fields of their released OVQ hybrid (configs/prolong/120M/ovq_swa_ts_c256_s1024_wd.yaml)
 THEIR_OVQ = dict(token_mixer="ovq", vocab_size=50304, num_hidden_layers=12, num_attention_heads=6, hidden_size=768,
                  ffn_expansion=4, use_value_residual=1, use_tokenshift_att=1, use_tokenshift_ffn=1,
@@ -520,46 +522,46 @@ THEIR_OVQ = dict(token_mixer="ovq", vocab_size=50304, num_hidden_layers=12, num_
                  ovq_use_min_state_size=0, ovq_use_counts_for_lr_only=0, ovq_use_delta_rule=0, residual_scale=1.0)
 
 
-@pytest.mark.parametrize("field", ["token_mixer", "alt_token_mixer"])
-def test_their_ovq_refused_naming_the_difference(field):
-    """Their OVQ, as the main or the alternate mixer, is refused in one line that names the field and says what
-    differs (the first chunk's dictionary seeding)."""
+def test_their_released_ovq_config_mapping():
+    """Their OVQ hybrid: alternate swa layers with full RoPE, OVQ layers (NoPE, no q/k LayerNorm) with chunks of 256,
+    N = 1024, the plateau schedule, their first-chunk seeding, token shift and the input-dependent value gate."""
+    from mixerzoo.hub.kvm_paper import lm_config_from_kvm_paper
+
+    cfg = lm_config_from_kvm_paper(THEIR_OVQ)
+    assert cfg.layer_types == ["alt_swa", "ovq"] and cfg.n_layers == 12
+    ovq = cfg.mixers["ovq"]
+    assert ovq == {"mixer": "ovq", "n_heads": 6, "positional": "nope", "token_shift": True, "value_residual": True,
+                   "value_gate_rank": 32, "chunk_len": 256, "max_size": 1024, "schedule": "saturating",
+                   "renormalize": False, "first_chunk": "first_key"}
+    assert cfg.mixers["alt_swa"]["positional"]["rotary_fraction"] == 1.0 and cfg.mixers["alt_swa"]["window"] == 256
+    # their OVQ never rotates, whatever rope_partial_dim says
+    assert lm_config_from_kvm_paper({**THEIR_OVQ, "rope_partial_dim": 64}).mixers["ovq"]["positional"] == "nope"
+    assert lm_config_from_kvm_paper({**THEIR_OVQ, "ovq_normalize_centroids": 1}).mixers["ovq"]["renormalize"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("ovq_use_delta_rule", 1), ("ovq_use_counts_for_lr_only", 1), ("ovq_use_min_state_size", 1),
+    ("num_key_value_heads", 2)])
+def test_their_ovq_fields_not_representable_refused_in_one_line(field, value):
     from mixerzoo.hub.kvm_paper import lm_config_from_kvm_paper
     from mixerzoo.hub.pretrained import UnsupportedArchitectureError
 
-    cfg = THEIR_OVQ if field == "token_mixer" else {**THEIR_OVQ, "token_mixer": "gptalpha", "alt_token_mixer": "ovq"}
     with pytest.raises(UnsupportedArchitectureError) as e:
-        lm_config_from_kvm_paper(cfg)
-    msg = str(e.value)
-    assert f"{field}='ovq'" in msg and "\n" not in msg
-    assert "key 0" in msg and "nearest earlier key" in msg and "second chunk" in msg
+        lm_config_from_kvm_paper({**THEIR_OVQ, field: value})
+    assert f"{field}={value!r}" in str(e.value) and "\n" not in str(e.value)
 
 
-def _mixerzoo_first_chunk_choice(k_c: torch.Tensor, num_new: int) -> torch.Tensor:
-    """mixerzoo's first-chunk rule (mixerzoo_ovq.naive.update_dictionary) as their assignment tensor: each key scored
-    by its nearest earlier key (the first: -inf), the ``num_new`` lowest become centroids ``0..num_new-1`` in chunk
-    order, every other key joins its nearest new centroid."""
-    B, H, L, _ = k_c.shape
-    earlier = torch.ones(L, L, dtype=torch.bool).tril(-1)
-    score = (k_c @ k_c.transpose(-1, -2)).masked_fill(~earlier, float("-inf")).amax(-1)
-    new_pos = score.topk(num_new, dim=-1, largest=False).indices.sort(-1).values           # (B, H, num_new)
-    centroids = k_c.gather(2, new_pos[..., None].expand(-1, -1, -1, k_c.shape[-1]))
-    assign = (k_c @ centroids.transpose(-1, -2)).argmax(-1)
-    return assign.scatter(2, new_pos, torch.arange(num_new).expand(B, H, num_new))
-
-
-def test_their_ovq_layer_differs_only_in_first_chunk_seeding(monkeypatch):
+def test_their_ovq_layer_equals_first_key_seeding_and_differs_from_nearest():
     """One OVQ layer of theirs and mixerzoo's ``ovq`` with its weights (float32, token shift, no value residual,
-    chunks of 16, N = 64, 80 tokens): equal on the first chunk, O(1) apart from the second on; with their empty-
-    dictionary assignment replaced by mixerzoo's rule, equal on every chunk (within 1e-4: the rest of the layer -
-    read with the log-count prior, plateau schedule, spread choice, eq. 19 merge - is the same function)."""
+    chunks of 16, N = 64, 80 tokens): with ``first_chunk: first_key`` equal on every chunk (within 1e-4); with the
+    default ``nearest`` equal on the first chunk only (their seeding decides every later dictionary)."""
     mf = _make_fixture_module()
     root = mf.kvm_paper_path()
     if root is None:
         pytest.skip("MIXERZOO_KVM_PAPER (a checkout of SmerkyG/KVM-paper) is not set")
     from mixerzoo_ovq import OVQAttention
 
-    monkeypatch.syspath_prepend(str(root))
+    mf.their_model(mf.CONFIGS["ovq_swa"])  # puts their code on the path
     import model.ovq_mixer as om
     from model.rwkv7_backbone import MixerConfig
 
@@ -573,20 +575,19 @@ def test_their_ovq_layer_differs_only_in_first_chunk_seeding(monkeypatch):
         for name, p in theirs.named_parameters():
             p.copy_(torch.rand_like(p) if name.startswith("x_") else 1 + 0.3 * torch.rand_like(p) if name == "beta"
                     else 0.3 * torch.randn_like(p))
-    ours = OVQAttention(d, H, chunk_len=L, max_size=N, token_shift=True, checkpoint_chunks=0, backend="chunk")
-    with torch.no_grad():
-        for mine, their in (("q_proj", "c_q"), ("k_proj", "c_k"), ("v_proj", "c_v")):
-            getattr(ours.qkv, mine).weight.copy_(getattr(theirs, their).weight)
-        for i, a in enumerate("qkv"):
-            ours.qkv.shift_mu[i].copy_(getattr(theirs, f"x_{a}").reshape(-1))
-        ours.o_proj.weight.copy_(theirs.c_proj.weight)
-        ours.beta.copy_(theirs.beta)
-    x = torch.randn(1, T, d)
-    with torch.no_grad():
-        mine = ours(x)[0]
-        diff = (theirs(x, None, None, None) - mine).abs().amax(-1)[0]
-        assert diff[:L].max() <= 1e-4 and diff[L:2 * L].max() > 0.1
-        their_rule = om._get_nn_assignments
-        monkeypatch.setattr(om, "_get_nn_assignments", lambda d_k, k_c, *, num_new: their_rule(
-            d_k, k_c, num_new=num_new) if d_k.size(2) else _mixerzoo_first_chunk_choice(k_c, num_new))
-        assert (theirs(x, None, None, None) - mine).abs().max() <= 1e-4
+        x = torch.randn(1, T, d)
+        expect = theirs(x, None, None, None)
+    for first_chunk in ("first_key", "nearest"):
+        ours = OVQAttention(d, H, chunk_len=L, max_size=N, token_shift=True, first_chunk=first_chunk)
+        with torch.no_grad():
+            for mine, their in (("q_proj", "c_q"), ("k_proj", "c_k"), ("v_proj", "c_v")):
+                getattr(ours.qkv, mine).weight.copy_(getattr(theirs, their).weight)
+            for i, a in enumerate("qkv"):
+                ours.qkv.shift_mu[i].copy_(getattr(theirs, f"x_{a}").reshape(-1))
+            ours.o_proj.weight.copy_(theirs.c_proj.weight)
+            ours.beta.copy_(theirs.beta)
+            diff = (ours(x)[0] - expect).abs().amax(-1)[0]
+        if first_chunk == "first_key":
+            assert diff.max() <= 1e-4
+        else:
+            assert diff[:L].max() <= 1e-4 and diff[L:2 * L].max() > 0.1

@@ -34,7 +34,10 @@ RoPE (``rope_partial_dim``,        ``positional: {name: rope, rotary_fraction: p
 
 Token mixers: ``gptalpha`` -> ``attention``, ``gptalpha_bswa`` -> ``bswa`` (``chunk_len``, ``n_bswa_chunks``;
 ``sink_len: 0`` only), ``swa`` -> ``swa`` (``window: swa_window_size``, or ``chunk_len`` when not positive), ``kvm``
--> ``kvm`` (mixerzoo_kvm.KVMAttention; their eager ``model/kvm_mixer.py``):
+-> ``kvm`` (mixerzoo_kvm.KVMAttention; their eager ``model/kvm_mixer.py``), ``ovq`` -> ``ovq``
+(mixerzoo_ovq.OVQAttention; their ``model/ovq_mixer.py``: ``chunk_len: ovq_chunk_size``, ``max_size:
+ovq_max_centroids``, ``schedule: saturating``, ``renormalize: ovq_normalize_centroids``, ``first_chunk: first_key``,
+``positional: nope``, no q/k LayerNorm, ``attn.beta`` -> ``mixer.beta``):
 
 =======================================  ======================================================================
 theirs                                   mixerzoo ``kvm`` option
@@ -62,8 +65,8 @@ Their hybrids (``alt_layer_every: k``, e.g. the SWA baseline ``gptalpha_halfrope
 (``alt_rope_*``), ``value_residual_groups: layer_name`` (one anchor for the main and one for the alternate layers;
 ``model`` with ``alt_share_v0``) and ``value_residual_anchor: embedding`` (their main layers' anchor is layer 1's
 value projection of the embedding output). Everything else is refused with :class:`UnsupportedArchitectureError`,
-one line naming the field: the OVQ token mixer (:data:`OVQ_DIFFERS`: the first chunk's dictionary is
-seeded differently), the RWKV-7 token mixer, skip connections, block lambdas, logit softcap, sinks in
+one line naming the field: the RWKV-7 token mixer, in OVQ ``ovq_use_delta_rule``, ``ovq_use_counts_for_lr_only``,
+``ovq_use_min_state_size`` and grouped-query attention, skip connections, block lambdas, logit softcap, sinks in
 bswa, the value-residual modes other than ``rwkv``, and in KVM: ``kvm_apply_merge_gate_to_initial_state: 1``, a merge
 gate on keys only or values only, ``kvm_apply_merge_gate_to_appends: 1`` (their appended rows then take the gated
 value norm ``||g v||`` as radius; ``gate_appends`` here keeps ``||v||``), ``kvm_use_vlens: 0`` (their mean readout
@@ -115,20 +118,14 @@ DEFAULTS: dict[str, Any] = {
     "kvm_use_head_temps": 1, "kvm_use_vlens": 1, "n_max_d_chunks": 1, "state_budget_mode": "fixed",
     "state_growth_factor": 1.0, "state_growth_exponent": 0.5, "state_round_down": 1, "state_min_len": -1,
     "state_saturation_n": None,
+    "ovq_value_residual_mode": "rwkv", "ovq_token_shift_mode": "rwkv", "ovq_chunk_size": 128,
+    "ovq_max_centroids": 2048, "ovq_normalize_centroids": 0, "ovq_use_min_state_size": 0,
+    "ovq_use_counts_for_lr_only": 0, "ovq_use_delta_rule": 0,
 }
 
 # their token mixer -> (mixer here, the config fields naming its value-residual and token-shift modes)
 TOKEN_MIXERS = {"gptalpha": ("attention", "gptalpha"), "gptalpha_bswa": ("bswa", "gptalpha"), "swa": ("swa", "swa"),
-                "kvm": ("kvm", "kvm")}
-
-
-# Why their OVQ (``model/ovq_mixer.py``) is refused: with the same weights, mixerzoo's ovq equals it on the first
-# chunk and, given their first-chunk seeding, on every later one (float64: 1e-5, from their ``x / (|x| + 1e-5)``
-# against F.normalize); with its own seeding the outputs differ by O(1) from the second chunk on. See
-# docs/pretrained.md ("OVQ") for every difference and what mapping it would take.
-OVQ_DIFFERS = ("their OVQ seeds an empty dictionary with key 0 plus the keys least similar to key 0 and merges every "
-               "other first-chunk key into key 0's centroid, where mixerzoo's ovq scores each key by its nearest "
-               "earlier key and merges it into its nearest new centroid: outputs differ from the second chunk on")
+                "kvm": ("kvm", "kvm"), "ovq": ("ovq", "ovq")}
 
 
 class KVMPaperSource:
@@ -143,7 +140,7 @@ class KVMPaperSource:
 
 def _refuse(field: str, value: Any, why: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(f"KVM paper model: {field}={value!r} is not supported ({why}); mixerzoo "
-                                        f"imports their GPTAlpha-2 attention, swa, bswa and KVM models")
+                                        f"imports their GPTAlpha-2 attention, swa, bswa, KVM and OVQ models")
 
 
 def _config_json(path: Path) -> dict | None:
@@ -297,8 +294,6 @@ def _token_mixer(cfg: dict, alt: bool) -> str:
 def _layer_options(cfg: dict, token_mixer: str, alt: bool) -> dict:
     """The mixer options of their main (or alternate) layers."""
     field = "alt_token_mixer" if alt else "token_mixer"
-    if token_mixer == "ovq":
-        raise _refuse(field, token_mixer, OVQ_DIFFERS)
     if token_mixer not in TOKEN_MIXERS:
         raise _refuse(field, token_mixer, "no mixer here equals it yet")
     mixer, prefix = TOKEN_MIXERS[token_mixer]
@@ -308,7 +303,8 @@ def _layer_options(cfg: dict, token_mixer: str, alt: bool) -> dict:
     if d_qk != d_v:
         raise _refuse("d_v_head", d_v, f"keys have {d_qk} channels per head and values must have as many")
     rope = "alt_rope" if alt else "rope"
-    partial = int(cfg[f"{rope}_partial_dim"])
+    # their OVQ never applies RoPE, whatever rope_partial_dim says (NoPE: the dictionary merges every position)
+    partial = 0 if mixer == "ovq" else int(cfg[f"{rope}_partial_dim"])
     if partial < 0 or partial > d_qk or partial % 2:
         raise _refuse(f"{rope}_partial_dim", partial, f"must be an even count within the head's {d_qk} channels")
     positional: Any = "nope" if partial == 0 else {
@@ -321,6 +317,11 @@ def _layer_options(cfg: dict, token_mixer: str, alt: bool) -> dict:
         raise _refuse(f"{prefix}_token_shift_mode", shift_mode, "token shift here is RWKV's lerp ('rwkv') or none")
     opts: dict[str, Any] = {"mixer": mixer, "n_heads": n_heads, "positional": positional, "qk_norm": "layernorm",
                             "token_shift": shift_mode == "rwkv"}
+    if mixer == "ovq":  # no q/k LayerNorm: their OVQ L2-normalises q and k
+        del opts["qk_norm"]
+        if cfg["num_key_value_heads"] not in (None, n_heads):
+            raise _refuse("num_key_value_heads", cfg["num_key_value_heads"], "their OVQ keeps one dictionary per "
+                          "query head and was not run with grouped-query attention")
     if cfg["num_key_value_heads"] not in (None, n_heads):
         opts["n_kv_heads"] = int(cfg["num_key_value_heads"])
     if d_qk != d // n_heads:
@@ -345,7 +346,24 @@ def _layer_options(cfg: dict, token_mixer: str, alt: bool) -> dict:
         if positional == "nope":
             raise _refuse(f"{rope}_partial_dim", partial, "their KVM then zeroes every channel of its memory keys")
         opts.update(_kvm_options(cfg))
+    elif mixer == "ovq":
+        opts.update(_ovq_options(cfg))
     return opts
+
+
+def _ovq_options(cfg: dict) -> dict:
+    """Their ``ovq_*`` fields as the options of mixerzoo's OVQ layer (:class:`mixerzoo_ovq.OVQAttention`): chunks
+    of ``ovq_chunk_size`` (their ``ovq_window_size`` is never read by their layer), the plateau schedule ``floor(N t /
+    (N + t))`` with ``N = ovq_max_centroids``, and their first-chunk seeding (``first_chunk: first_key``)."""
+    for field in ("ovq_use_delta_rule", "ovq_use_counts_for_lr_only", "ovq_use_min_state_size"):
+        if int(cfg[field]):
+            why = {"ovq_use_delta_rule": "the value dictionary here moves towards the values, not by a delta rule",
+                   "ovq_use_counts_for_lr_only": "the read here always adds the log-count prior (eq. 15)",
+                   "ovq_use_min_state_size": "not used by their released OVQ models and not checked here"}[field]
+            raise _refuse(field, cfg[field], why)
+    return {"chunk_len": int(cfg["ovq_chunk_size"]), "max_size": int(cfg["ovq_max_centroids"]),
+            "schedule": "saturating", "renormalize": bool(int(cfg["ovq_normalize_centroids"])),
+            "first_chunk": "first_key"}
 
 
 def _kvm_schedule(cfg: dict, chunk_len: int) -> dict:
@@ -452,7 +470,8 @@ _LAYER = {"ln_attn": "norm1", "ln_mlp": "norm2", "attn.c_q": "mixer.qkv.q_proj",
           "attn.v_gate1": "mixer.qkv.v_gate_down", "attn.v_gate2": "mixer.qkv.v_gate_up",
           "mlp.x_k": "channel.shift_mu", "mlp.c_fc": "channel.up_proj", "mlp.c_proj": "channel.down_proj",
           "attn.ln_s_k": "mixer.ln_s", "attn.key_weighting": "mixer.gate_proj",
-          "attn.state_head_temp": "mixer.tau_state", "attn.front_head_temp": "mixer.tau_bswa"}
+          "attn.state_head_temp": "mixer.tau_state", "attn.front_head_temp": "mixer.tau_bswa",
+          "attn.beta": "mixer.beta"}
 _LAYER_RE = re.compile(r"transformer\.h\.(\d+)\.(.+?)(\.weight|\.bias)?$")
 
 
