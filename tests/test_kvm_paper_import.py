@@ -456,7 +456,7 @@ PARITY = {"gptalpha": {"rope_partial_dim": 16},
           "kvm_fixed": {"rope_partial_dim": 16, "chunk_len": 32, "state_min_len": 32},
           "kvm_sqrt": {"rope_partial_dim": 12, "chunk_len": 16, "state_min_len": 16, "num_attention_heads": 4,
                        "num_key_value_heads": 2},
-          # their OVQ hybrid: chunks of 32, a plateau of 128 centroids (reached 112 rows at 512 tokens)
+          # their OVQ hybrid: chunks of 32, a plateau of 128 centroids (102 rows at 512 tokens)
           "ovq_swa": {"ovq_chunk_size": 32, "ovq_max_centroids": 128, "alt_rope_partial_dim": 32}}
 
 
