@@ -498,7 +498,7 @@ def test_load_model_reads_their_folder_directly():
         assert (loaded.model(exp["tokens"])[0] - exp["logits"]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["gptalpha", "kvm_sqrt"])
+@pytest.mark.parametrize("name", ["gptalpha", "kvm_sqrt", "ovq_swa"])
 def test_imported_folder_loads_in_transformers_with_their_logits(name, tmp_path):
     """The imported folder is a mixerzoo export: transformers loads it (``trust_remote_code``) and its logits are
     still the authors'."""
