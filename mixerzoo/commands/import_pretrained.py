@@ -21,9 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mixerzoo import", allow_abbrev=False,
         description="Import a pretrained transformers causal LM (llama, mistral, qwen2, qwen3), or a KVM paper "
-                    "authors' GPTAlpha-2 model (their folder, Hub id, or a training checkpoint .pt with --config), as a "
-                    "mixerzoo model folder (config.json with layer_types, model.safetensors, tokenizer.json with its "
-                    "special tokens and chat template). The folder is written atomically; logits equal the source's.")
+                    "authors' GPTAlpha-2 model (their folder, Hub id, or a training checkpoint .pt with --config), "
+                    "as a mixerzoo model folder (config.json with layer_types, model.safetensors, tokenizer.json with "
+                    "its special tokens and chat template). The folder is written atomically; logits equal the source's.")
     p.add_argument("source", help="a transformers model folder, a .gguf file, or a Hub id owner/name (needs network); "
                                   "or a KVM paper training checkpoint .pt (with --config)")
     p.add_argument("out_dir", help="the folder to write (replaced atomically if it is a previous mixerzoo folder)")

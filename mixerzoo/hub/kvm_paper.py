@@ -71,8 +71,8 @@ bswa, the value-residual modes other than ``rwkv``, and in KVM: ``kvm_apply_merg
 gate on keys only or values only, ``kvm_apply_merge_gate_to_appends: 1`` (their appended rows then take the gated
 value norm ``||g v||`` as radius; ``gate_appends`` here keeps ``||v||``), ``kvm_use_vlens: 0`` (their mean readout
 divides every row by 1 + the number of folds: the count update sums the routing over state rows, not over merged
-tokens; ``value_norm: mean`` here divides by the tokens merged into the row), ``state_round_down`` other than 1 in a growing budget, other budget modes,
-``sink_len >= chunk_len``, ``rope_partial_dim: 0`` (their KVM then zeroes every memory-key channel) and a KVM
+tokens; ``value_norm: mean`` here divides by the tokens merged into the row), ``state_round_down`` other than 1
+in a growing budget, other budget modes, ``sink_len >= chunk_len``, ``rope_partial_dim: 0`` (their KVM then zeroes every memory-key channel) and a KVM
 alternate layer whose ``alt_rope_partial_dim`` differs from ``rope_partial_dim``. ``residual_scale`` (0.5 in their
 350M models) is ``model.residual_scale``.
 
