@@ -271,6 +271,10 @@ def _launches(layer, T: int, task: dict, trainable: bool) -> dict:
         token = torch.randn_like(x[:, :1])
         layer(token, state)  # uncounted
         out["decode"] = count_launches(lambda: layer(token, state))
+        # one token further: for a chunked mixer the step after T = k C is inside a chunk (no fold)
+        state = layer(token, state)[1]
+        layer(token, state)  # uncounted
+        out["decode_next"] = count_launches(lambda: layer(token, state))
     return out
 
 
@@ -750,18 +754,18 @@ def launches_table(args: argparse.Namespace, base: dict, out: dict) -> None:
     results = run_cells({**base, "repeats": 0, "steps": 0, "rounds": 0}, cells, args.cell_timeout or 600,
                         args.budget or math.inf)
     print("\n## Launch count: operators dispatched by one training step (forward + backward) and by one decode step "
-          "after a prefill of T tokens; launches = operators less views and allocations (a Triton kernel or custom "
+          "after a prefill of T tokens (the last column: the step after it, inside a chunk for chunked mixers); launches = operators less views and allocations (a Triton kernel or custom "
           "operator: one); host syncs = .item(), nonzero, data-dependent shapes (counted with "
           "mixerzoo.evaluation.cost.LaunchCount)\n")
     print("| mixer | T | train ops | train launches | train host syncs | decode ops | decode launches | "
-          "decode host syncs |")
-    print("|---|---|---|---|---|---|---|---|")
+          "decode host syncs | next decode step: launches |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for m in args.mixers:
         for T in args.lengths:
             cell = results[f"launches/{m}/{T}"]
             if "error" in cell:
                 out["errors"][f"launches/{m}/{T}"] = cell["error"]
-                print(f"| {m} | {fmt_len(T)} | error: {cell['error']} | | | | | |", flush=True)
+                print(f"| {m} | {fmt_len(T)} | error: {cell['error']} | | | | | | |", flush=True)
                 continue
             out["launches"].setdefault(m, {})[T] = cell
 
@@ -774,7 +778,9 @@ def launches_table(args: argparse.Namespace, base: dict, out: dict) -> None:
                                                   if c["host_syncs"] else "")
                 return f"{c['ops']:,} | {c['launches']:,} | {syncs}"
 
-            print(f"| {m} | {fmt_len(T)} | {cols('train')} | {cols('decode')} |", flush=True)
+            nxt = cell.get("decode_next")
+            print(f"| {m} | {fmt_len(T)} | {cols('train')} | {cols('decode')} | "
+                  f"{'-' if nxt is None else format(nxt['launches'], ',')} |", flush=True)
 
 
 def train_and_decode(args: argparse.Namespace, base: dict, out: dict) -> None:
