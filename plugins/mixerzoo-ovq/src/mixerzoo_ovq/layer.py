@@ -137,10 +137,9 @@ class OVQAttention(Mixer):
         self.checkpoint_chunks = checkpoint_chunks
         if backend not in BACKENDS:
             raise ValueError(f"{self.mixer_name} backend must be one of {BACKENDS}, got {backend!r}")
-        if backend == "triton" and (centroid_lr is not None or renormalize or first_chunk != "nearest"):
-            raise ValueError(f"{self.mixer_name} backend 'triton' needs centroid_lr null, renormalize false (a "
-                             f"constant rate or renormalisation is non-linear in the keys) and first_chunk 'nearest' "
-                             f"(the seeding its kernel decides); use backend 'chunk'")
+        if backend == "triton":
+            ops.check_linear(ops.Spec(chunk_len, centroid_lr=centroid_lr, renormalize=renormalize,
+                                      first_chunk=first_chunk), self.mixer_name)
         self.backend = backend
         self._schedule_spec = schedule
         self.set_max_size(max_size)
@@ -287,8 +286,7 @@ class OVQAttention(Mixer):
 
     def _batched(self, device: torch.device) -> bool:
         """Whether a call of several tokens on ``device`` takes the Triton backend (``backend`` option)."""
-        return (use_triton(self.backend, device) and self.centroid_lr is None and not self.renormalize
-                and self.first_chunk == "nearest")
+        return use_triton(self.backend, device) and ops.linear_in_keys(self.spec(device))
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         """The heads' reads ``o (B, H, T, D)`` concatenated and projected: ``(B, T, d_model)``."""

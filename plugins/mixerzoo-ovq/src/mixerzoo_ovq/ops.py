@@ -22,8 +22,8 @@ from mixerzoo.decisions import decision
 from mixerzoo.ops import flat_rows, max_last, take_rows
 from mixerzoo.protocol import accumulation_dtype
 
-__all__ = ["Spec", "accumulation_dtype", "chunk_attention", "update_dictionary", "new_centroid_count",
-           "random_scores", "vq_merge", "merge", "advance"]
+__all__ = ["Spec", "linear_in_keys", "check_linear", "accumulation_dtype", "chunk_attention", "update_dictionary",
+           "new_centroid_count", "random_scores", "vq_merge", "merge", "advance"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,24 @@ class Spec:
     static_codebook: bool = False
     first_chunk: str = "nearest"
     read: Callable[..., torch.Tensor] | None = None
+
+
+def linear_in_keys(spec: Spec) -> bool:
+    """Whether, its discrete choices given, every dictionary row is linear in the keys and values, as the batched
+    (Triton) chunked form needs: eq. 19's rate ``1 / count`` makes a centroid the running mean of the keys it
+    absorbed, its seed included; a constant ``centroid_lr`` or ``renormalize`` does not, nor does the
+    ``first_key`` seeding, which that form's kernel does not decide. A static codebook (VQ) always is."""
+    return spec.static_codebook or (spec.centroid_lr is None and not spec.renormalize
+                                    and spec.first_chunk == "nearest")
+
+
+def check_linear(spec: Spec, who: str) -> None:
+    """Raises ``ValueError`` naming ``who``'s options when the batched (Triton) form cannot run ``spec``
+    (:func:`linear_in_keys`)."""
+    if not linear_in_keys(spec):
+        raise ValueError(f"{who} backend 'triton' needs centroid_lr null, renormalize false (a constant rate or "
+                         f"renormalisation is non-linear in the keys) and first_chunk 'nearest' (the seeding its "
+                         f"kernel decides); use backend 'chunk'")
 
 
 def new_centroid_count(schedule, chunk_idx: int, chunk_len: int, size: int) -> int:

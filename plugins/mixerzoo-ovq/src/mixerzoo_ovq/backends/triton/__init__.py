@@ -2,6 +2,6 @@
 with every chunk's discrete decisions in one kernel (:mod:`.decide`) and the reads of all chunks as one batched
 attention over the dictionary snapshots they imply (:mod:`.chunk`). Tested against :mod:`mixerzoo_ovq.naive`."""
 
-from .chunk import chunk_forward, supports
+from .chunk import chunk_forward
 
-__all__ = ["chunk_forward", "supports"]
+__all__ = ["chunk_forward"]

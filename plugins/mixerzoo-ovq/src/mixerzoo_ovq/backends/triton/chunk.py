@@ -11,8 +11,9 @@ exclusive cumulative sum over chunks. The read of eq. 15 for every chunk is then
 VQ-attention (``static_codebook``, eq. 7-10) is the same with the codebook as every snapshot's keys and each key's
 codeword as its row (no kernel: nothing there is sequential).
 
-Not covered (:func:`supports`): a constant ``centroid_lr`` and ``renormalize`` make the dictionary non-linear in
-the keys; those ablations run :mod:`mixerzoo_ovq.chunk`'s loop.
+Not covered (:func:`mixerzoo_ovq.ops.linear_in_keys`): a constant ``centroid_lr`` and ``renormalize`` make the
+dictionary non-linear in the keys, and the ``first_key`` seeding is not decided by the kernel; those run
+:mod:`mixerzoo_ovq.chunk`'s loop.
 
 Paper: "Online Vector Quantized Attention", arXiv 2602.03922 (v2), sec. 2.2, 3.2 (eq. 15, 17-19), appendix 8.3.
 """
@@ -28,19 +29,11 @@ from mixerzoo.ops import max_last
 from ... import ops
 from .decide import decide
 
-__all__ = ["chunk_forward", "supports", "GROUP_CHUNKS"]
+__all__ = ["chunk_forward", "GROUP_CHUNKS"]
 
 # whole chunks batched into one kernel launch and one attention call at most: a group holds every chunk's dictionary
 # snapshot (keys and values, float32: 64 chunks x 2048 rows x 128 dims x 2 kv heads = 134 MB each) while it runs
 GROUP_CHUNKS = 64
-
-
-def supports(spec: ops.Spec) -> bool:
-    """Whether the layer options in ``spec`` keep the dictionary linear in the keys given the choices: the paper's
-    ``1 / count`` rate without renormalisation (either growth schedule, spread or random new centroids, or a static
-    codebook), and the paper's seeding of an empty dictionary (``first_chunk: nearest``; the kernel decides it)."""
-    return spec.static_codebook or (spec.centroid_lr is None and not spec.renormalize
-                                    and spec.first_chunk == "nearest")
 
 
 def _plan(spec: ops.Spec, first_chunk: int, n_chunks: int, n0: int) -> tuple[list[int], int]:
@@ -90,16 +83,18 @@ def _whole_chunks(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     assign, N = _assignments(spec, kk, dk, counts, first_chunk, memo)
     # counts of each (chunk, row) cell, then the counts every chunk reads (exclusive cumulative sum over chunks)
     cell = counts.new_zeros(B, Hkv, C, N).scatter_add_(-1, assign, counts.new_ones(()).expand(B, Hkv, C, L))
-    after = F.pad(counts, (0, N - n0))[:, :, None] + cell.cumsum(2)                      # (B, H_kv, C, N)
-    seen = torch.cat([F.pad(counts, (0, N - n0))[:, :, None], after[:, :, :-1]], dim=2)
+    c0 = F.pad(counts, (0, N - n0))[:, :, None]
+    after = c0 + cell.cumsum(2)                                                           # (B, H_kv, C, N)
+    seen = torch.cat([c0, after[:, :, :-1]], dim=2)
     index = assign[..., None].expand(B, Hkv, C, L, D)
 
     def snapshots(d0: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every chunk's dictionary ``(B, H_kv, C, N, D)`` and the one after the last chunk ``(B, H_kv, N, D)``: the
         running means, sums over the rows' keys divided by their counts (0 for a row no key reached yet)."""
         sums = torch.zeros(B, Hkv, C, N, D, dtype=acc, device=x.device).scatter_add(3, index, x.to(acc))
-        total = F.pad(d0 * counts[..., None], (0, 0, 0, N - n0))[:, :, None] + sums.cumsum(2)
-        before = torch.cat([F.pad(d0 * counts[..., None], (0, 0, 0, N - n0))[:, :, None], total[:, :, :-1]], dim=2)
+        s0 = F.pad(d0 * counts[..., None], (0, 0, 0, N - n0))[:, :, None]
+        total = s0 + sums.cumsum(2)
+        before = torch.cat([s0, total[:, :, :-1]], dim=2)
         return before / seen.clamp(min=1)[..., None], total[:, :, -1] / after[:, :, -1].clamp(min=1)[..., None]
 
     if spec.static_codebook:  # the codebook is every chunk's key dictionary; only the value means move
@@ -127,15 +122,12 @@ def chunk_forward(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                   buf_k: torch.Tensor, buf_v: torch.Tensor) -> tuple:
     """:func:`mixerzoo_ovq.chunk.chunk_forward` (same arguments, shapes and results) with the whole chunks of the call
     in one batch: a leading piece that completes a buffered chunk and a trailing partial chunk take
-    :func:`mixerzoo_ovq.ops.advance` (one step each); ``spec`` must satisfy :func:`supports`.
+    :func:`mixerzoo_ovq.ops.advance` (one step each); ``spec`` must satisfy :func:`mixerzoo_ovq.ops.linear_in_keys`.
 
     Raises:
-        ValueError: options the batched form does not cover (:func:`supports`).
+        ValueError: options the batched form does not cover (:func:`mixerzoo_ovq.ops.check_linear`).
     """
-    if not supports(spec):
-        raise ValueError("ovq backend 'triton' needs centroid_lr null (1/count, eq. 19) and renormalize false: a "
-                         "constant rate or renormalisation makes the dictionary non-linear in the keys; use "
-                         "backend 'chunk' for those ablations")
+    ops.check_linear(spec, "ovq")
     L, T = spec.chunk_len, q.shape[2]
     if torch.compiler.is_compiling():  # a dict mutated inside a checkpoint: see mixerzoo_ovq.chunk.chunk_forward
         memo = None
