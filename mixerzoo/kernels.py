@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["jit", "triton_available", "interpreted", "use_triton", "everywhere"]
+__all__ = ["jit", "triton_available", "interpreted", "use_triton", "everywhere", "block"]
 
 _EVERYWHERE: list[bool] = []
 
@@ -60,6 +60,12 @@ def jit(fn: Callable | None = None, **kwargs):
     import triton
 
     return triton.jit(fn, **kwargs)
+
+
+def block(n: int) -> int:
+    """The Triton block length for ``n`` elements: the smallest power of two ``>= n``, at least 16 (``tl.dot``
+    takes tiles of 16 or more)."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
 
 
 @functools.cache

@@ -263,11 +263,6 @@ def _rope_kernel():
     return _ROPE_KERNEL
 
 
-def _block(n: int) -> int:
-    """The power of two ``>= n`` (at least 16) a Triton block of ``n`` elements takes."""
-    return max(16, 1 << max(n - 1, 0).bit_length())
-
-
 def rotate_triton(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """:meth:`RoPE.rotate_fast` at ``positions`` in one Triton launch: ``x (..., time, head_dim)`` (at most 4
     axes, any strides) -> a new tensor of ``x``'s shape and dtype; ``positions (time,)``. The angles are made in
@@ -287,7 +282,7 @@ def rotate_triton(rope: RoPE, x: torch.Tensor, positions: torch.Tensor, inverse:
         _rope_kernel()[(n0 * n1 * T,)](
             x4, out, positions.to(x.device, torch.int64).contiguous(), rope.inv_freq, T, D, *x4.stride()[:3],
             *out.stride()[:3], n1, float(-rope.direction if inverse else rope.direction), HALF=r // 2,
-            BLOCK=_block(r // 2), TAIL=_block(D - r) if D > r else 0, ADJACENT=rope.pairing == "adjacent",
+            BLOCK=kernels.block(r // 2), TAIL=kernels.block(D - r) if D > r else 0, ADJACENT=rope.pairing == "adjacent",
             TABLE=table, TABLE_BF16=rope.table_dtype == "bfloat16")
     return out.view(x.shape)
 

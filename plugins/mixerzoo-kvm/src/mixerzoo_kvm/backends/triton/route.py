@@ -15,17 +15,13 @@ import torch
 from torch import nn
 
 from mixerzoo import decisions
+from mixerzoo.kernels import block
 
 from ...chunk import route_folds
 from ...ops import FoldRouting, KVMParams, KVMSpec, accum_dtype
 from .route_kernel import route_folds_kernel
 
 __all__ = ["route_folds_triton"]
-
-
-def _block(n: int) -> int:
-    """The smallest power of two >= ``max(n, 16)`` (``tl.dot`` takes tiles of at least 16)."""
-    return max(16, 1 << max(n - 1, 0).bit_length())
 
 
 @torch.library.custom_op("mixerzoo_kvm::route_folds", mutates_args=())
@@ -47,7 +43,7 @@ def _route_folds_op(s_k0: torch.Tensor, kbar: torch.Tensor, g: torch.Tensor | No
         gg = kb if g is None else g.contiguous()  # not read without a gate
         route_folds_kernel[(B * H,)](s_k, kb, gg, size_t, ln_w.contiguous(), ln_b.contiguous(), target, appended,
                                      n_folds, R, C, D, ln_eps, n_protected, HAS_GATE=g is not None,
-                                     GATE_APPENDS=gate_appends, BLOCK_C=_block(C), BLOCK_D=_block(D), BLOCK_R=32)
+                                     GATE_APPENDS=gate_appends, BLOCK_C=block(C), BLOCK_D=block(D), BLOCK_R=32)
     return target, appended.bool()
 
 

@@ -14,10 +14,9 @@ The launch is the custom op ``mixerzoo_ovq::decide`` (one opaque op under ``torc
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from mixerzoo.kernels import jit
+from mixerzoo.kernels import block, jit
 
 __all__ = ["decide"]
 
@@ -124,8 +123,8 @@ def decide(k: torch.Tensor, dk: torch.Tensor, counts: torch.Tensor, n_new: torch
     sc = scores.reshape(BH, C * L).to(torch.float32).contiguous() if scores is not None else kf
     if C:
         _decide_kernel[(BH,)](kf, dict_scratch, cnt_scratch, n_new.to(torch.int32).contiguous(), sc, assign, n0, C,
-                              n_total, L=L, D=D, BL=max(16, triton.next_power_of_2(L)),
-                              BD=max(16, triton.next_power_of_2(D)), BN=BLOCK_N, HAS_SCORES=scores is not None,
+                              n_total, L=L, D=D, BL=block(L),
+                              BD=block(D), BN=BLOCK_N, HAS_SCORES=scores is not None,
                               num_warps=8)
     return assign.view(B, Hkv, C, L).long()
 

@@ -31,10 +31,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import triton
 import triton.language as tl
 
-from mixerzoo.kernels import jit
+from mixerzoo.kernels import block, jit
 
 from ...chunk import _scan, trellis_chunked
 
@@ -128,7 +127,7 @@ def _scan_bwd(W, A, DEC, STEP, M0, MG, DU, DM0, DMEND,
 
 def _blocks(C: int, M: int, D: int) -> tuple[int, int, int]:
     # tl.dot needs every dimension >= 16; sizes that are not powers of two are masked
-    return tuple(max(16, triton.next_power_of_2(n)) for n in (C, M, D))
+    return tuple(block(n) for n in (C, M, D))
 
 
 def _warps(M: int, D: int) -> int:
