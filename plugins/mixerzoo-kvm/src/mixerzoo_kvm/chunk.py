@@ -36,8 +36,9 @@ import torch.utils.checkpoint
 
 from mixerzoo.ops import flat_rows, records_grad
 
-from .ops import (FoldRouting, KVMParams, KVMSpec, Routing, accum_dtype, chunk_groups, joint_keys, joint_queries,
-                  keep_from, layer_norm_s, matmul_acc, memory_keys, read_values, route_overflow, state_budget)
+from .ops import (FoldRouting, KVMParams, KVMSpec, Routing, accum_dtype, chunk_groups, fold_weights, joint_keys,
+                  joint_queries, keep_from, layer_norm_s, matmul_acc, memory_keys, read_values, route_overflow,
+                  state_budget)
 from .state import KVMState
 
 __all__ = ["kvm_chunk", "route_folds", "fold_additions", "snapshots", "radii", "memory_rows", "window_blocks",
@@ -76,19 +77,13 @@ def route_folds(spec: KVMSpec, params: KVMParams, s_k0: torch.Tensor, kbar: torc
             gk = kb if g is None else g[:, :, f, :, None].to(kb.dtype) * kb
             route = route_overflow(layer_norm_s(params.ln_s, s_k[:, :, :m]), kb, gk if spec.gate_appends else kb,
                                    m_new - m, params.ln_s, spec.n_protected, soft=spec.routing == "soft")
-        x_k = kb if g is None or m == 0 else _weights(spec, g[:, :, f].to(kb.dtype), route.appended)[..., None] * kb
+        x_k = kb if g is None or m == 0 else fold_weights(spec, g[:, :, f].to(kb.dtype), route.appended)[..., None] * kb
         if route.probs is None:
             s_k.view(-1, D).index_add_(0, flat_rows(route.target, sizes[-1]), x_k.reshape(-1, D))
         else:
             s_k[:, :, :m_new] += matmul_acc(route.probs.transpose(-1, -2), x_k)
         routes.append(route)
     return routes
-
-
-def _weights(spec: KVMSpec, g: torch.Tensor, appended: torch.Tensor) -> torch.Tensor:
-    """Each token's weight on its row (eqs. 3, 4): the gate ``g`` for merged tokens, 1 for appended ones unless
-    ``gate_appends``; ``g, appended (...)`` -> ``(...)``."""
-    return g if spec.gate_appends else torch.where(appended, torch.ones_like(g), g)
 
 
 def fold_additions(spec: KVMSpec, kbar: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
@@ -105,7 +100,7 @@ def fold_additions(spec: KVMSpec, kbar: torch.Tensor, v: torch.Tensor, g: torch.
     v = v.to(dtype)
     if g is None:
         return kbar, v
-    w = _weights(spec, g.to(dtype), appended)
+    w = fold_weights(spec, g.to(dtype), appended)
     if initial:
         w = torch.cat([torch.ones_like(w[..., :1, :]), w[..., 1:, :]], dim=-2)
     return w[..., None] * kbar, w[..., None] * v

@@ -12,6 +12,7 @@ rows, ``r`` rotary channels. Every function is written for all heads at once; ``
 - :func:`state_budget`  ``M* = max(m, min(B(e), m + |Omega|))`` (section 4, "Merge", last paragraph).
 - :func:`route_overflow` the append / merge decisions of one overflow block (no gradient); :class:`FoldRouting`
   those of all the folds of a call, stacked.
+- :func:`fold_weights` eqs. (3, 4)'s weight of each overflow token on its row.
 - :func:`keep_from`     the window positions a state must keep.
 - :func:`accum_dtype`, :func:`layer_norm_s`, :func:`matmul_acc` the dtype the state is kept, normalised and routed
   in (fp32, float64 kept float64), and ``LN_s`` and the state's matmuls in it.
@@ -37,7 +38,7 @@ from mixerzoo.decisions import decision
 
 __all__ = ["KVMSpec", "KVMParams", "accum_dtype", "matmul_acc", "layer_norm_s", "memory_keys", "memory_queries",
            "joint_queries", "joint_keys", "merge_gate", "read_values", "state_budget", "Routing", "FoldRouting",
-           "route_overflow", "keep_from", "chunk_groups"]
+           "route_overflow", "fold_weights", "keep_from", "chunk_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +271,12 @@ class FoldRouting:
         """Folds ``f0 .. f1 - 1``."""
         return FoldRouting(self.target[:, :, f0:f1], self.appended[:, :, f0:f1],
                            None if self.probs is None else self.probs[f0:f1])
+
+
+def fold_weights(spec: KVMSpec, g: torch.Tensor, appended: torch.Tensor) -> torch.Tensor:
+    """Each overflow token's weight on its row (eqs. 3, 4): the gate ``g`` for merged tokens, 1 for appended ones
+    unless ``gate_appends`` (section 4, "Append"); ``g, appended (...)`` -> ``(...)``."""
+    return g if spec.gate_appends else torch.where(appended, torch.ones_like(g), g)
 
 
 @torch.no_grad()

@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .ops import (FoldRouting, KVMParams, KVMSpec, accum_dtype, joint_keys, joint_queries, keep_from, layer_norm_s,
-                  matmul_acc, memory_keys, read_values, route_overflow, state_budget)
+from .ops import (FoldRouting, KVMParams, KVMSpec, accum_dtype, fold_weights, joint_keys, joint_queries, keep_from,
+                  layer_norm_s, matmul_acc, memory_keys, read_values, route_overflow, state_budget)
 from .state import KVMState
 
 __all__ = ["kvm_step", "fold"]
@@ -93,8 +93,7 @@ def _scatter_fold(spec: KVMSpec, s_k, s_v, rho, count, kbar, v_o, g_o, target: t
     if g_o is None:
         x_k, x_v = kbar, v_o
     else:
-        g = g_o.to(dtype)
-        w = (g if spec.gate_appends else torch.where(appended, torch.ones_like(g), g))[..., None]
+        w = fold_weights(spec, g_o.to(dtype), appended)[..., None]
         x_k, x_v = w * kbar, w * v_o
     idx = (target + torch.arange(B * H, device=kbar.device).view(B, H, 1) * m_new).reshape(-1)
     n_new = m_new - s_k.shape[2]
