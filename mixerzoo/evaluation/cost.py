@@ -379,6 +379,7 @@ HOST_SYNC_OPS = frozenset({
 _NO_KERNEL = frozenset({
     "aten.empty", "aten.empty_strided", "aten.empty_like", "aten.detach", "aten.alias", "aten.lift_fresh",
     "aten.set_", "aten.resize_", "aten._reshape_alias", "aten.t", "aten.unsqueeze_", "aten.squeeze_",
+    "aten._unsafe_view",  # a view that autograd does not track (the reshape after a matmul): no copy
     "aten.as_strided_", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset",
     "aten.is_same_size", "aten._has_compatible_shallow_copy_type",
     "aten.promote_types", "aten.result_type",  # dtype arithmetic on the host
