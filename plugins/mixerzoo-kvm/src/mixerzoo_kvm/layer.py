@@ -244,11 +244,15 @@ class KVMAttention(Mixer):
                                          group_growth=TRITON_GROUP_GROWTH)
             elif form == "chunk":
                 o, new_state = kvm_chunk(self.spec, self.params, q, k, v, g, state)
-            else:  # a fold inside the decode step routes with the Triton kernel where the parallel form would
-                route = None
+            else:  # a fold inside the decode step: one kernel where the parallel form would take Triton's
+                route = fold_block = None
                 if use_triton(self.backend, x.device):
                     from .backends.triton import route_folds_triton as route
-                o, new_state = kvm_step(self.spec, self.params, q, k, v, g, state, route=route)
+                    from .backends.triton.decode import decode_fold, fuses
+
+                    if fuses(self.spec, self.params) and not records_grad((x, *self.parameters())):
+                        fold_block = decode_fold  # no backward: the differentiable fold when autograd records
+                o, new_state = kvm_step(self.spec, self.params, q, k, v, g, state, route=route, fold_block=fold_block)
             y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         new_state.shift = shift
         return y, new_state

@@ -108,14 +108,16 @@ def _scatter_fold(spec: KVMSpec, s_k, s_v, rho, count, kbar, v_o, g_o, target: t
 
 
 def kvm_step(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             g: torch.Tensor | None, state: KVMState, route: Callable[..., FoldRouting] | None = None
-             ) -> tuple[torch.Tensor, KVMState]:
+             g: torch.Tensor | None, state: KVMState, route: Callable[..., FoldRouting] | None = None,
+             fold_block: Callable[..., tuple] | None = None) -> tuple[torch.Tensor, KVMState]:
     """One decoding step (``T = 1``), with as few tensor operations as possible.
 
     A single query sees every state row and every window token, so no mask is needed; when the token starts
     a chunk, the chunk leaving the window is first folded with :func:`fold`.
     Same contract as :func:`mixerzoo_kvm.chunk.kvm_chunk` (``q (B, H_q, 1, D)``, ``k, v (B, H, 1, D)``,
-    ``g (B, H, 1)``); ``route``: a device backend's routing, passed to :func:`fold`.
+    ``g (B, H, 1)``); ``route``: a device backend's routing, passed to :func:`fold`; ``fold_block``: a device
+    backend's whole fold, called instead of :func:`fold` with its arguments but ``route`` (e.g.
+    :func:`mixerzoo_kvm.backends.triton.decode.decode_fold`, one kernel launch).
     """
     C, nb = spec.chunk_len, spec.n_bswa_chunks
     B, Hq, _, D = q.shape
@@ -129,8 +131,11 @@ def kvm_step(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor,
     c = p0 // C
     if p0 == c * C and c >= nb:  # this token starts chunk c: chunk c - nb leaves the window
         lo = (c - nb) * C - kpos0
-        s_k, s_v, rho, count = fold(spec, params, s_k, s_v, rho, count, K[:, :, lo:lo + C], V[:, :, lo:lo + C],
-                                  None if Gt is None else Gt[:, :, lo:lo + C], p0, route)
+        block = (K[:, :, lo:lo + C], V[:, :, lo:lo + C], None if Gt is None else Gt[:, :, lo:lo + C], p0)
+        if fold_block is not None:
+            s_k, s_v, rho, count = fold_block(spec, params, s_k, s_v, rho, count, *block)
+        else:
+            s_k, s_v, rho, count = fold(spec, params, s_k, s_v, rho, count, *block, route)
     w0 = max((c - nb + 1) * C, 0) - kpos0
     q = joint_queries(q, torch.tensor([p0], device=q.device), spec.unrotate)
     keys = joint_keys(layer_norm_s(params.ln_s, s_k) * params.tau_state[None, :, None, None],
