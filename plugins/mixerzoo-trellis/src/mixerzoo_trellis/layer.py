@@ -1,5 +1,5 @@
 """The Trellis mixer: projections, short convolution, the two-pass memory (``chunk`` for ``T > 1``, ``recurrent``
-for one decode token), output norm, gate, projection.
+for one decode token; their Triton forms in ``backends/triton`` on the GPU), output norm, gate, projection.
 
 Karami, Behrouz, Kacham, Mirrokni, "Trellis: Learning to Compress Key-Value Memory in Attention Models"
 (COLM 2025), section 3 and figure 1. The paper's copy lost its equations and there is no official code; the
@@ -109,7 +109,9 @@ class Trellis(Mixer):
         backend: the form of the memory recurrence for ``T > 1``: ``auto`` (default: the Triton kernels of
             ``backends/triton`` for CUDA tensors, the chunked form's loop over chunks otherwise), ``chunk`` (always
             the loop) or ``triton`` (always the kernels; on a CPU through Triton's interpreter, for tests at small
-            sizes). All give the same results; decoding (``T == 1``) is the same step for every backend.
+            sizes). All give the same results. Decoding (``T == 1``) follows the same rule: the one-kernel step of
+            ``backends/triton/decode.py`` (convolution, write norm, gates and both passes in one launch) where the
+            kernels are chosen and no gradient is wanted, ``recurrent.trellis_step`` otherwise; the same values.
 
     State: :class:`TrellisState` (two memories, their chunk-start copies, the convolution cache).
 
@@ -204,8 +206,10 @@ class Trellis(Mixer):
         before it: :meth:`memory_inputs`, the two-pass memory (decode step for ``T == 1``, chunked form otherwise),
         output path. Returns ``(y, mk, mk_grad, mv, mv_grad, conv_cache)``."""
         B, T, _ = x.shape
-        q, k, v, a, log_beta, gamma, conv_cache = self.memory_inputs(x, pos, conv_cache, mk.dtype)
         memory = TrellisMemory(mk, mk_grad, mv, mv_grad)
+        if T == 1 and self._decode_kernel(x, memory):
+            return self._decode_triton(x, pos, memory, conv_cache)
+        q, k, v, a, log_beta, gamma, conv_cache = self.memory_inputs(x, pos, conv_cache, mk.dtype)
         opts = dict(phi=self.phi, f=self.f, pos=pos, detach_inner_grad=self.detach_inner_grad)
         with torch.autocast(x.device.type, enabled=False):  # keep the memory in fp32 under bf16-mixed
             if T == 1:  # decode: one step of the same chunked recurrence
@@ -232,6 +236,44 @@ class Trellis(Mixer):
             return trellis_chunked_triton
         return trellis_chunked
 
+    def _decode_kernel(self, x: torch.Tensor, memory: TrellisMemory) -> bool:
+        """Whether a decode token runs the Triton step (``backends/triton/decode.py``): under the ``backend`` rule
+        of the chunked form, for a memory tile the kernels take, and only where no gradient is wanted (the kernel
+        has no backward; a step that trains runs :func:`~mixerzoo_trellis.recurrent.trellis_step`)."""
+        if not use_triton(self.backend, x.device):
+            return False
+        from .backends.triton.scan import fits  # imports triton: only where it is used
+
+        if not fits(self.num_slots, self.head_dim, memory.mk.dtype):
+            return False
+        return not (torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in memory)
+                                                 or any(p.requires_grad for p in self.parameters())))
+
+    def _decode_triton(self, x: torch.Tensor, pos: int, memory: TrellisMemory, conv_cache: torch.Tensor | None):
+        """One decode token ``x (B, 1, d_model)`` through the Triton step: the projections here, then one kernel for
+        the short convolution, write norm, gates and both passes of the memory, then :meth:`output`. Same values
+        as the PyTorch step. Returns ``(y, mk, mk_grad, mv, mv_grad, conv_cache)``."""
+        from .backends.triton.decode import triton_decode
+
+        q, k, v, a, b = self._projections(x, pos)
+        with torch.autocast(x.device.type, enabled=False):  # the memory in fp32 under bf16-mixed, as the step
+            o, memory, conv_cache = triton_decode(
+                q[:, :, 0], k[:, :, 0], v[:, :, 0], a[:, :, 0], None if b is None else b[:, 0], self.gamma_raw,
+                self.chunk_len, self.phi, self.f, memory, pos, gate_logits=True, gamma_raw=True,
+                write_norm=self.write_norm, conv_weight=None if self.conv is None else self.conv.conv.weight,
+                conv_cache=conv_cache)
+        return (self.output(o[:, :, None], x), *memory, conv_cache)
+
+    def _projections(self, x: torch.Tensor, pos: int):
+        """The layer's projections of ``x (B, T, d_model)`` at absolute position ``pos``, in their own dtype:
+        ``q, k (B, H, T, d_k)`` (before the short convolution), ``v (B, H, T, d_v)``, slot targets ``a (B, H, T,
+        m)`` and the forget gate's logits ``(B, T, H)`` (None without the forget gate)."""
+        B, T, _ = x.shape
+        positions = torch.arange(pos, pos + T, device=x.device)
+        q, k, v, _ = self.qkv(x, positions)  # (B, H, T, D)
+        a = self.a_proj(x).view(B, T, self.n_heads, self.num_slots).transpose(1, 2)
+        return q, k, v, a, (self.b_proj(x) if self.forget_gate else None)
+
     def memory_inputs(self, x: torch.Tensor, pos: int, conv_cache: torch.Tensor | None, work: torch.dtype):
         """What the memory reads and writes, from ``x (B, T, d_model)`` at absolute position ``pos``: projections,
         short convolution (continuing ``conv_cache``), write norm; in the memory's dtype ``work``.
@@ -243,14 +285,11 @@ class Trellis(Mixer):
             :func:`~mixerzoo_trellis.naive.trellis_naive`).
         """
         B, T, _ = x.shape
-        H, m = self.n_heads, self.num_slots
-        positions = torch.arange(pos, pos + T, device=x.device)
-        q, k, v, _ = self.qkv(x, positions)  # (B, H, T, D)
-        a = self.a_proj(x).view(B, T, H, m).transpose(1, 2)
-        if self.forget_gate:
-            log_beta = F.logsigmoid(self.b_proj(x).to(work)).transpose(1, 2)  # (B, H, T)
+        q, k, v, a, b = self._projections(x, pos)
+        if b is not None:
+            log_beta = F.logsigmoid(b.to(work)).transpose(1, 2)  # (B, H, T)
         else:
-            log_beta = x.new_zeros(B, H, T, dtype=work)
+            log_beta = x.new_zeros(B, self.n_heads, T, dtype=work)
         q, k, v, a = (t.to(work) for t in (q, k, v, a))
         with torch.autocast(x.device.type, enabled=False):
             q, k, conv_cache = self._short_conv(q, k, conv_cache)
