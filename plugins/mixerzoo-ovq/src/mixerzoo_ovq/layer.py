@@ -10,9 +10,9 @@ state-budget schedule (the plateau ``N t / (t + N)`` by default) up to ``max_siz
 Forms: :mod:`~mixerzoo_ovq.chunk` for a call of several tokens (training, prefill, continuation),
 :mod:`~mixerzoo_ovq.recurrent` for one token with a state (decode); both read eq. 15 with the CPU backend
 (:mod:`~mixerzoo_ovq.backends.cpu`) on CPU and ``scaled_dot_product_attention`` elsewhere. On CUDA tensors
-(``backend: auto``) a call of several tokens takes the Triton backend (:mod:`~mixerzoo_ovq.backends.triton`: every
-chunk's choices in one kernel, all reads in one batched attention) where the options keep the dictionary linear in
-the keys. The reference they are tested against is :mod:`~mixerzoo_ovq.naive`.
+(``backend: auto``) both take the Triton backend (:mod:`~mixerzoo_ovq.backends.triton`: every chunk's choices in one
+kernel, all reads in one batched attention; a decode step's read in one kernel and its chunk's merge in one more)
+where the options keep the dictionary linear in the keys. The reference they are tested against is :mod:`~mixerzoo_ovq.naive`.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ class OVQAttention(Mixer):
                 ) -> tuple[torch.Tensor, OVQState]:
         """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given: one token with a state takes
         the decode step (:func:`~mixerzoo_ovq.recurrent.recurrent_step`), anything else the chunked form
-        (:func:`~mixerzoo_ovq.chunk.chunk_forward`).
+        (:func:`~mixerzoo_ovq.chunk.chunk_forward`); each the Triton backend's where :meth:`_batched`.
 
         Raises:
             ValueError: a state whose buffered tokens do not match ``chunk_len``.
@@ -238,7 +238,12 @@ class OVQAttention(Mixer):
         if T == 1 and state is not None:
             q, k, v, _, shift = self.qkv.stream(x, st, shared)
             q, k = self.normalize_qk(q, k)
-            o, *carry = recurrent_step(spec, q, k, v, p0, *carry)
+            if self._batched(x.device):
+                from .backends import triton as triton_backend  # imports triton: only where the backend runs
+
+                o, *carry = triton_backend.recurrent_step(spec, q, k, v, p0, *carry)
+            else:
+                o, *carry = recurrent_step(spec, q, k, v, p0, *carry)
             return self._output(o), self._state(carry, p0 + T, shift)
         # training: segments of checkpoint_chunks chunks recomputed in backward, so autograd keeps one dictionary
         # per segment instead of one [dictionary ; chunk] key list, value list and bias per chunk (paper
@@ -285,7 +290,7 @@ class OVQAttention(Mixer):
         return chunk_forward(spec, q, k, v, memo, pos, *carry)
 
     def _batched(self, device: torch.device) -> bool:
-        """Whether a call of several tokens on ``device`` takes the Triton backend (``backend`` option)."""
+        """Whether a call on ``device`` takes the Triton backend (``backend`` option), several tokens or one."""
         return use_triton(self.backend, device) and ops.linear_in_keys(self.spec(device))
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
