@@ -114,9 +114,8 @@ def test_layer_triton_decode_equals_pytorch_step(options, prefill, steps):
     x = torch.randn(2, prefill + steps, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         s_fast = s_slow = None
-        if prefill:
-            _, s_fast = fast(x[:, :prefill])
-            _, s_slow = slow(x[:, :prefill])
+        if prefill:  # one prefill for both (the Triton prefill equals it: test_trellis_triton), not interpreted
+            s_fast = s_slow = slow(x[:, :prefill])[1]
         for t in range(prefill, x.shape[1]):
             out = {}
             counted = count_launches(lambda: out.setdefault("fast", fast(x[:, t:t + 1], s_fast)))
