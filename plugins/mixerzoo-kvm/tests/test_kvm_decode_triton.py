@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 from mixerzoo import decisions, kernels  # noqa: E402
 from mixerzoo.evaluation.cost import count_launches  # noqa: E402
 from mixerzoo.testing import decode_stepwise  # noqa: E402
+from mixerzoo.testing.cuda_autocast import emulate_cuda_autocast  # noqa: E402
 from mixerzoo_kvm import KVMAttention  # noqa: E402
 from mixerzoo_kvm.backends.triton import route_folds_triton  # noqa: E402
 from mixerzoo_kvm.backends.triton.decode import _decode_fold_op, decode_fold, fuses  # noqa: E402
@@ -149,6 +150,23 @@ def test_fast_decode_float64():
     assert s_fast.s_k.dtype == torch.float64
     torch.testing.assert_close(y_fast, y_today, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(s_fast.s_v, s_today.s_v, atol=1e-12, rtol=1e-10)
+
+
+def test_fast_decode_bf16_weights_and_cuda_autocast():
+    """With bf16 weights, and under CUDA's autocast rules (emulated), the kernel reads bf16 keys, values and gates into
+    fp32 sums: the state stays fp32, outputs are bf16 and equal today's decode to bf16 rounding."""
+    x = torch.randn(2, 60, D_MODEL, generator=torch.Generator().manual_seed(7))
+    for weights in (torch.bfloat16, torch.float32):
+        outs = []
+        for backend in ("triton", "chunk"):
+            layer = _make(backend, schedule=GROW, sink_len=2).to(weights).eval()
+            with emulate_cuda_autocast(), torch.no_grad():
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=weights == torch.float32):
+                    y, state = decode_stepwise(layer, x.to(weights), 20)
+            assert y.dtype == torch.bfloat16 and state.s_k.dtype == torch.float32
+            outs.append((y.float(), state.s_v))
+        torch.testing.assert_close(outs[0][0], outs[1][0], atol=4e-3, rtol=2e-2)
+        torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.parametrize("schedule", [FIXED, GROW], ids=["fixed", "power_law"])

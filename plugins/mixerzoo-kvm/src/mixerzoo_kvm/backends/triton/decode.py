@@ -31,7 +31,7 @@ def _decode_fold_op(s_k: torch.Tensor, s_v: torch.Tensor, rho: torch.Tensor, cou
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The state ``(s_k, s_v (B, H, m', D), rho, count (B, H, m'))`` after folding keys ``k``, values ``v``
     ``(B, H, C, D)`` and gates ``g (B, H, C)`` or None into ``s_k, s_v (B, H, m, D)``, ``rho, count (B, H, m)``
-    (contiguous, in the sums' dtype, as ``ln_w, ln_b (D,)``); ``count`` None gives an empty count ``(B, H, 0)``."""
+    (contiguous; every floating input in the sums' dtype); ``count`` None gives an empty count ``(B, H, 0)``."""
     B, H, C, D = k.shape
     m = s_k.shape[2]
     out_k = s_k.new_empty(B, H, m_new, D)
@@ -94,9 +94,12 @@ def decode_fold(spec: KVMSpec, params: KVMParams, s_k: torch.Tensor, s_v: torch.
     ln = params.ln_s
     w = ln.weight if ln.weight is not None else torch.ones(D, device=k_o.device)
     b = ln.bias if ln.bias is not None else torch.zeros(D, device=k_o.device)
-    # the state in the sums' dtype (no-ops on the state a step leaves); the block is cast as the kernel reads it
+    # every floating input in the sums' dtype, as a CUDA kernel would need them (no-ops on the state a step leaves
+    # and on fp32 blocks; a bf16 block, under autocast or with bf16 weights, is cast here: one launch per tensor)
     s_k, s_v, rho = (t.to(dtype).contiguous() for t in (s_k, s_v, rho))
     count = None if count is None else count.to(dtype).contiguous()
+    k_o, v_o = k_o.to(dtype), v_o.to(dtype)
+    g_o = None if g_o is None else g_o.to(dtype)
     out = _decode_fold_op(s_k, s_v, rho, count, k_o, v_o, g_o, m_new, w.detach().to(dtype), b.detach().to(dtype),
                           float(ln.eps), spec.rotary_dim, spec.n_protected, spec.gate_appends)
     return out[0], out[1], out[2], None if count is None else out[3]

@@ -60,7 +60,7 @@ def decode_fold_kernel(s_k_ptr, s_v_ptr, rho_ptr, cnt_ptr,
     (eq. 2, read only with ``HAS_GATE``); ``w, b (D,)`` ``LN_s``'s weight and bias. Workspaces (contiguous, any
     content): ``kb (BH, C, D)`` the memory keys, ``tgt (BH, C)`` int64, ``app (BH, C)`` int8. Outputs
     (contiguous, any content): ``out_k, out_v (BH, m', D)``, ``out_rho, out_count (BH, m')``; all in the sums'
-    dtype but the block's ``k, v, g`` (cast as read).
+    dtype.
     """
     pid = tl.program_id(0)
     bi = pid // H
@@ -75,12 +75,10 @@ def decode_fold_kernel(s_k_ptr, s_v_ptr, rho_ptr, cnt_ptr,
     w = tl.load(w_ptr + dd, mask=col_ok, other=0.0)
     b = tl.load(b_ptr + dd, mask=col_ok, other=0.0)
     n_app = m_new - m
-    # 1. memory keys (eq. 1) and values of the block, in the sums' dtype
+    # 1. memory keys of the block (eq. 1), in the sums' dtype
     k = tl.load(k_ptr + bi * k_sb + hi * k_sh + cc[:, None] * k_sc + dd[None, :] * k_sd, mask=tile_ok,
                 other=0.0).to(dtype)
     kb = _ln_rows(tl.where(dd[None, :] < rotary_dim, 0.0, k), col_ok, w, b, D, ln_eps)
-    v = tl.load(v_ptr + bi * v_sb + hi * v_sh + cc[:, None] * v_sc + dd[None, :] * v_sd, mask=tile_ok,
-                other=0.0).to(dtype)
     if HAS_GATE:
         g = tl.load(g_ptr + bi * g_sb + hi * g_sh + cc * g_sc, mask=tok_ok, other=1.0).to(dtype)
     else:
@@ -164,6 +162,9 @@ def decode_fold_kernel(s_k_ptr, s_v_ptr, rho_ptr, cnt_ptr,
     else:
         wt = tl.full((BLOCK_C,), 1.0, dtype)
     tl.atomic_add(ok_base + target[:, None] * D + dd[None, :], kb * wt[:, None], mask=tile_ok)
+    # the values only now (a (C, D) tile less held through the routing)
+    v = tl.load(v_ptr + bi * v_sb + hi * v_sh + cc[:, None] * v_sc + dd[None, :] * v_sd, mask=tile_ok,
+                other=0.0).to(dtype)
     tl.atomic_add(ov_base + target[:, None] * D + dd[None, :], v * wt[:, None], mask=tile_ok)
     radius = tl.sqrt(tl.reduce(v * v, 1, _SUM))
     tl.store(out_rho_ptr + base * m_new + own_row, radius, mask=appended)
