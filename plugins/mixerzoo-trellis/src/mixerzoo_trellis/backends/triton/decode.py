@@ -72,7 +72,7 @@ def _activate(s, mask, n, ACT: tl.constexpr):
 
 
 @jit
-def _convolve(X, CW, CACHE, CACHE_OUT, x, chan, cmask, rk, row_b, NCH, KS, HAS_CACHE: tl.constexpr):
+def _convolve(CW, CACHE, CACHE_OUT, x, chan, cmask, rk, row_b, NCH, KS, HAS_CACHE: tl.constexpr):
     """One token of the causal depthwise convolution on the channels ``chan`` of batch row ``row_b``: ``y = sum_i
     w_i x_{t-K+1+i}`` with the last ``KS = K - 1`` inputs from ``CACHE (B, KS, NCH)`` (zeros without one); writes
     the shifted cache (its last row the current input) to ``CACHE_OUT``."""
@@ -112,8 +112,8 @@ def _decode_kernel(Q, K, V, A, GATE, GAMMA, CW, CACHE, MK, MKG, MV, MVG, Y, MK_O
     a = tl.load(A + pid * M + rm, mask=mm, other=0.0).to(dt)
     if CONV:  # channels: every head's q, then every head's k (the layer's ShortConv over cat([q, k]))
         taps = tl.arange(0, BK)
-        q = _convolve(Q, CW, CACHE, CACHE_OUT, q, h * DK + rk_, mk_, taps, b, 2 * H * DK, KS, HAS_CACHE)
-        k = _convolve(K, CW, CACHE, CACHE_OUT, k, (H + h) * DK + rk_, mk_, taps, b, 2 * H * DK, KS, HAS_CACHE)
+        q = _convolve(CW, CACHE, CACHE_OUT, q, h * DK + rk_, mk_, taps, b, 2 * H * DK, KS, HAS_CACHE)
+        k = _convolve(CW, CACHE, CACHE_OUT, k, (H + h) * DK + rk_, mk_, taps, b, 2 * H * DK, KS, HAS_CACHE)
     if WRITE_NORM:
         k = k / tl.maximum(tl.sqrt(tl.sum(k * k, axis=0)), 1e-6)
         v = v / tl.maximum(tl.sqrt(tl.sum(v * v, axis=0)), 1e-6)
