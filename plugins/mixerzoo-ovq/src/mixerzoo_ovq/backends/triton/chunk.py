@@ -81,40 +81,50 @@ def _whole_chunks(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     C, G, n0, acc = T // L, H // Hkv, dk.shape[2], dk.dtype
     kk, vv = k.reshape(B, Hkv, C, L, D), v.reshape(B, Hkv, C, L, D)
     assign, N = _assignments(spec, kk, dk, counts, first_chunk, memo)
-    # counts of each (chunk, row) cell, then the counts every chunk reads (exclusive cumulative sum over chunks)
+    # counts of each (chunk, row) cell; cell c of ``cum`` the counts chunk c reads (the entering counts plus the
+    # earlier chunks'), cell C the counts after the last chunk
     cell = counts.new_zeros(B, Hkv, C, N).scatter_add_(-1, assign, counts.new_ones(()).expand(B, Hkv, C, L))
     c0 = F.pad(counts, (0, N - n0))[:, :, None]
-    after = c0 + cell.cumsum(2)                                                           # (B, H_kv, C, N)
-    seen = torch.cat([c0, after[:, :, :-1]], dim=2)
+    cum = torch.cat([c0, c0 + cell.cumsum(2)], dim=2)                                     # (B, H_kv, C + 1, N)
     index = assign[..., None].expand(B, Hkv, C, L, D)
+    dt = q.dtype
+
+    def joined(snap: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``[snapshot_c ; chunk c]`` for every chunk, ``(B H_kv, C, N + L, D)`` in the compute dtype, written into
+        one tensor (no concatenation of a separate cast copy)."""
+        out = x.new_empty(B, Hkv, C, N + L, D, dtype=dt)
+        out[:, :, :, :N] = snap
+        out[:, :, :, N:] = x
+        return out.view(B * Hkv, C, N + L, D)
 
     def snapshots(d0: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every chunk's dictionary ``(B, H_kv, C, N, D)`` and the one after the last chunk ``(B, H_kv, N, D)``: the
-        running means, sums over the rows' keys divided by their counts (0 for a row no key reached yet)."""
-        sums = torch.zeros(B, Hkv, C, N, D, dtype=acc, device=x.device).scatter_add(3, index, x.to(acc))
-        s0 = F.pad(d0 * counts[..., None], (0, 0, 0, N - n0))[:, :, None]
-        total = s0 + sums.cumsum(2)
-        before = torch.cat([s0, total[:, :, :-1]], dim=2)
-        return before / seen.clamp(min=1)[..., None], total[:, :, -1] / after[:, :, -1].clamp(min=1)[..., None]
+        """Every chunk's ``[dictionary ; chunk]`` (:func:`joined`) and the dictionary after the last chunk
+        ``(B, H_kv, N, D)``: the running means, sums over the rows' keys divided by their counts (0 for a row no
+        key reached yet). Cell 0 of the sums holds the entering dictionary's, cell ``c + 1`` chunk ``c``'s keys;
+        their cumulative sum over the cells, taken in place, is every chunk's entering sums and the sums after the
+        last: one ``(C + 1) N D`` tensor in the dictionary's dtype at a time, freed once copied."""
+        sums = torch.zeros(B, Hkv, C + 1, N, D, dtype=acc, device=x.device)
+        sums[:, :, 1:].scatter_add_(3, index, x.to(acc))
+        sums[:, :, 0, :n0] = d0 * counts[..., None]
+        sums = sums.cumsum_(2).div_(cum.clamp(min=1)[..., None])
+        return joined(sums[:, :, :C], x), sums[:, :, C].clone()
 
     if spec.static_codebook:  # the codebook is every chunk's key dictionary; only the value means move
-        snap_k, dk_out = dk[:, :, None].expand(B, Hkv, C, N, D), dk
+        keys, dk_out = joined(dk[:, :, None], kk), dk
     else:
-        snap_k, dk_out = snapshots(dk, kk)
-    snap_v, dv_out = snapshots(dv, vv)
-    # eq. 15 for all chunks at once: the G query heads of a kv head stacked along the query axis
-    dt = q.dtype
-    keys = torch.cat([snap_k.to(dt), kk.to(dt)], dim=3).view(B * Hkv, C, N + L, D)
-    values = torch.cat([snap_v.to(dt), vv.to(dt)], dim=3).view(B * Hkv, C, N + L, D)
+        keys, dk_out = snapshots(dk, kk)
+    values, dv_out = snapshots(dv, vv)
+    # eq. 15 for all chunks at once: the G query heads of a kv head stacked along the query axis; one additive mask,
+    # the log-count prior over the dictionary rows and the causal mask over the chunk's keys
     qq = q.view(B, Hkv, G, C, L, D).transpose(2, 3).reshape(B * Hkv, C, G * L, D)
     i = torch.arange(L, device=q.device).repeat(G)[:, None]
-    causal = torch.zeros(G * L, L, dtype=dt, device=q.device).masked_fill(torch.arange(L, device=q.device) > i,
-                                                                           float("-inf"))
-    prior = seen.log().to(dt)[:, :, :, None, :].expand(B, Hkv, C, G * L, N).reshape(B * Hkv, C, G * L, N)
-    mask = torch.cat([prior, causal.expand(B * Hkv, C, G * L, L)], dim=-1)
+    mask = torch.empty(B * Hkv, C, G * L, N + L, dtype=dt, device=q.device)
+    mask[..., :N] = cum[:, :, :C].log().view(B * Hkv, C, 1, N)
+    mask[..., N:] = torch.zeros(G * L, L, dtype=dt, device=q.device).masked_fill(
+        torch.arange(L, device=q.device) > i, float("-inf"))
     o = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=1.0)
     o = o.view(B, Hkv, C, G, L, D).transpose(2, 3).reshape(B, H, T, D)
-    return o, dk_out, dv_out, after[:, :, -1]
+    return o, dk_out, dv_out, cum[:, :, C]
 
 
 def chunk_forward(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, memo: dict | None, pos: int,
