@@ -1,8 +1,9 @@
 """Every bundled plugin's Triton kernels (and the core's RoPE kernel) compile for an H100 (sm_90) at the GPU
 benchmark's sizes and fit its shared memory, checked without a GPU: Triton compiles to a cubin with its bundled
-ptxas on any machine. What this does not check (a GPU run does: ``benchmarks/gpu_suite.py``'s kernels step): that the compiled kernels compute the
-right values, and how fast. Runs in a subprocess, because a plugin's kernels are defined once per process, and
-on a machine without a GPU :mod:`mixerzoo.kernels` defines them for Triton's interpreter."""
+ptxas on any machine. What this does not check (a GPU run does: ``benchmarks/gpu_suite.py``'s kernels step): that
+the compiled kernels compute the right values, and how fast. Runs in a subprocess, because a plugin's kernels are
+defined once per process, and on a machine without a GPU :mod:`mixerzoo.kernels` defines them for Triton's
+interpreter."""
 
 import json
 import subprocess
