@@ -40,10 +40,12 @@ from .state import OVQState, state_log_counts
 __all__ = ["OVQState", "OVQAttention"]
 
 N_CARRY = 6  # what the chunk loop carries: dk, dv, counts, log_counts, buf_k, buf_v (OVQAttention._carry)
-# chunks per recomputed segment on the Triton backend at least: its launches are per segment, not per chunk, and a
-# segment keeps every chunk's dictionary snapshot while it runs (64 chunks of 2048 rows x 128 dims, 2 kv heads:
-# 134 MB for the keys and as much for the values)
-TRITON_SEGMENT_CHUNKS = 64
+# chunks per recomputed segment on the Triton backend at least: its launches are per segment (about 140 for a
+# training step's forward, recomputation and backward), not per chunk, and its backward holds every chunk's
+# [dictionary ; chunk] keys and values, their gradients and the mask at once (each 32 chunks x 2176 rows x 128 dims x
+# 2 kv heads in float32: 71 MB). 32: a 32k training step (d_model 256, 2 x 128) in about 1,200 launches and within
+# full attention's live memory; 64 took half the launches and twice the memory, 16 would take about 2,300 launches
+TRITON_SEGMENT_CHUNKS = 32
 BACKENDS = ("auto", "chunk", "triton")
 
 

@@ -31,9 +31,11 @@ from .decide import decide
 
 __all__ = ["chunk_forward", "GROUP_CHUNKS"]
 
-# whole chunks batched into one kernel launch and one attention call at most: a group holds every chunk's dictionary
-# snapshot (keys and values, float32: 64 chunks x 2048 rows x 128 dims x 2 kv heads = 134 MB each) while it runs
-GROUP_CHUNKS = 64
+# whole chunks batched into one kernel launch and one attention call at most: a group holds every chunk's
+# [dictionary ; chunk] keys and values in the compute dtype and the mask while it runs (float32: 32 chunks x 2176 rows
+# x 128 dims x 2 kv heads = 71 MB each), and its backward as much again for their gradients; as many chunks as a
+# recomputed segment of the layer (mixerzoo_ovq.layer.TRITON_SEGMENT_CHUNKS), so that a segment is one group
+GROUP_CHUNKS = 32
 
 
 def _plan(spec: ops.Spec, first_chunk: int, n_chunks: int, n0: int) -> tuple[list[int], int]:
@@ -92,7 +94,7 @@ def _whole_chunks(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     def joined(snap: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``[snapshot_c ; chunk c]`` for every chunk, ``(B H_kv, C, N + L, D)`` in the compute dtype, written into
         one tensor (no concatenation of a separate cast copy)."""
-        out = x.new_empty(B, Hkv, C, N + L, D, dtype=dt)
+        out = torch.empty(B, Hkv, C, N + L, D, dtype=dt, device=x.device)
         out[:, :, :, :N] = snap
         out[:, :, :, N:] = x
         return out.view(B * Hkv, C, N + L, D)
