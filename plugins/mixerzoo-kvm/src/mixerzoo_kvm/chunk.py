@@ -28,6 +28,7 @@ key lists. The routing is decided once, outside the recomputed groups.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -41,8 +42,8 @@ from .ops import (FoldRouting, KVMParams, KVMSpec, Routing, accum_dtype, chunk_g
                   state_budget)
 from .state import KVMState
 
-__all__ = ["kvm_chunk", "route_folds", "fold_additions", "snapshots", "radii", "memory_rows", "window_blocks",
-           "attend"]
+__all__ = ["kvm_chunk", "route_folds", "fold_additions", "snapshots", "final_state", "radii", "memory_rows",
+           "window_blocks", "attend"]
 
 
 @torch.no_grad()
@@ -106,27 +107,46 @@ def fold_additions(spec: KVMSpec, kbar: torch.Tensor, v: torch.Tensor, g: torch.
     return w[..., None] * kbar, w[..., None] * v
 
 
-def snapshots(s0: torch.Tensor, x: torch.Tensor, routing: FoldRouting, grown: list[int], R: int
-              ) -> torch.Tensor:
-    """The state after each of ``F`` folds, ``(B, H, F + 1, R, D)``: snapshot 0 is ``s0 (B, H, m, D)`` and
-    snapshot ``f + 1`` adds fold ``f``'s additions ``x[:, :, f] (B, H, C, D)`` to their rows (section 4,
+def snapshots(s0: torch.Tensor, x: torch.Tensor, routing: FoldRouting, grown: list[int], R: int,
+              with_first: bool = True) -> torch.Tensor:
+    """The state after each of ``F`` folds, ``(..., B, H, F + 1, R, D)``: snapshot 0 is ``s0 (..., B, H, m, D)`` and
+    snapshot ``f + 1`` adds fold ``f``'s additions ``x[..., f, :, :] (..., B, H, C, D)`` to their rows (section 4,
     "Merge": ``s_new,i = s_+,i + sum_{j: pi(j) = i} x_j``; an appended token's row starts empty, so it holds the
     token itself). All folds are scattered in one ``index_add`` (or, for soft routing, one batched matmul of the
     routing weights) and summed over folds with one ``cumsum``; rows past a snapshot's size are zero.
-    ``grown[f]``: the state's rows after fold ``f`` (``R`` the largest)."""
-    B, H, n_folds, C, D = x.shape
-    s0 = F.pad(s0.to(x.dtype), (0, 0, 0, R - s0.shape[2]))
+    ``grown[f]``: the state's rows after fold ``f`` (``R`` the largest); the routing ``(B, H, F, C)`` serves every
+    leading index (the key sums and the value sums stacked: one scatter for both). ``with_first`` False
+    (``F >= 1``): only snapshots ``1 .. F``, ``(..., B, H, F, R, D)``, made in the one buffer of the scatter (running
+    sum and ``s0`` added in place: neither backward reads a value), so a group holds one snapshot-sized tensor,
+    not three."""
+    *lead, B, H, n_folds, C, D = x.shape
+    s0 = F.pad(s0.to(x.dtype), (0, 0, 0, R - s0.shape[-2])).unsqueeze(-3)
     if n_folds == 0:
-        return s0[:, :, None]
+        return s0
     if routing.probs is None:  # winner-take-all: each token adds to one row
-        base = torch.arange(B * H * n_folds, device=x.device).view(B, H, n_folds, 1) * R
-        added = x.new_zeros(B * H * n_folds * R, D).index_add(0, (routing.target + base).reshape(-1),
-                                                               x.reshape(-1, D))
-        added = added.view(B, H, n_folds, R, D)
+        P = math.prod(x.shape[:-2])  # (..., B, H, F) slots of R rows
+        base = torch.arange(P, device=x.device).view(*lead, B, H, n_folds, 1) * R
+        added = x.new_zeros(P * R, D).index_add(0, (routing.target + base).reshape(-1), x.reshape(-1, D))
+        added = added.view(*lead, B, H, n_folds, R, D)
     else:
         w = torch.stack([F.pad(p.to(x.dtype), (0, R - m)) for p, m in zip(routing.probs, grown)], dim=2)
-        added = matmul_acc(w.transpose(-1, -2), x)  # soft routing (an ablation): (B, H, F, R, D)
-    return torch.cat([s0[:, :, None], s0[:, :, None] + added.cumsum(dim=2)], dim=2)
+        added = matmul_acc(w.transpose(-1, -2), x)  # soft routing (an ablation): (..., B, H, F, R, D)
+    if not with_first:
+        return added.cumsum_(dim=-3).add_(s0)
+    return torch.cat([s0, s0 + added.cumsum(dim=-3)], dim=-3)
+
+
+def final_state(s0: torch.Tensor, x: torch.Tensor, routing: FoldRouting, R: int) -> torch.Tensor:
+    """The state after all ``F`` folds, ``(..., B, H, R, D)``: :func:`snapshots`' last, made from
+    ``s0 (..., B, H, m, D)`` and the additions ``x (..., B, H, F, C, D)`` directly (one ``index_add`` of every fold
+    into the ``R`` rows), so that its gradient is ``R`` rows, not a snapshot-sized tensor holding one snapshot's."""
+    *lead, B, H, n_folds, C, D = x.shape
+    s0 = F.pad(s0.to(x.dtype), (0, 0, 0, R - s0.shape[-2]))
+    if routing.probs is not None:  # soft routing (an ablation): each fold's weighted sum
+        return s0 + sum(matmul_acc(F.pad(p.to(x.dtype), (0, R - p.shape[-1])).transpose(-1, -2), x[..., f, :, :])
+                        for f, p in enumerate(routing.probs))
+    base = torch.arange(math.prod(s0.shape[:-2]), device=x.device).view(*lead, B, H, 1, 1) * R
+    return s0.reshape(-1, D).index_add(0, (routing.target + base).reshape(-1), x.reshape(-1, D)).view(s0.shape)
 
 
 def radii(rho: torch.Tensor, v: torch.Tensor, routing: FoldRouting, R: int) -> torch.Tensor:
@@ -154,13 +174,42 @@ def memory_rows(spec: KVMSpec, params: KVMParams, snap_k: torch.Tensor, snap_v: 
     return keys, values
 
 
-def window_blocks(grid: torch.Tensor, n: int, nb: int) -> torch.Tensor:
-    """The block sliding window of each of ``n`` query chunks, ``(B, H, n, nb C, D)``, from a chunk-aligned grid
-    ``(B, H, (n + nb - 1) C, D)`` whose chunk ``j + nb - 1`` is query chunk ``j``: the previous ``nb - 1`` chunks
-    and the chunk itself (section 4, "Preliminaries": ``[b, e)`` with ``b = e - L``)."""
+def window_blocks(grid: torch.Tensor, n: int, nb: int) -> list[torch.Tensor]:
+    """The block sliding window of each of ``n`` query chunks as ``nb`` views ``(B, H, n, C, D)`` of a chunk-aligned
+    grid ``(B, H, (n + nb - 1) C, D)`` whose chunk ``j + nb - 1`` is query chunk ``j``: view ``i`` holds grid chunk
+    ``j + i`` for query chunk ``j``, so the views in order are the previous ``nb - 1`` chunks and the chunk itself
+    (section 4, "Preliminaries": ``[b, e)`` with ``b = e - L``). Concatenated along their third axis they are the
+    windows ``(B, H, n, nb C, D)``; left as views, the one copy is the concatenation with the memory rows."""
     B, H, _, D = grid.shape
     blocks = grid.view(B, H, n + nb - 1, -1, D)
-    return torch.cat([blocks[:, :, i:i + n] for i in range(nb)], dim=3) if nb > 1 else blocks
+    return [blocks[:, :, i:i + n] for i in range(nb)]
+
+
+def _first_tokens(pieces: tuple[torch.Tensor, ...], n: int) -> list[torch.Tensor]:
+    """The first ``n`` positions (axis 2) of the concatenation of ``pieces``, as views of the pieces."""
+    out = []
+    for p in pieces:
+        if n <= 0:
+            break
+        out.append(p[:, :, :n])
+        n -= out[-1].shape[2]
+    return out
+
+
+def _within_rows(groups: list[tuple[int, int]], rows: list[int], max_rows: int, window: int
+                 ) -> list[tuple[int, int]]:
+    """``groups`` of query chunks cut further so that a group of ``n`` chunks reading ``R`` state rows (its largest)
+    has ``n (R + window) <= max_rows`` (at least one chunk a group): the keys and values one attention call of the
+    group reads, and so every snapshot-sized tensor the group makes, stay within ``max_rows`` rows per head."""
+    out = []
+    for a, b in groups:
+        while a < b:
+            e = a + 1
+            while e < b and (e + 1 - a) * (rows[e] + window) <= max_rows:
+                e += 1
+            out.append((a, e))
+            a = e
+    return out
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
@@ -208,7 +257,8 @@ def _on_grid(t: torch.Tensor, start: int, lo: int, hi: int) -> torch.Tensor:
 
 def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               g: torch.Tensor | None, state: KVMState, route: Callable[..., FoldRouting] | None = None,
-              group_chunks: int | None = None, group_growth: float = 1.25) -> tuple[torch.Tensor, KVMState]:
+              group_chunks: int | None = None, group_growth: float = 1.25, group_rows: int | None = None,
+              max_groups: int | None = None) -> tuple[torch.Tensor, KVMState]:
     """KVM attention over ``T >= 1`` new tokens continuing ``state`` (section 4 with appendix A's single masked
     attention).
 
@@ -224,6 +274,13 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
             fewer states, but hold more snapshots at once.
         group_growth: a group ends where the state has grown past this factor of its first chunk's rows
             (:func:`~mixerzoo_kvm.ops.chunk_groups`): larger, fewer groups but more padding rows read.
+        group_rows: in training, query chunks are instead grouped by the key rows their attention reads: a group
+            of ``n`` chunks whose largest state has ``R`` rows holds ``n (R + L) <= group_rows`` (``L`` the window;
+            at least one chunk), so every snapshot-sized tensor of its recomputation and backward stays within
+            that many rows per head however large the state grows (``power_law`` budgets); ``group_chunks`` and
+            ``group_growth`` are then not used. None: groups by ``group_chunks`` and ``group_growth``.
+        max_groups: with ``group_rows``, the row bound is raised where needed so that the call's rows fit in
+            about this many groups (a training step's launches grow with its groups).
 
     Returns:
         ``o (B, H_q, T, D)`` (before the output projection) and the new state (``shift`` left to the caller).
@@ -281,67 +338,110 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
     q_all = joint_queries(q, torch.arange(p0, p1, device=dev), spec.unrotate)
     E = q_all.shape[-1]
     q_grid = _on_grid(q_all, p0, cq0 * C, ge)  # (B, H_q, n_q C, E)
+    # the masks' parts made once for all query chunks (no gradient, bytes per chunk: C L and R): the window's
+    # causal band and each chunk's valid state rows
     q_pos = torch.arange(cq0 * C, ge, device=dev).view(n_q, C)
     k_pos = torch.arange(gs + C, ge, device=dev).unfold(0, nb * C, C)  # (n_q, L)
     win_visible = ((k_pos[:, None, :] <= q_pos[:, :, None]) & ((k_pos >= max(kpos0, 0)) & (k_pos < p1))[:, None])
-    tau_w = params.tau_bswa[None, :, None, None, None]
+    mem_visible = torch.arange(sizes[-1], device=dev)[None, :] < torch.tensor(rows, device=dev)[:, None]
+    tau_w = params.tau_bswa[None, :, None, None]
     pre_rope = spec.unrotate is not None
+    g_fold = cf0 - cq0  # grid chunk of fold 0: fold f is grid chunk g_fold + f, the block query chunk g_fold + f folds
 
-    def group(a: int, b: int, q_g, wk, wv, fk, fv, fg, s_k, s_v, rho):
+    def group(a: int, b: int, q_g, kv_k, kv_v, halo_k, halo_v, fg, s_kv, rho):
         """Query chunks ``a .. b-1``: their snapshots from the state entering them and their folds, then one
-        attention call. Returns their reads ``(B, H_q, (b - a) C, D)`` and the state after their folds."""
+        attention call. ``kv_k, kv_v``: grid chunks ``a .. b-1`` (the blocks these chunks fold, and their windows'
+        start), ``halo_k, halo_v``: lists of pieces holding grid chunks ``b .. b + nb - 1`` (their windows' end).
+        ``s_kv (2, B, H, m, D)``: the key and value sums entering them. Returns their reads ``(B, H_q, (b - a) C, D)``
+        and the state after their folds (``s_kv``, radii)."""
         n, f0, f1 = b - a, reads[a - 1] if a else 0, reads[b - 1]  # the group's folds: f0 .. f1 - 1
         nf, R = f1 - f0, rows[b - 1]
         fold_r = routing.folds(f0, f1)
+        fs = slice((g_fold + f0 - a) * C, (g_fold + f1 - a) * C)  # the folded blocks, grid chunks g_fold + f0 ..
+        fk, fv = kv_k[:, :, fs], kv_v[:, :, fs]
         if nf:
             kb = memory_keys(fk, spec.rotary_dim, params.ln_s, fold_pos[f0 * C:f1 * C], spec.unrotate)
             x_k, x_v = fold_additions(spec, kb.view(B, H, nf, C, D), fv.view(B, H, nf, C, D),
                                       None if fg is None else fg.view(B, H, nf, C), fold_r.appended, sizes[f0] == 0)
+            x_kv = torch.stack([x_k, x_v])  # key and value sums scattered together: (2, B, H, nf, C, D)
         else:
-            x_k = x_v = s_k.new_zeros(B, H, 0, C, D)
+            x_kv = s_kv.new_zeros(2, B, H, 0, C, D)
         grown = sizes[f0 + 1:f1 + 1]
-        snap_k, snap_v = snapshots(s_k, x_k, fold_r, grown, R), snapshots(s_v, x_v, fold_r, grown, R)
-        rho = rho.to(x_v.dtype)
-        rho = radii(rho, fv.view(B, H, nf, C, D).to(x_v.dtype), fold_r, R) if nf else rho
-        idx = torch.tensor([reads[j] - f0 for j in range(a, b)], device=dev)
-        cnt = None if count_all is None else count_all[:, :, f0 + idx, :R]
-        mem_k, mem_v = memory_rows(spec, params, snap_k.index_select(2, idx), snap_v.index_select(2, idx), rho,
-                                   cnt)
-        win_k = window_blocks(wk, n, nb) * tau_w.to(wk.dtype)
-        keys = joint_keys(mem_k.to(q_g.dtype), [win_k.to(q_g.dtype)], pre_rope, dim=3)
-        values = torch.cat([mem_v.to(q_g.dtype), window_blocks(wv, n, nb).to(q_g.dtype)], dim=3)
+        sel = [reads[j] - f0 for j in range(a, b)]  # the snapshot each chunk reads
+        idx = None
+        if nf and sel == list(range(sel[0], sel[0] + n)) and sel[0] >= 1:
+            # each chunk reads the state after its own fold (every group but the sequence's first): the reads
+            # are consecutive snapshots, taken as a view, with no gathered copy and no snapshot 0
+            snaps = snapshots(s_kv, x_kv, fold_r, grown, R, with_first=False)[:, :, :, sel[0] - 1:sel[-1]]
+        else:
+            idx = torch.tensor(sel, device=dev)
+            snaps = snapshots(s_kv, x_kv, fold_r, grown, R).index_select(3, idx)
+        snap_k, snap_v = snaps[0], snaps[1]
+        del snaps
+        rho_in = rho.to(x_kv.dtype)
+        rho = radii(rho_in, fv.view(B, H, nf, C, D).to(x_kv.dtype), fold_r, R) if nf else rho_in
+        if count_all is None:
+            cnt = None
+        else:
+            cnt = count_all[:, :, f0 + (torch.tensor(sel, device=dev) if idx is None else idx), :R]
+        mem_k, mem_v = memory_rows(spec, params, snap_k, snap_v, rho, cnt)
+        del snap_k, snap_v
+        # the window keys scaled once on the grid, then each chunk's nb blocks as shifted views: the one copy of a
+        # window is the concatenation with the memory rows that the attention reads
+        wk = torch.cat([kv_k[:, :, C:], *halo_k], dim=2) * tau_w.to(kv_k.dtype)
+        wv = torch.cat([kv_v[:, :, C:], *halo_v], dim=2)
+        keys = joint_keys(mem_k.to(q_g.dtype), [w.to(q_g.dtype) for w in window_blocks(wk, n, nb)], pre_rope, dim=3)
+        values = torch.cat([mem_v.to(q_g.dtype), *(w.to(q_g.dtype) for w in window_blocks(wv, n, nb))], dim=3)
+        del mem_k, mem_v, wk, wv
         # (B H, n, G C, E): the G query heads of a key/value head stacked along the query axis
         qq = q_g.reshape(B, H, G, n, C, E).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n, G * C, E)
-        mem_visible = torch.arange(R, device=dev)[None, :] < torch.tensor(rows[a:b], device=dev)[:, None]
-        mask = torch.cat([mem_visible[:, None, :].expand(-1, C, -1), win_visible[a:b]], dim=2)
+        mask = torch.cat([mem_visible[a:b, None, :R].expand(-1, C, -1), win_visible[a:b]], dim=2)
         mask = mask.repeat(1, G, 1) if G > 1 else mask
         o = attend(qq, keys.reshape(B * H, n, -1, E), values.reshape(B * H, n, -1, D), mask, D ** -0.5)
         o = o.view(B, H, n, G, C, D).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * C, D)
-        return o, snap_k[:, :, -1], snap_v[:, :, -1], rho
+        # the state after the group's folds made from its additions, not taken from the snapshots: a view of them
+        # would keep them alive as the next group's input, and its gradient would be snapshot-sized
+        return o, final_state(s_kv, x_kv, fold_r, R), rho
 
     recompute = spec.checkpoint_chunks > 0 and records_grad((q, k, v, state.s_k, state.s_v))
     # longer calls, longer groups: each group keeps one state for backward
     max_chunks = (group_chunks or spec.checkpoint_chunks * max(1, n_q // 64)) if recompute else 64
+    if recompute and group_rows:  # groups by the rows they read (padding included), at most max_groups of them
+        need = sum(r + nb * C for r in rows)
+        groups = _within_rows([(0, n_q)], rows, max(group_rows, -(-need // (max_groups or 1 << 30))), nb * C)
+    else:
+        groups = chunk_groups(rows, max_chunks, group_growth)
     acc = accum_dtype(state.s_k, k)
-    s_k, s_v, rho = state.s_k.to(acc), state.s_v.to(acc), state.rho.to(acc)
+    s_kv, rho = torch.stack([state.s_k.to(acc), state.s_v.to(acc)]), state.rho.to(acc)
+    # the grids cut into one piece per group (grid chunks a .. b-1; the last piece to the grid's end) by one split:
+    # autograd then gathers their gradients once, where a slice per group would give each group a gradient the
+    # size of the whole grid
+    cuts = [(b - a) * C for a, b in groups]
+    cuts[-1] += nb * C
+    pieces_k, pieces_v = grid_k.split(cuts, dim=2), grid_v.split(cuts, dim=2)
+    pieces_q = q_grid.split([(b - a) * C for a, b in groups], dim=2)
     outs = []
-    for a, b in chunk_groups(rows, max_chunks, group_growth):
+    for i, (a, b) in enumerate(groups):
         f0, f1 = reads[a - 1] if a else 0, reads[b - 1]
         fs = slice(f0 * C, f1 * C)
-        win = slice((a + 1) * C, (b + nb) * C)
-        args = (q_grid[:, :, a * C:b * C], grid_k[:, :, win], grid_v[:, :, win], fold_k[:, :, fs], fold_v[:, :, fs],
-                None if fold_g is None else fold_g[:, :, fs], s_k, s_v, rho)
-        if recompute:
-            o, s_k, s_v, rho = torch.utils.checkpoint.checkpoint(group, a, b, *args, use_reentrant=False)
+        kv_k, kv_v = pieces_k[i], pieces_v[i]
+        if i == len(groups) - 1:  # the last piece holds the halo
+            kv_k, kv_v, halo_k, halo_v = kv_k[:, :, :-nb * C], kv_v[:, :, :-nb * C], [kv_k[:, :, -nb * C:]], \
+                [kv_v[:, :, -nb * C:]]
         else:
-            o, s_k, s_v, rho = group(a, b, *args)
+            halo_k, halo_v = _first_tokens(pieces_k[i + 1:], nb * C), _first_tokens(pieces_v[i + 1:], nb * C)
+        args = (pieces_q[i], kv_k, kv_v, halo_k, halo_v, None if fold_g is None else fold_g[:, :, fs], s_kv, rho)
+        if recompute:
+            o, s_kv, rho = torch.utils.checkpoint.checkpoint(group, a, b, *args, use_reentrant=False)
+        else:
+            o, s_kv, rho = group(a, b, *args)
         outs.append(o)
     o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     o = o[:, :, p0 - cq0 * C:p1 - cq0 * C]
 
     keep = keep_from(p1, C, nb) - kpos0
     count = None if count_all is None else count_all[:, :, -1].clone()
-    new_state = KVMState(s_k=s_k.clone(), s_v=s_v.clone(), rho=rho, count=count, win_k=K[:, :, keep:].clone(),
+    new_state = KVMState(s_k=s_kv[0].clone(), s_v=s_kv[1].clone(), rho=rho, count=count, win_k=K[:, :, keep:].clone(),
                          win_v=V[:, :, keep:].clone(), win_g=None if Gt is None else Gt[:, :, keep:].clone(),
                          next_pos=p1)
     return o, new_state

@@ -34,6 +34,13 @@ TRITON_GROUP_SCALE = 4
 # (a 32k training step of a power-law state, d_model 256: 1.5 -> 1,675 launches and 1.65 GiB live peak, 2.0 ->
 # 1,460 launches and 1.80 GiB, counted on a CPU)
 TRITON_GROUP_GROWTH = 1.5
+# Training on the Triton path groups query chunks by the key rows a group reads per head (chunks x (state rows +
+# window), padding included) instead: a group's snapshots, keys, values and their gradients are what a training
+# step's peak holds, so this bounds it however large a power-law state grows; the bound is raised so that a call
+# needs at most about TRITON_MAX_GROUPS groups, which bounds the launches (d_model 256, 32k, counted on a CPU:
+# kvm-256 8 groups of <= 12,288 rows, 1,540 launches; kvm-sqrt 9 groups of <= 38,848 rows, 1,721 launches)
+TRITON_GROUP_ROWS = 12288
+TRITON_MAX_GROUPS = 8
 
 
 def _unrotate(pos, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -241,7 +248,8 @@ class KVMAttention(Mixer):
 
                 o, new_state = kvm_chunk(self.spec, self.params, q, k, v, g, state, route=route_folds_triton,
                                          group_chunks=self._triton_group_chunks(T),
-                                         group_growth=TRITON_GROUP_GROWTH)
+                                         group_growth=TRITON_GROUP_GROWTH, group_rows=TRITON_GROUP_ROWS,
+                                         max_groups=TRITON_MAX_GROUPS)
             elif form == "chunk":
                 o, new_state = kvm_chunk(self.spec, self.params, q, k, v, g, state)
             else:  # a fold inside the decode step: one kernel where the parallel form would take Triton's
