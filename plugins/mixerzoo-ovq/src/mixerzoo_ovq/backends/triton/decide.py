@@ -18,9 +18,55 @@ import triton.language as tl
 
 from mixerzoo.kernels import block, jit
 
-__all__ = ["decide"]
+__all__ = ["decide", "chunk_choices"]
 
 BLOCK_N = 64  # dictionary rows per tile (scores ``L x BLOCK_N``, one-hot merge ``BLOCK_N x L``)
+
+
+@jit
+def chunk_choices(kc, d_base, n, n_new, sc_ptr, L: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
+                  BD: tl.constexpr, BN: tl.constexpr, HAS_SCORES: tl.constexpr):
+    """One complete chunk's discrete choices (:func:`mixerzoo_ovq.ops.update_dictionary`'s steps 1-3), for the
+    training kernel here and the decode step's merge kernel (:mod:`.decode`). ``kc (BL, BD)`` float32 unit-norm keys
+    (rows ``>= L`` zero); ``d_base`` this program's key dictionary, ``n`` rows of ``D``; ``n_new`` centroids to add;
+    ``sc_ptr`` the chunk's ``L`` selection scores (random ablation, read with ``HAS_SCORES``). Returns ``(BL,)``
+    int32: each key's row of the dictionary after the chunk."""
+    li = tl.arange(0, BL)
+    di = tl.arange(0, BD)
+    ni = tl.arange(0, BN)
+    lvalid = li < L
+    dvalid = di < D
+    # step 1: each key's best similarity to the existing centroids, and which one (ties: the first row)
+    best = tl.full([BL], float("-inf"), tl.float32)
+    arg = tl.full([BL], 0, tl.int32)
+    for nb in range(0, n, BN):
+        rows = nb + ni
+        dblk = tl.load(d_base + rows[:, None] * D + di[None, :], mask=(rows < n)[:, None] & dvalid[None, :],
+                       other=0.0)
+        s = tl.dot(kc, tl.trans(dblk), input_precision="ieee")
+        s = tl.where((rows < n)[None, :], s, float("-inf"))
+        m, a = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)  # torch.max's
+        a = a + nb
+        arg = tl.where(m > best, a, arg)
+        best = tl.maximum(best, m)
+    # an empty dictionary (the first chunk): similarity to the nearest earlier key of the chunk
+    sk = tl.dot(kc, tl.trans(kc), input_precision="ieee")
+    earlier = (li[None, :] < li[:, None]) & lvalid[None, :]
+    first = tl.max(tl.where(earlier, sk, float("-inf")), axis=1)
+    score = tl.where(n == 0, first, best)
+    if HAS_SCORES:
+        score = tl.load(sc_ptr + li, mask=lvalid, other=0.0)
+    score = tl.where(lvalid, score, float("inf"))
+    # step 2: the n_new smallest scores become centroids (rank by score, ties to the earlier key)
+    before = (score[None, :] < score[:, None]) | ((score[None, :] == score[:, None]) & (li[None, :] < li[:, None]))
+    rank = tl.sum(before.to(tl.int32), axis=1)
+    is_new = (rank < n_new) & lvalid
+    new_rank = tl.cumsum(is_new.to(tl.int32), axis=0) - 1
+    # step 3: the other keys join their nearest existing centroid (first chunk: nearest new one)
+    jstar = tl.argmax(tl.where(is_new[None, :], sk, float("-inf")), axis=1, tie_break_left=True)
+    near_new = tl.sum(tl.where(li[None, :] == jstar[:, None], new_rank[None, :], 0), axis=1)
+    assign = tl.where(is_new, n + new_rank, tl.where(n == 0, near_new, arg))
+    return assign
 
 
 @jit
@@ -46,36 +92,8 @@ def _decide_kernel(k_ptr, dk_ptr, cnt_ptr, nnew_ptr, scores_ptr, assign_ptr, n0,
         kc = tl.load(k_base + (c * L + li)[:, None] * D + di[None, :], mask=lvalid[:, None] & dvalid[None, :],
                      other=0.0)
         n_new = tl.load(nnew_ptr + c)
-        # step 1: each key's best similarity to the existing centroids, and which one (ties: the first row)
-        best = tl.full([BL], float("-inf"), tl.float32)
-        arg = tl.full([BL], 0, tl.int32)
-        for nb in range(0, n, BN):
-            rows = nb + ni
-            dblk = tl.load(d_base + rows[:, None] * D + di[None, :], mask=(rows < n)[:, None] & dvalid[None, :],
-                           other=0.0)
-            s = tl.dot(kc, tl.trans(dblk), input_precision="ieee")
-            s = tl.where((rows < n)[None, :], s, float("-inf"))
-            m, a = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)  # torch.max's
-            a = a + nb
-            arg = tl.where(m > best, a, arg)
-            best = tl.maximum(best, m)
-        # an empty dictionary (the first chunk): similarity to the nearest earlier key of the chunk
-        sk = tl.dot(kc, tl.trans(kc), input_precision="ieee")
-        earlier = (li[None, :] < li[:, None]) & lvalid[None, :]
-        first = tl.max(tl.where(earlier, sk, float("-inf")), axis=1)
-        score = tl.where(n == 0, first, best)
-        if HAS_SCORES:
-            score = tl.load(scores_ptr + pid.to(tl.int64) * C * L + c * L + li, mask=lvalid, other=0.0)
-        score = tl.where(lvalid, score, float("inf"))
-        # step 2: the n_new smallest scores become centroids (rank by score, ties to the earlier key)
-        before = (score[None, :] < score[:, None]) | ((score[None, :] == score[:, None]) & (li[None, :] < li[:, None]))
-        rank = tl.sum(before.to(tl.int32), axis=1)
-        is_new = (rank < n_new) & lvalid
-        new_rank = tl.cumsum(is_new.to(tl.int32), axis=0) - 1
-        # step 3: the other keys join their nearest existing centroid (first chunk: nearest new one)
-        jstar = tl.argmax(tl.where(is_new[None, :], sk, float("-inf")), axis=1, tie_break_left=True)
-        near_new = tl.sum(tl.where(li[None, :] == jstar[:, None], new_rank[None, :], 0), axis=1)
-        assign = tl.where(is_new, n + new_rank, tl.where(n == 0, near_new, arg))
+        assign = chunk_choices(kc, d_base, n, n_new, scores_ptr + pid.to(tl.int64) * C * L + c * L, L=L, D=D, BL=BL,
+                               BD=BD, BN=BN, HAS_SCORES=HAS_SCORES)
         tl.store(a_base + c * L + li, assign, mask=lvalid)
         # eq. 19 with rate 1 / count: every touched row becomes the running mean of all keys it absorbed
         n_after = n + n_new

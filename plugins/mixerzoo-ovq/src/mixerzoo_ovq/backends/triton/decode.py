@@ -13,8 +13,7 @@ launch. Here the read is one launch whatever the sizes, and the merge one more:
   :func:`mixerzoo_ovq.ops.update_dictionary` does (the ``n_new`` keys least similar to their nearest centroid become
   centroids, eq. 18; every other key joins its nearest centroid, the first chunk's keys their nearest new one) and
   writes the extended dictionary as running means (eq. 19 with rate ``1 / count``: ``(c d + sum x) / (c + m)``),
-  the counts and their logs. The choices are the same computation as the training kernel's
-  (:mod:`.decide`), in float32.
+  the counts and their logs. The choices are the training kernel's (:func:`.decide.chunk_choices`), in float32.
 
 Both are ``torch.library`` custom ops (``mixerzoo_ovq::decode_read``, ``mixerzoo_ovq::decode_merge``) with static
 output shapes (the dictionary size after a merge is a host integer from the schedule), so ``torch.compile`` sees one
@@ -32,6 +31,7 @@ from mixerzoo.decisions import watched
 from mixerzoo.kernels import block, jit
 
 from ... import ops
+from .decide import chunk_choices
 
 __all__ = ["recurrent_step", "read", "merge", "BLOCK_N"]
 
@@ -133,36 +133,8 @@ def _merge_kernel(kc_ptr, vc_ptr, dk_ptr, dv_ptr, cnt_ptr, scores_ptr, dk_out, d
     ld = lvalid[:, None] & (di < D)[None, :]
     kc = tl.load(kc_ptr + pid * L * D + li[:, None] * D + di[None, :], mask=ld, other=0.0).to(tl.float32)
     d_base = pid * n * D
-    # step 1: each key's best similarity to the existing centroids, and which one (ties: the first row)
-    best = tl.full([BL], float("-inf"), tl.float32)
-    arg = tl.full([BL], 0, tl.int32)
-    for nb in range(0, n, BN):
-        rows = nb + ni
-        dblk = tl.load(dk_ptr + d_base + rows[:, None] * D + di[None, :], mask=(rows < n)[:, None] & (di < D)[None, :],
-                       other=0.0)
-        s = tl.dot(kc, tl.trans(dblk), input_precision="ieee")
-        s = tl.where((rows < n)[None, :], s, float("-inf"))
-        m, a = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)  # torch.max's
-        a = a + nb
-        arg = tl.where(m > best, a, arg)
-        best = tl.maximum(best, m)
-    # an empty dictionary (the first chunk): similarity to the nearest earlier key of the chunk
-    sk = tl.dot(kc, tl.trans(kc), input_precision="ieee")
-    earlier = (li[None, :] < li[:, None]) & lvalid[None, :]
-    first = tl.max(tl.where(earlier, sk, float("-inf")), axis=1)
-    score = tl.where(n == 0, first, best)
-    if HAS_SCORES:
-        score = tl.load(scores_ptr + pid * L + li, mask=lvalid, other=0.0)
-    score = tl.where(lvalid, score, float("inf"))
-    # step 2: the n_new smallest scores become centroids (rank by score, ties to the earlier key: topk then sort)
-    before = (score[None, :] < score[:, None]) | ((score[None, :] == score[:, None]) & (li[None, :] < li[:, None]))
-    rank = tl.sum(before.to(tl.int32), axis=1)
-    is_new = (rank < n_new) & lvalid
-    new_rank = tl.cumsum(is_new.to(tl.int32), axis=0) - 1
-    # step 3: the other keys join their nearest existing centroid (first chunk: nearest new one)
-    jstar = tl.argmax(tl.where(is_new[None, :], sk, float("-inf")), axis=1, tie_break_left=True)
-    near_new = tl.sum(tl.where(li[None, :] == jstar[:, None], new_rank[None, :], 0), axis=1)
-    assign = tl.where(is_new, n + new_rank, tl.where(n == 0, near_new, arg))
+    assign = chunk_choices(kc, dk_ptr + d_base, n, n_new, scores_ptr + pid * L, L=L, D=D, BL=BL, BD=BD, BN=BN,
+                           HAS_SCORES=HAS_SCORES)
     vc = tl.load(vc_ptr + pid * L * D + li[:, None] * D + di[None, :], mask=ld, other=0.0).to(tl.float32)
     # eq. 19 with rate 1 / count: every row is the running mean of all keys (values) it absorbed, a new row's own
     # key included (it is assigned to it), so a new row is the mean of its key and the keys that joined it
