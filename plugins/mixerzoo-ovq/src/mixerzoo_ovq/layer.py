@@ -40,11 +40,11 @@ from .state import OVQState, state_log_counts
 __all__ = ["OVQState", "OVQAttention"]
 
 N_CARRY = 6  # what the chunk loop carries: dk, dv, counts, log_counts, buf_k, buf_v (OVQAttention._carry)
-# chunks per recomputed segment on the Triton backend at least: its launches are per segment (about 140 for a
+# chunks per recomputed segment on the Triton backend at least: its launches are per segment (about 210 for a
 # training step's forward, recomputation and backward), not per chunk, and its backward holds every chunk's
 # [dictionary ; chunk] keys and values, their gradients and the mask at once (each 32 chunks x 2176 rows x 128 dims x
-# 2 kv heads in float32: 71 MB). 32: a 32k training step (d_model 256, 2 x 128) in about 1,200 launches and within
-# full attention's live memory; 64 took half the launches and twice the memory, 16 would take about 2,300 launches
+# 2 kv heads in float32: 71 MB). 32: a 32k training step (d_model 256, 2 x 128) in 1,770 launches and 444 MiB of live
+# tensors; 64 took 916 launches and 852 MiB (full attention: 83 launches, 386 MiB), 16 would take about 3,400 launches
 TRITON_SEGMENT_CHUNKS = 32
 BACKENDS = ("auto", "chunk", "triton")
 
