@@ -107,6 +107,47 @@ def fold_additions(spec: KVMSpec, kbar: torch.Tensor, v: torch.Tensor, g: torch.
     return w[..., None] * kbar, w[..., None] * v
 
 
+class _RunningSnapshots(torch.autograd.Function):
+    """``snap[f] = s0 + sum_{f' <= f} scatter(x[f'])`` for :func:`snapshots` (winner-take-all, snapshots ``1 .. F``,
+    key and value sums stacked on the first axis): ``s0 (2, ..., 1, R, D)``, ``x (2, ..., F, C, D)``, ``rows``:
+    each token's flat row in the ``(2, ..., F, R)`` snapshots. Returns the key and the value snapshots
+    ``(..., F, R, D)`` each, so that their gradients arrive apart (a slice of one stacked output would get a
+    gradient the size of both). Backward: each token's gradient is the snapshots' gradient at its row summed over
+    its fold and the later ones, ``total - prefix(f - 1)`` with one running sum (autograd's backward of an in-place
+    ``cumsum`` on a view of the scatter held about five snapshot-sized tensors at once); ``s0``'s is the sum over
+    all folds. Every tensor keeps the dtype it comes in (the additions' and the state's, one dtype)."""
+
+    @staticmethod
+    def forward(ctx, s0, x, rows):
+        *lead, n_folds, C, D = x.shape
+        R = s0.shape[-2]
+        out = x.new_zeros(math.prod(lead) * n_folds * R, D).index_add_(0, rows.reshape(-1), x.reshape(-1, D))
+        out = out.view(*lead, n_folds, R, D).cumsum_(dim=-3).add_(s0)
+        ctx.save_for_backward(rows)
+        ctx.shapes = x.shape, s0.shape
+        return out[0], out[1]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (rows,) = ctx.saved_tensors
+        x_shape, s0_shape = ctx.shapes
+        n_folds, D = x_shape[-3], x_shape[-1]
+        dtype = next(g for g in grads if g is not None).dtype
+        grad_x = torch.zeros(x_shape, dtype=dtype, device=rows.device)
+        grad_s0 = grad_x.new_zeros(s0_shape)
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            prefix = g.cumsum(dim=-3)  # prefix[f] = sum_{f' <= f} g[f']
+            total = prefix[..., -1:, :, :].clone()
+            grad_s0[i] = total
+            # suffix[f] = total - prefix[f - 1] = total - prefix[f] + g[f]
+            suffix = prefix.neg_().add_(total).add_(g)
+            rows_i = rows[i] - i * n_folds * s0_shape[-2] * math.prod(x_shape[1:-3])
+            grad_x[i] = suffix.reshape(-1, D).index_select(0, rows_i.reshape(-1)).view(x_shape[1:])
+        return grad_s0, grad_x, None
+
+
 def snapshots(s0: torch.Tensor, x: torch.Tensor, routing: FoldRouting, grown: list[int], R: int,
               with_first: bool = True) -> torch.Tensor:
     """The state after each of ``F`` folds, ``(..., B, H, F + 1, R, D)``: snapshot 0 is ``s0 (..., B, H, m, D)`` and
@@ -116,8 +157,9 @@ def snapshots(s0: torch.Tensor, x: torch.Tensor, routing: FoldRouting, grown: li
     routing weights) and summed over folds with one ``cumsum``; rows past a snapshot's size are zero.
     ``grown[f]``: the state's rows after fold ``f`` (``R`` the largest); the routing ``(B, H, F, C)`` serves every
     leading index (the key sums and the value sums stacked: one scatter for both). ``with_first`` False
-    (``F >= 1``): only snapshots ``1 .. F``, ``(..., B, H, F, R, D)``, made in the one buffer of the scatter (running
-    sum and ``s0`` added in place: neither backward reads a value), so a group holds one snapshot-sized tensor,
+    (``F >= 1``, ``x`` the key and the value additions stacked on its first axis): only snapshots ``1 .. F``, the
+    keys' and the values' ``(B, H, F, R, D)`` each, made in the one buffer of the scatter (running sum and ``s0``
+    added in place; its own backward, :class:`_RunningSnapshots`), so a group holds one snapshot-sized tensor,
     not three."""
     *lead, B, H, n_folds, C, D = x.shape
     s0 = F.pad(s0.to(x.dtype), (0, 0, 0, R - s0.shape[-2])).unsqueeze(-3)
@@ -126,13 +168,17 @@ def snapshots(s0: torch.Tensor, x: torch.Tensor, routing: FoldRouting, grown: li
     if routing.probs is None:  # winner-take-all: each token adds to one row
         P = math.prod(x.shape[:-2])  # (..., B, H, F) slots of R rows
         base = torch.arange(P, device=x.device).view(*lead, B, H, n_folds, 1) * R
+        if not with_first:
+            # a running sum of its own: autograd's backward of an in-place cumsum on a view of the scatter holds
+            # about five snapshot-sized tensors at once, this one two (the gradient and its reversed running sum)
+            return _RunningSnapshots.apply(s0, x, routing.target + base)
         added = x.new_zeros(P * R, D).index_add(0, (routing.target + base).reshape(-1), x.reshape(-1, D))
         added = added.view(*lead, B, H, n_folds, R, D)
     else:
         w = torch.stack([F.pad(p.to(x.dtype), (0, R - m)) for p, m in zip(routing.probs, grown)], dim=2)
         added = matmul_acc(w.transpose(-1, -2), x)  # soft routing (an ablation): (..., B, H, F, R, D)
     if not with_first:
-        return added.cumsum_(dim=-3).add_(s0)
+        return tuple(added.cumsum_(dim=-3).add_(s0).unbind(0))
     return torch.cat([s0, s0 + added.cumsum(dim=-3)], dim=-3)
 
 
@@ -372,12 +418,13 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
         if nf and sel == list(range(sel[0], sel[0] + n)) and sel[0] >= 1:
             # each chunk reads the state after its own fold (every group but the sequence's first): the reads
             # are consecutive snapshots, taken as a view, with no gathered copy and no snapshot 0
-            snaps = snapshots(s_kv, x_kv, fold_r, grown, R, with_first=False)[:, :, :, sel[0] - 1:sel[-1]]
+            snap_k, snap_v = (t[:, :, sel[0] - 1:sel[-1]]
+                              for t in snapshots(s_kv, x_kv, fold_r, grown, R, with_first=False))
         else:
             idx = torch.tensor(sel, device=dev)
             snaps = snapshots(s_kv, x_kv, fold_r, grown, R).index_select(3, idx)
-        snap_k, snap_v = snaps[0], snaps[1]
-        del snaps
+            snap_k, snap_v = snaps[0], snaps[1]
+            del snaps
         rho_in = rho.to(x_kv.dtype)
         rho = radii(rho_in, fv.view(B, H, nf, C, D).to(x_kv.dtype), fold_r, R) if nf else rho_in
         if count_all is None:
