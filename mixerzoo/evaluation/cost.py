@@ -381,7 +381,7 @@ _NO_KERNEL = frozenset({
     "aten.set_", "aten.resize_", "aten._reshape_alias", "aten.t", "aten.unsqueeze_", "aten.squeeze_",
     "aten._unsafe_view",  # a view that autograd does not track (the reshape after a matmul): no copy
     "aten.as_strided_", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset",
-    "aten.is_same_size", "aten._has_compatible_shallow_copy_type",
+    "aten.is_same_size", "aten._has_compatible_shallow_copy_type", "aten.new_empty", "aten.new_empty_strided",
     "aten.promote_types", "aten.result_type",  # dtype arithmetic on the host
 })
 
