@@ -38,7 +38,7 @@ TRITON_GROUP_GROWTH = 1.5
 # window), padding included) instead: a group's snapshots, keys, values and their gradients are what a training
 # step's peak holds, so this bounds it however large a power-law state grows; the bound is raised so that a call
 # needs at most about TRITON_MAX_GROUPS groups, which bounds the launches (d_model 256, 32k, counted on a CPU:
-# kvm-256 8 groups of <= 12,288 rows, 1,554 launches; kvm-sqrt 9 groups of <= 38,848 rows, 1,737 launches)
+# kvm-256 8 groups of <= 12,288 rows, 1,541 launches; kvm-sqrt 9 groups of <= 38,848 rows, 1,724 launches)
 TRITON_GROUP_ROWS = 12288
 TRITON_MAX_GROUPS = 8
 
