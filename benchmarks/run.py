@@ -57,6 +57,7 @@ mixer (vocabulary 256, next-token cross-entropy; ``--activation-checkpointing``)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -206,20 +207,29 @@ def worker(task: dict) -> dict:
         return times
     layer = build(task["mixer"], task)
     if task["what"] == "memory":
-        step(layer, inputs(task, 1024), task)
-        layer.zero_grad(set_to_none=True)
-        x = inputs(task, task["T"])
-        if device == "cuda":
-            return cost.training_step_memory(layer, x, loss_of(task), amp(task))
-        base = rss_mib()
-        step(layer, x, task)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
-        # the same step once more, counting live tensor storages: exact and repeatable, where the resident-set
-        # high-water mark moves by 10-20% between runs with the allocator's reuse of freed memory
-        return {"peak_mib": rss, **cost.training_step_memory(layer, x, loss_of(task), amp(task))}
+        with kernel_path(task, MIXERS[task["mixer"]][1].get("backend") == "triton"):
+            return memory_cell(layer, task, device)
     if task["what"] == "decode":
         return decode_cell(layer, task["contexts"], task)
     raise ValueError(task)
+
+
+def memory_cell(layer, task: dict, device: str) -> dict:
+    """``--processes per-cell``'s memory of one training step at ``task["T"]`` after a warm-up step at 1,024 tokens:
+    the CUDA allocator's peak, or on a CPU the resident-set growth and the live tensor storages."""
+    from mixerzoo.evaluation import cost
+
+    step(layer, inputs(task, 1024), task)
+    layer.zero_grad(set_to_none=True)
+    x = inputs(task, task["T"])
+    if device == "cuda":
+        return cost.training_step_memory(layer, x, loss_of(task), amp(task))
+    base = rss_mib()
+    step(layer, x, task)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+    # the same step once more, counting live tensor storages: exact and repeatable, where the resident-set
+    # high-water mark moves by 10-20% between runs with the allocator's reuse of freed memory
+    return {"peak_mib": rss, **cost.training_step_memory(layer, x, loss_of(task), amp(task))}
 
 
 def decode_cell(layer, contexts: list[int], task: dict) -> dict:
@@ -239,17 +249,23 @@ def launches_cell(layer, T: int, task: dict, trainable: bool, gpu_path: bool = F
     configurations): every Triton kernel a GPU would run, the core's (RoPE's) included
     (:func:`mixerzoo.kernels.everywhere`). With ``--skip-kernels`` Triton kernels are counted but not run
     (:func:`mixerzoo.evaluation.cost.kernels_skipped`)."""
-    import contextlib
+    with kernel_path(task, gpu_path):
+        return _launches(layer, T, task, trainable)
 
+
+def kernel_path(task: dict, gpu_path: bool) -> contextlib.ExitStack:
+    """The context of a launch count or a memory measurement: every Triton kernel a GPU would run for ``gpu_path``
+    (:func:`mixerzoo.kernels.everywhere`), and with ``--skip-kernels`` none of them run
+    (:func:`mixerzoo.evaluation.cost.kernels_skipped`)."""
     from mixerzoo import kernels
     from mixerzoo.evaluation.cost import kernels_skipped
 
-    with contextlib.ExitStack() as stack:
-        if task.get("skip_kernels"):
-            stack.enter_context(kernels_skipped())
-        if gpu_path:
-            stack.enter_context(kernels.everywhere())
-        return _launches(layer, T, task, trainable)
+    stack = contextlib.ExitStack()
+    if task.get("skip_kernels"):
+        stack.enter_context(kernels_skipped())
+    if gpu_path:
+        stack.enter_context(kernels.everywhere())
+    return stack
 
 
 def _launches(layer, T: int, task: dict, trainable: bool) -> dict:
@@ -680,9 +696,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "in a fresh one (default on the CPU: its resident-set peak needs a fresh process); launch "
                          "counts always run shared")
     ap.add_argument("--skip-kernels", action="store_true",
-                    help="--measure launches: count Triton kernels without running them (the interpreter takes "
-                         "minutes per kernel at 32k on a CPU; a path with no host sync dispatches the same operators "
-                         "whatever the values)")
+                    help="--measure launches, or train with --memory-only: Triton kernels are launched but not run "
+                         "(the interpreter takes minutes per kernel at 32k on a CPU; a path with no host sync "
+                         "dispatches the same operators and allocates the same tensors whatever the values)")
     ap.add_argument("--cell-timeout", type=float, default=None,
                     help="seconds a cell may take (a worker process killed after it); default: 60 with --processes "
                          "shared (600 for launch counts), none per cell")
@@ -706,6 +722,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--model-layers measures training steps only: add --decode-contexts with no value")
     if args.model_layers and "launches" in args.measure:
         ap.error("--model-layers measures training steps only: leave launches out of --measure")
+    if args.skip_kernels and ("decode" in args.measure or "train" in args.measure and not args.memory_only):
+        ap.error("--skip-kernels: a kernel not run makes a time meaningless: use it with --measure launches, or "
+                 "with --measure train --memory-only")
     check_device(ap, args.device)
     return args
 

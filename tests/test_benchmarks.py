@@ -133,6 +133,7 @@ def test_the_runner_writes_json_and_markdown_on_tiny_sizes(tmp_path):
 def test_the_runner_refuses_what_does_not_fit():
     for argv, message in ((["--d-model", "30", "--head-dim", "16"], "not a multiple"),
                           (["--model-layers", "2", "--measure", "launches"], "leave launches out"),
+                          (["--measure", "train", "decode", "--skip-kernels"], "a time meaningless"),
                           (["--mixers", "nope"], "invalid choice")):
         done = subprocess.run([sys.executable, str(RUN), *argv], capture_output=True, text=True)
         assert done.returncode == 2 and message in done.stderr
