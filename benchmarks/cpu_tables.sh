@@ -3,7 +3,8 @@
 # (benchmarks/run.py), into docs/results/ (or $OUT). Run from the repository root on an otherwise idle
 # machine: the tables compare mixers against attention in interleaved rounds, but absolute times move with load.
 #   sh benchmarks/cpu_tables.sh                  # everything (about 45 minutes on an idle 2-core EPYC VM)
-#   sh benchmarks/cpu_tables.sh launches         # the launch counts only (about 6 minutes; exact, under any load)
+#   sh benchmarks/cpu_tables.sh launches         # the launch counts only (about 8 minutes; exact, under any load)
+#   sh benchmarks/cpu_tables.sh gpu-path         # the launch counts and the GPU paths' training memory (~25 min)
 set -eu
 OUT=${OUT:-docs/results}
 E=$OUT/efficiency_cpu
@@ -17,6 +18,15 @@ mkdir -p "$E"
 $RUN --measure launches --mixers all --lengths 2048 8192 32768 --max-len --threads 1 --skip-kernels \
     --json $OUT/launch_counts_cpu.json > $OUT/launch_counts_cpu.md
 [ "$ONLY" = launches ] && exit 0
+
+# Training memory of the GPU paths (/triton) against attention's at 8k and 32k, at the benchmark's d_model and at
+# the GPU table's (1024, head_dim 128): live tensor storages, kernels launched but not run (the same allocations).
+for d in 256 1024; do
+    $RUN --measure train --memory-only --skip-kernels --mixers attention kvm-256/triton kvm-sqrt/triton ovq/triton \
+        trellis/triton --lengths 8192 32768 --threads 1 --d-model $d --head-dim 128 \
+        --json $OUT/memory_gpu_path_d${d}_cpu.json > $OUT/memory_gpu_path_d${d}_cpu.md
+done
+[ "$ONLY" = gpu-path ] && exit 0
 
 lscpu > $E/machine.txt
 # Training step (time, resident / live / kept memory) at 4k-32k, and a first decode column.
