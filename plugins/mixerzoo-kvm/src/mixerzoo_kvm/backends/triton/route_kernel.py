@@ -54,7 +54,7 @@ def keep_first_max(sim, rows, best, best_row):
     the tokens' scores against the rows ``rows (BLOCK_R,)`` int64 (``-inf`` where a row is no candidate; the
     candidates' rows increase along the tile), ``best, best_row (BLOCK_C,)`` the best score and its row over the
     tiles before, whose rows all come earlier. Returns the updated ``best, best_row``: a tie goes to the earlier
-    row, as ``argmax`` over the concatenation of the rows."""
+    position in the tile, then to the earlier tile, so to the earlier row, as ``argmax`` over the concatenation."""
     rr = tl.arange(0, sim.shape[1])
     # the first position of the maximum, then its row (the interpreter's reduction returns positions, not the
     # index operand's values, so the row is looked up rather than carried through the reduction)
