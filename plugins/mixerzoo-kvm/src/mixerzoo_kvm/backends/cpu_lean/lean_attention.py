@@ -130,7 +130,11 @@ class _KeyLists:
         else:
             rows_pass.write(c, self.rows_k, self.rows_v, R_c)
         for i, r0, w0, n in _window_pieces(self.block_rows, c * self.C, self.L):
-            torch.mul(self.blocks_k[i][:, r0:r0 + n], self.tau, out=self.keys[:, 0, w0:w0 + n, -self.D:])
+            dst = self.keys[:, 0, w0:w0 + n, -self.D:]
+            if torch.compiler.is_compiling():  # Dynamo takes no ``out=`` into a strided view: the same product
+                dst.copy_(self.blocks_k[i][:, r0:r0 + n]).mul_(self.tau)
+            else:
+                torch.mul(self.blocks_k[i][:, r0:r0 + n], self.tau, out=dst)
             self.values[:, 0, w0:w0 + n, :self.D] = self.blocks_v[i][:, r0:r0 + n]
         return self.keys[:, :, :self.L + R_c], self.values[:, :, :self.L + R_c]
 
@@ -420,7 +424,10 @@ def memory_window_attention(q: torch.Tensor, grid_k: torch.Tensor, grid_v: torch
     if state and not hasattr(rows, "final_state"):
         raise ValueError("memory_window_attention: state=True needs rows whose passes keep the state "
                          "(IncrementalRows)")
-    if q.device.type != "cpu" or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    # Under torch.compile, rows made per chunk take the reference form: the lean backward takes each chunk's row
+    # gradient back through a small graph of its own (``torch.autograd.grad``), which Dynamo does not trace
+    if (q.device.type != "cpu" or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+            or (rows is not None and torch.compiler.is_compiling())):
         out = memory_window_attention_reference(q, grid_k, grid_v, tau, mem_k, mem_v, mask, window, chunk_len,
                                                 pre_rope, scale, rows, shared, n_rows)
         return (out, *rows.final_state(*shared)) if state else out

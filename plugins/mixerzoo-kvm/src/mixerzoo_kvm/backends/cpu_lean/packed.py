@@ -42,7 +42,7 @@ from mixerzoo.ops import flat_rows
 from mixerzoo.ops import records_grad
 
 from .incremental_rows import IncrementalRows
-from .lean_attention import memory_window_attention, shared_mask
+from .lean_attention import memory_window_attention
 from ...ops import (KVMParams, KVMSpec, Routing, accum_dtype, chunk_groups, joint_queries, keep_from,
                   layer_norm_s, matmul_acc, memory_keys, read_values, route_overflow, state_budget)
 from .refold import refold
@@ -302,6 +302,22 @@ def _win_mask(c: _Call, a: int, b: int) -> torch.Tensor:
     return (kp[:, None, :] <= qp[:, :, None]) & ((kp >= max(c.kpos0, 0)) & (kp < c.p1))[:, None, :]
 
 
+def _same_pattern(c: _Call, a: int, b: int) -> bool:
+    """Whether chunks ``a .. b-1`` see the same window keys (:func:`_win_mask` equal for all), decided from host
+    integers: the causal part depends only on a key's offset from its chunk's queries (the same for every chunk of
+    a chunk-aligned grid), so the patterns differ only where a window reaches before the first key
+    (``max(kpos0, 0)``) or past the last (``p1``). One partial chunk (``n_q == 1``) has nothing to share."""
+    if b - a < 2 or c.n_q == 1:
+        return False
+    lo, L, C = max(c.kpos0, 0), c.L, c.C
+    start0 = c.p0 - c.q_off - (c.spec.n_bswa_chunks - 1) * C  # chunk 0's first window position (the grid's)
+    seen = set()
+    for s in (start0 + i * C for i in range(a, b)):
+        first, end = min(max(lo - s, 0), L), min(max(c.p1 - s, 0), L)  # the visible window columns
+        seen.add((first, end) if first < end else (0, 0))
+    return len(seen) == 1
+
+
 def _token_span(c: _Call, a: int, b: int) -> tuple[int, int]:
     """Absolute positions ``[start, end)`` of the new tokens in query chunks ``a .. b-1``."""
     return max((c.cq0 + a) * c.C, c.p0), min((c.cq0 + b) * c.C, c.p1)
@@ -479,7 +495,8 @@ def _group(c: _Call, plan: _GroupPlan, q_piece: torch.Tensor, g_f: tuple, s_k: t
     gf = _GroupFolds(a, nf, reads, make, target, probs, cnt)
     # the window keys each query may see, a byte each (the memory rows are all visible: each chunk reads its own
     # R_c rows)
-    mask = shared_mask(_win_mask(c, a, b)[:, None].expand(-1, c.G, -1, -1).reshape(n, c.G * c.Cq, L))
+    mask = _win_mask(c, a, a + 1 if _same_pattern(c, a, b) else b)  # one copy of a pattern every chunk shares
+    mask = mask[:, None].expand(-1, c.G, -1, -1).reshape(mask.shape[0], c.G * c.Cq, L)[None]
     shared = (s_k, s_v, c.tau_s, rho_all.reshape(B * H, 1, R), *c.ln_params, *sources)
     q_w, k_w, v_w = q_g, win[:n_win], win[n_win:]
     if R <= L:  # a state no larger than the window: the group's rows at once (batched) cost little memory and
@@ -580,7 +597,10 @@ def _read_groups(c: _Call, q: torch.Tensor, k: torch.Tensor, KP: torch.Tensor, V
         fs = slice(first[j0], first[i] + n_f[i])
         # lean: recomputed in backward from the anchor: autograd keeps no snapshot, memory row or key list, only
         # each group's inputs; the recomputation reuses the read's output (`reuse`)
-        plan = _GroupPlan(a, b, first[j0], first[i] - first[j0], len(wk), exit_state, {} if lean else None)
+        # (not under torch.compile: the read would hand its output to the recomputation through a dict, a side
+        # effect a traced checkpoint region cannot hold; the compiled recomputation runs the read again)
+        reuse = {} if lean and not torch.compiler.is_compiling() else None
+        plan = _GroupPlan(a, b, first[j0], first[i] - first[j0], len(wk), exit_state, reuse)
         args = (c, plan, q_piece, tuple(g_folds[j0:i + 1]), *carry, *wk, *wv, *fold_k[fs], *fold_v[fs])
         if lean:
             o, *out = torch.utils.checkpoint.checkpoint(_group, *args, use_reentrant=False)

@@ -95,6 +95,8 @@ def refold(s0_k: torch.Tensor, s0_v: torch.Tensor, make: Callable, rows: list[to
     Returns:
         ``(s_k, s_v)``, each ``(B, H, m, D)`` in ``s0``'s dtype.
     """
+    if torch.compiler.is_compiling():  # _Refold's backward calls torch.autograd.grad, which Dynamo does not trace
+        return refold_reference(s0_k, s0_v, make, rows, m, inputs)
     return _Refold.apply(s0_k, s0_v, make, list(rows), m, *inputs)
 
 
