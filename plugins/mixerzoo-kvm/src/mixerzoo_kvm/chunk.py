@@ -149,7 +149,7 @@ class _RunningSnapshots(torch.autograd.Function):
 
 
 def snapshots(s0: torch.Tensor, x: torch.Tensor, routing: FoldRouting, grown: list[int], R: int,
-              with_first: bool = True) -> torch.Tensor:
+              with_first: bool = True, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The state after each of ``F`` folds, ``(..., B, H, F + 1, R, D)``: snapshot 0 is ``s0 (..., B, H, m, D)`` and
     snapshot ``f + 1`` adds fold ``f``'s additions ``x[..., f, :, :] (..., B, H, C, D)`` to their rows (section 4,
     "Merge": ``s_new,i = s_+,i + sum_{j: pi(j) = i} x_j``; an appended token's row starts empty, so it holds the
@@ -160,19 +160,21 @@ def snapshots(s0: torch.Tensor, x: torch.Tensor, routing: FoldRouting, grown: li
     (``F >= 1``, ``x`` the key and the value additions stacked on its first axis): only snapshots ``1 .. F``, the
     keys' and the values' ``(B, H, F, R, D)`` each, made in the one buffer of the scatter (running sum and ``s0``
     added in place; its own backward, :class:`_RunningSnapshots`), so a group holds one snapshot-sized tensor,
-    not three."""
+    not three. ``rows`` (winner-take-all): each token's flat row in the ``(..., B, H, F, R)`` snapshots, ``(..., B,
+    H, F, C)``, where the caller has them (None: made here from the routing)."""
     *lead, B, H, n_folds, C, D = x.shape
     s0 = F.pad(s0.to(x.dtype), (0, 0, 0, R - s0.shape[-2])).unsqueeze(-3)
     if n_folds == 0:
         return s0
     if routing.probs is None:  # winner-take-all: each token adds to one row
         P = math.prod(x.shape[:-2])  # (..., B, H, F) slots of R rows
-        base = torch.arange(P, device=x.device).view(*lead, B, H, n_folds, 1) * R
+        if rows is None:
+            rows = routing.target + torch.arange(P, device=x.device).view(*lead, B, H, n_folds, 1) * R
         if not with_first:
             # a running sum of its own: autograd's backward of an in-place cumsum on a view of the scatter holds
             # about five snapshot-sized tensors at once, this one two (the gradient and its reversed running sum)
-            return _RunningSnapshots.apply(s0, x, routing.target + base)
-        added = x.new_zeros(P * R, D).index_add(0, (routing.target + base).reshape(-1), x.reshape(-1, D))
+            return _RunningSnapshots.apply(s0, x, rows)
+        added = x.new_zeros(P * R, D).index_add(0, rows.reshape(-1), x.reshape(-1, D))
         added = added.view(*lead, B, H, n_folds, R, D)
     else:
         w = torch.stack([F.pad(p.to(x.dtype), (0, R - m)) for p, m in zip(routing.probs, grown)], dim=2)
@@ -182,17 +184,21 @@ def snapshots(s0: torch.Tensor, x: torch.Tensor, routing: FoldRouting, grown: li
     return torch.cat([s0, s0 + added.cumsum(dim=-3)], dim=-3)
 
 
-def final_state(s0: torch.Tensor, x: torch.Tensor, routing: FoldRouting, R: int) -> torch.Tensor:
+def final_state(s0: torch.Tensor, x: torch.Tensor, routing: FoldRouting, R: int, rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """The state after all ``F`` folds, ``(..., B, H, R, D)``: :func:`snapshots`' last, made from
     ``s0 (..., B, H, m, D)`` and the additions ``x (..., B, H, F, C, D)`` directly (one ``index_add`` of every fold
-    into the ``R`` rows), so that its gradient is ``R`` rows, not a snapshot-sized tensor holding one snapshot's."""
+    into the ``R`` rows), so that its gradient is ``R`` rows, not a snapshot-sized tensor holding one snapshot's.
+    ``rows`` (winner-take-all): each token's flat row in the ``(..., B, H, R)`` state, ``(..., B, H, F, C)``, where
+    the caller has them (None: made here from the routing)."""
     *lead, B, H, n_folds, C, D = x.shape
     s0 = F.pad(s0.to(x.dtype), (0, 0, 0, R - s0.shape[-2]))
     if routing.probs is not None:  # soft routing (an ablation): each fold's weighted sum
         return s0 + sum(matmul_acc(F.pad(p.to(x.dtype), (0, R - p.shape[-1])).transpose(-1, -2), x[..., f, :, :])
                         for f, p in enumerate(routing.probs))
-    base = torch.arange(math.prod(s0.shape[:-2]), device=x.device).view(*lead, B, H, 1, 1) * R
-    return s0.reshape(-1, D).index_add(0, (routing.target + base).reshape(-1), x.reshape(-1, D)).view(s0.shape)
+    if rows is None:
+        rows = routing.target + torch.arange(math.prod(s0.shape[:-2]), device=x.device).view(*lead, B, H, 1, 1) * R
+    return s0.reshape(-1, D).index_add(0, rows.reshape(-1), x.reshape(-1, D)).view(s0.shape)
 
 
 def radii(rho: torch.Tensor, v: torch.Tensor, routing: FoldRouting, R: int) -> torch.Tensor:
@@ -371,6 +377,7 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
         fold_args = (spec, params, state.s_k, kbar.view(B, H, n_folds, C, D),
                      None if fold_g is None else fold_g.view(B, H, n_folds, C), sizes)
         routing = route(*fold_args) if route is not None else FoldRouting.stack(route_folds(*fold_args), kbar, sizes)
+        xd = kbar.dtype  # the additions' dtype (fold_additions)
         del kbar
     # query chunk j reads the state after the folds of chunks cq0 .. cq0 + j
     reads = [min(max(cq0 + j - cf0 + 1, 0), n_folds) for j in range(n_q)]
@@ -384,22 +391,26 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
     q_all = joint_queries(q, torch.arange(p0, p1, device=dev), spec.unrotate)
     E = q_all.shape[-1]
     q_grid = _on_grid(q_all, p0, cq0 * C, ge)  # (B, H_q, n_q C, E)
-    # the masks' parts made once for all query chunks (no gradient, bytes per chunk: C L and R): the window's
-    # causal band and each chunk's valid state rows
+    # the masks' parts made once for all query chunks (no gradient): the window's causal band, the same for every
+    # chunk (query and window positions both move by C a chunk), kept once (C, L), each chunk's valid window keys
+    # (n_q, 1, L) and valid state rows (n_q, R); a group's window part is made from the first two (a (n_q, C, L)
+    # mask would be held through the whole step)
     q_pos = torch.arange(cq0 * C, ge, device=dev).view(n_q, C)
     k_pos = torch.arange(gs + C, ge, device=dev).unfold(0, nb * C, C)  # (n_q, L)
-    win_visible = ((k_pos[:, None, :] <= q_pos[:, :, None]) & ((k_pos >= max(kpos0, 0)) & (k_pos < p1))[:, None])
+    win_band = k_pos[:1] <= q_pos[0, :, None]
+    win_valid = ((k_pos >= max(kpos0, 0)) & (k_pos < p1))[:, None]
     mem_visible = torch.arange(sizes[-1], device=dev)[None, :] < torch.tensor(rows, device=dev)[:, None]
     tau_w = params.tau_bswa[None, :, None, None]
     pre_rope = spec.unrotate is not None
     g_fold = cf0 - cq0  # grid chunk of fold 0: fold f is grid chunk g_fold + f, the block query chunk g_fold + f folds
 
-    def group(a: int, b: int, q_g, kv_k, kv_v, halo_k, halo_v, fg, s_kv, rho):
+    def group(a: int, b: int, q_g, kv_k, kv_v, halo_k, halo_v, w, s_kv, rho):
         """Query chunks ``a .. b-1``: their snapshots from the state entering them and their folds, then one
         attention call. ``kv_k, kv_v``: grid chunks ``a .. b-1`` (the blocks these chunks fold, and their windows'
         start), ``halo_k, halo_v``: lists of pieces holding grid chunks ``b .. b + nb - 1`` (their windows' end).
-        ``s_kv (2, B, H, m, D)``: the key and value sums entering them. Returns their reads ``(B, H_q, (b - a) C, D)``
-        and the state after their folds (``s_kv``, radii)."""
+        ``w (B, H, nf, C)``: the group's fold weights (None: no gate); ``s_kv (2, B, H, m, D)``: the key and value
+        sums entering them; ``rho (B, H, >= R)``: the radii after the call's last fold. Returns their reads
+        ``(B, H_q, (b - a) C, D)`` and the state sums after their folds (``s_kv``)."""
         n, f0, f1 = b - a, reads[a - 1] if a else 0, reads[b - 1]  # the group's folds: f0 .. f1 - 1
         nf, R = f1 - f0, rows[b - 1]
         fold_r = routing.folds(f0, f1)
@@ -407,9 +418,10 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
         fk, fv = kv_k[:, :, fs], kv_v[:, :, fs]
         if nf:
             kb = memory_keys(fk, spec.rotary_dim, params.ln_s, fold_pos[f0 * C:f1 * C], spec.unrotate)
-            x_k, x_v = fold_additions(spec, kb.view(B, H, nf, C, D), fv.view(B, H, nf, C, D),
-                                      None if fg is None else fg.view(B, H, nf, C), fold_r.appended, sizes[f0] == 0)
-            x_kv = torch.stack([x_k, x_v])  # key and value sums scattered together: (2, B, H, nf, C, D)
+            # fold_additions with the weights made outside the group: key and value sums scattered together,
+            # (2, B, H, nf, C, D)
+            x_kv = torch.stack([kb.view(B, H, nf, C, D), fv.view(B, H, nf, C, D).to(kb.dtype)])
+            x_kv = x_kv if w is None else x_kv * w[..., None]
         else:
             x_kv = s_kv.new_zeros(2, B, H, 0, C, D)
         grown = sizes[f0 + 1:f1 + 1]
@@ -419,14 +431,25 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
             # each chunk reads the state after its own fold (every group but the sequence's first): the reads
             # are consecutive snapshots, taken as a view, with no gathered copy and no snapshot 0
             snap_k, snap_v = (t[:, :, sel[0] - 1:sel[-1]]
-                              for t in snapshots(s_kv, x_kv, fold_r, grown, R, with_first=False))
+                              for t in snapshots(s_kv, x_kv, fold_r, grown, R, with_first=False,
+                                                 rows=None if flat_snap is None else flat_snap[:, :, :, f0:f1]))
+        elif nf and fold_r.probs is None:
+            # some chunks read the same snapshot (the sequence's first chunks read the state before any fold):
+            # one slot per chunk, chunk j's slot adding fold sel[j] - 1 where its read moves on and nothing
+            # (a zero block, slot 0 of the padded additions) where it does not, so the running sum over the
+            # slots is each chunk's snapshot in the one buffer of the scatter: no snapshot gathered or stacked
+            src = torch.tensor([s if s > p else 0 for s, p in zip(sel, [0] + sel[:-1])], device=dev)
+            x_slots = F.pad(x_kv, (0, 0, 0, 0, 1, 0)).index_select(3, src)
+            slots = FoldRouting(*(F.pad(t, (0, 0, 1, 0)).index_select(2, src)
+                                  for t in (fold_r.target, fold_r.appended)))
+            snap_k, snap_v = snapshots(s_kv, x_slots, slots, grown, R, with_first=False)
+            del x_slots
         else:
             idx = torch.tensor(sel, device=dev)
             snaps = snapshots(s_kv, x_kv, fold_r, grown, R).index_select(3, idx)
             snap_k, snap_v = snaps[0], snaps[1]
             del snaps
-        rho_in = rho.to(x_kv.dtype)
-        rho = radii(rho_in, fv.view(B, H, nf, C, D).to(x_kv.dtype), fold_r, R) if nf else rho_in
+        rho = rho[:, :, :R].to(x_kv.dtype)
         if count_all is None:
             cnt = None
         else:
@@ -442,13 +465,13 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
         del mem_k, mem_v, wk, wv
         # (B H, n, G C, E): the G query heads of a key/value head stacked along the query axis
         qq = q_g.reshape(B, H, G, n, C, E).permute(0, 1, 3, 2, 4, 5).reshape(B * H, n, G * C, E)
-        mask = torch.cat([mem_visible[a:b, None, :R].expand(-1, C, -1), win_visible[a:b]], dim=2)
+        mask = torch.cat([mem_visible[a:b, None, :R].expand(-1, C, -1), win_band & win_valid[a:b]], dim=2)
         mask = mask.repeat(1, G, 1) if G > 1 else mask
         o = attend(qq, keys.reshape(B * H, n, -1, E), values.reshape(B * H, n, -1, D), mask, D ** -0.5)
         o = o.view(B, H, n, G, C, D).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * C, D)
         # the state after the group's folds made from its additions, not taken from the snapshots: a view of them
         # would keep them alive as the next group's input, and its gradient would be snapshot-sized
-        return o, final_state(s_kv, x_kv, fold_r, R), rho
+        return o, final_state(s_kv, x_kv, fold_r, R, rows=None if flat_final is None else flat_final[:, :, :, f0:f1])
 
     recompute = spec.checkpoint_chunks > 0 and records_grad((q, k, v, state.s_k, state.s_v))
     # longer calls, longer groups: each group keeps one state for backward
@@ -460,6 +483,28 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
         groups = chunk_groups(rows, max_chunks, group_growth)
     acc = accum_dtype(state.s_k, k)
     s_kv, rho = torch.stack([state.s_k.to(acc), state.s_v.to(acc)]), state.rho.to(acc)
+    w_all = None
+    if n_folds:
+        # a row's radius is set once, by the token that creates it (section 4, "Readout"), so the radii after any
+        # fold are the first rows of the radii after the last: made once, outside the recomputed groups
+        rho = radii(rho.to(xd), fold_v.view(B, H, n_folds, C, D).to(xd), routing, sizes[-1])
+        if fold_g is not None:  # the fold weights (eqs. 3, 4; fold_additions) of every fold at once
+            w_all = fold_weights(spec, fold_g.view(B, H, n_folds, C).to(xd), routing.appended)
+            if sizes[0] == 0:  # the block that initialises the state is not gated
+                w_all = torch.cat([torch.ones_like(w_all[:, :, :1]), w_all[:, :, 1:]], dim=2)
+    flat_final = flat_snap = None
+    if n_folds and routing.probs is None:
+        # each token's flat row in its group's state (2, B, H, R) and snapshots (2, B, H, nf, R), for every fold at
+        # once, outside the recomputed groups (index arithmetic each group would do in forward and again when
+        # recomputed): fold f of a group of nf folds from f0 reading R rows
+        spans = []
+        for a, b in groups:
+            f0, f1 = reads[a - 1] if a else 0, reads[b - 1]
+            spans += [(f - f0, f1 - f0, rows[b - 1]) for f in range(f0, f1)]
+        local, nfs, Rs = torch.tensor(spans, device=dev).T.view(3, 1, 1, 1, n_folds, 1).unbind(0)
+        heads = torch.arange(2 * B * H, device=dev).view(2, B, H, 1, 1)
+        flat_final = heads * Rs + routing.target
+        flat_snap = (heads * nfs + local) * Rs + routing.target
     # the grids cut into one piece per group (grid chunks a .. b-1; the last piece to the grid's end) by one split:
     # autograd then gathers their gradients once, where a slice per group would give each group a gradient the
     # size of the whole grid
@@ -470,19 +515,21 @@ def kvm_chunk(spec: KVMSpec, params: KVMParams, q: torch.Tensor, k: torch.Tensor
     outs = []
     for i, (a, b) in enumerate(groups):
         f0, f1 = reads[a - 1] if a else 0, reads[b - 1]
-        fs = slice(f0 * C, f1 * C)
         kv_k, kv_v = pieces_k[i], pieces_v[i]
         if i == len(groups) - 1:  # the last piece holds the halo
             kv_k, kv_v, halo_k, halo_v = kv_k[:, :, :-nb * C], kv_v[:, :, :-nb * C], [kv_k[:, :, -nb * C:]], \
                 [kv_v[:, :, -nb * C:]]
         else:
             halo_k, halo_v = _first_tokens(pieces_k[i + 1:], nb * C), _first_tokens(pieces_v[i + 1:], nb * C)
-        args = (pieces_q[i], kv_k, kv_v, halo_k, halo_v, None if fold_g is None else fold_g[:, :, fs], s_kv, rho)
+        args = (pieces_q[i], kv_k, kv_v, halo_k, halo_v, None if w_all is None else w_all[:, :, f0:f1], s_kv, rho)
         if recompute:
-            o, s_kv, rho = torch.utils.checkpoint.checkpoint(group, a, b, *args, use_reentrant=False)
+            o, s_kv = torch.utils.checkpoint.checkpoint(group, a, b, *args, use_reentrant=False)
         else:
-            o, s_kv, rho = group(a, b, *args)
+            o, s_kv = group(a, b, *args)
         outs.append(o)
+    # the radii in the dtype a group's readout takes them in: the additions' after a group that folds, else the
+    # state's
+    rho = rho.to(xd if f1 > f0 else acc)
     o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     o = o[:, :, p0 - cq0 * C:p1 - cq0 * C]
 
