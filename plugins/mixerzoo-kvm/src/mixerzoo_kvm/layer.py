@@ -38,9 +38,10 @@ TRITON_GROUP_GROWTH = 1.5
 # window), padding included) instead: a group's snapshots, keys, values and their gradients are what a training
 # step's peak holds, so this bounds it however large a power-law state grows; the bound is raised so that a call
 # needs at most about TRITON_MAX_GROUPS groups, which bounds the launches (d_model 256, 32k, counted on a CPU:
-# kvm-256 8 groups of <= 12,288 rows, 1,541 launches; kvm-sqrt 9 groups of <= 38,848 rows, 1,724 launches)
+# kvm-256 8 groups of <= 12,288 rows; kvm-sqrt 13 groups of <= 28,253 rows, 1,961 launches, live peak 478 MiB,
+# where 8 gave 9 groups of <= 38,848 rows, 1,397 launches, 546 MiB)
 TRITON_GROUP_ROWS = 12288
-TRITON_MAX_GROUPS = 8
+TRITON_MAX_GROUPS = 11
 
 
 def _unrotate(pos, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
