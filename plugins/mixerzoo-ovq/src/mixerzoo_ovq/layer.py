@@ -12,7 +12,8 @@ Forms: :mod:`~mixerzoo_ovq.chunk` for a call of several tokens (training, prefil
 (:mod:`~mixerzoo_ovq.backends.cpu`) on CPU and ``scaled_dot_product_attention`` elsewhere. On CUDA tensors
 (``backend: auto``) both take the Triton backend (:mod:`~mixerzoo_ovq.backends.triton`: every chunk's choices in one
 kernel, all reads in one batched attention; a decode step's read in one kernel and its chunk's merge in one more)
-where the options keep the dictionary linear in the keys. The reference they are tested against is :mod:`~mixerzoo_ovq.naive`.
+where the options keep the dictionary linear in the keys. The reference they are tested against is
+:mod:`~mixerzoo_ovq.naive`.
 """
 
 from __future__ import annotations

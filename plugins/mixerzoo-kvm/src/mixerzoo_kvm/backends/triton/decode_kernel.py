@@ -15,7 +15,8 @@ appends, ``m' = C`` and every token appended when ``m = 0``: the first block bec
    ``||v_j||`` (fixed from then on), each token counts once in ``count``.
 
 Steps 2-4 and the weights of step 5 are the training path's routing rules (:func:`.route_kernel.route_fold`,
-:func:`.route_kernel.fold_weights`), so both paths decide alike by construction; the products are taken at full precision (``input_precision="ieee"``: no TF32) in the sums' dtype (fp32, or float64).
+:func:`.route_kernel.fold_weights`), so both paths decide alike by construction; the products are taken at full
+precision (``input_precision="ieee"``: no TF32) in the sums' dtype (fp32, or float64).
 """
 
 from __future__ import annotations
