@@ -207,7 +207,7 @@ def worker(task: dict) -> dict:
         return times
     layer = build(task["mixer"], task)
     if task["what"] == "memory":
-        with kernel_path(task, MIXERS[task["mixer"]][1].get("backend") == "triton"):
+        with kernel_path(task, on_gpu_path(task["mixer"])):
             return memory_cell(layer, task, device)
     if task["what"] == "decode":
         return decode_cell(layer, task["contexts"], task)
@@ -251,6 +251,11 @@ def launches_cell(layer, T: int, task: dict, trainable: bool, gpu_path: bool = F
     (:func:`mixerzoo.evaluation.cost.kernels_skipped`)."""
     with kernel_path(task, gpu_path):
         return _launches(layer, T, task, trainable)
+
+
+def on_gpu_path(name: str) -> bool:
+    """Whether configuration ``name`` is a ``/triton`` one: the layer forced onto the kernels a GPU runs."""
+    return MIXERS[name][1].get("backend") == "triton"
 
 
 def kernel_path(task: dict, gpu_path: bool) -> contextlib.ExitStack:
@@ -774,7 +779,7 @@ def main(argv: list[str] | None = None) -> None:
 def launches_table(args: argparse.Namespace, base: dict, out: dict) -> None:
     """The launch-count table: every mixer of ``--mixers`` at every length of ``--lengths``, in shared workers."""
     cells = [{"id": f"launches/{m}/{T}", "what": "launches", "mixer": m, "spec": MIXERS[m], "T": T,
-              "trainable": m in TRAINABLE, "gpu_path": MIXERS[m][1].get("backend") == "triton"}
+              "trainable": m in TRAINABLE, "gpu_path": on_gpu_path(m)}
              for m in args.mixers for T in args.lengths]
     results = run_cells({**base, "repeats": 0, "steps": 0, "rounds": 0}, cells, args.cell_timeout or 600,
                         args.budget or math.inf)
