@@ -130,6 +130,28 @@ def test_the_runner_writes_json_and_markdown_on_tiny_sizes(tmp_path):
     assert figures["launches"]["attention"]["64"]["decode"]["launches"] > 0
 
 
+def test_the_runner_prints_the_rows_max_len_skips_and_stamps_its_table(tmp_path):
+    """A mixer past its ``--max-len`` gets a row saying it was skipped and why (and a JSON entry), not silence; the
+    table starts with the stamp: the command, the CPU model and flags, torch, threads, the date."""
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, str(RUN), "--measure", "train", "--mixers", "attention", "swa-512",
+                           "--lengths", "32", "64", "--max-len", "swa-512=32", "--repeats", "1", "--d-model", "32",
+                           "--head-dim", "16", "--processes", "shared", "--threads", "1", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    md = done.stdout
+    assert "skipped" not in next(line for line in md.splitlines() if line.startswith("| 32 | swa-512 | "))
+    assert "| 64 | swa-512 | skipped: past its --max-len swa-512=32 (measure it with --max-len swa-512=64" in md
+    assert "| 64 | attention | " in md
+    figures = json.loads(out.read_text())
+    assert set(figures["skipped"]) == {"train/swa-512/64"} and "64" not in figures["train"]["swa-512"]
+    head = md.splitlines()[:2]
+    assert head[0].startswith("# Made by `python benchmarks/run.py --measure train") and " UTC" in head[0]
+    assert head[1].startswith("# Machine: ") and "torch " in head[1] and "1 threads" in head[1]
+    assert figures["settings"]["command"].startswith("python benchmarks/run.py --measure train")
+    assert {"cpu", "cpu_flags", "date", "torch", "threads"} <= set(figures["settings"])
+
+
 def test_the_runner_refuses_what_does_not_fit():
     for argv, message in ((["--d-model", "30", "--head-dim", "16"], "not a multiple"),
                           (["--model-layers", "2", "--measure", "launches"], "leave launches out"),
