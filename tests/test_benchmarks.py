@@ -286,3 +286,20 @@ def test_benchmark_precision_must_be_named(benchmark_script):
     device = benchmark_script("_device")
     with pytest.raises(ValueError, match="'fp32' or 'bf16'"):
         device.autocast("cpu", "float32")
+
+
+def test_tova_memory_table_swaps_through_the_core_and_measures_through_cost(tmp_path, benchmark_script, capsys):
+    """``papers/bench_tova_memory.py`` at its smallest: the state of TOVA at multi-state 16 is 16 of full
+    attention's 64 entries per layer (keys, values and an int64 position each), the table carries the stamp."""
+    memory = benchmark_script("papers/bench_tova_memory")
+    out = tmp_path / "m.md"
+    memory.main(["--tokens", "64", "--batch", "2", "--decode", "2", "--chunk", "32", "--sizes", "16,full",
+                 "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--vocab-size", "64", "--threads", "1",
+                 "--out", str(out)])
+    rows = {r["size"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    per_entry = 2 * (2 * 2 * 16 * 4 + 8)  # 2 layers x (2 heads x key + value of 16 fp32 channels, one position)
+    assert rows["16"]["state_mib_per_row"] * 2**20 == 16 * per_entry
+    assert rows["full"]["state_mib_per_row"] * 2**20 == 64 * 2 * 2 * 2 * 16 * 4  # attention keeps no positions
+    assert rows["16"]["peak_mem_bytes"] > 0
+    text = out.read_text()
+    assert text.startswith("Made by `python ") and "\nMachine: " in text and "| 16 | " in text

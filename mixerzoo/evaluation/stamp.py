@@ -64,11 +64,12 @@ def command_line(argv: list[str] | None = None) -> str:
     for a script, ``mixerzoo args`` for the console script."""
     argv = list(sys.argv if argv is None else argv)
     head = argv[0] if argv else "python"
-    if os.path.basename(head) in ("mixerzoo", "__main__.py", "cli.py"):
+    if os.path.basename(head) == "mixerzoo" or head.replace(os.sep, "/").endswith(("mixerzoo/cli.py",
+                                                                                    "mixerzoo/__main__.py")):
         return shlex.join(["mixerzoo", *argv[1:]])
     if head.endswith(".py"):
-        head = os.path.relpath(head) if os.path.isabs(head) else head
-        return shlex.join(["python", head, *argv[1:]])
+        rel = os.path.relpath(head) if os.path.isabs(head) else head
+        return shlex.join(["python", head if rel.startswith("..") else rel, *argv[1:]])
     return shlex.join(argv)
 
 
