@@ -37,6 +37,11 @@ Measurements (``--measure``, default ``train decode``):
 - ``curves`` (a sub-command, ``run.py curves --help``): ``mixerzoo fit`` of one recipe with each mixer of
   ``--mixers`` in every layer; a table of train and validation losses and a loss-curve figure.
 
+``--max-len MIXER=T`` leaves a slow mixer out of the training lengths past ``T`` (default kvm-sqrt and ovq past 16k;
+``--max-len`` with no value: none left out); each row left out is printed, saying so and why. Every table starts
+with the stamp of :mod:`mixerzoo.evaluation.stamp` (the command, the CPU model and flags, torch, threads, the
+date), which ``--json`` keeps under ``settings``.
+
 Processes: ``--processes shared`` (the default on CUDA, always for launches) runs every cell in one worker, mixer
 after mixer, each cell bounded by ``--cell-timeout`` (the worker is killed, the mixer's later cells skipped, a
 fresh worker goes on) and the whole table by ``--budget``; ``per-cell`` (the CPU's default for train and decode)

@@ -115,7 +115,7 @@ def test_carried_wheels_install_what_is_missing_and_ours(tmp_path, benchmark_scr
 
 
 def test_fetch_wheels_pins_the_versions_here_for_python_312(tmp_path, benchmark_script, monkeypatch):
-    """--fetch-wheels: one ``pip download`` of every third-party wheel at the version installed here, for CPython
+    """``carry.py fetch``: one ``pip download`` of every third-party wheel at the version installed here, for CPython
     3.12 on manylinux x86_64, then ``pip wheel --no-deps`` of mixerzoo and each plugin (pip itself not run)."""
     suite = benchmark_script("device/carry")
     calls = []
