@@ -113,6 +113,10 @@ def main(argv: list[str] | None = None) -> None:
         results.append({"mixer": label, "params": count_params(recipe, mixer, options), "wall_s": wall,
                         "train": train, "val": val})
 
+    from mixerzoo.evaluation.stamp import command_line, stamp, stamp_lines
+
+    given = sys.argv[2:] if argv is None else argv
+    print(stamp_lines(stamp(command_line(["benchmarks/run.py", "curves", *given])), "# "))
     print(f"# CPU training on books: recipe {recipe.relative_to(ROOT) if recipe.is_relative_to(ROOT) else recipe}, "
           f"same backbone, mixer swapped in every layer; {os.cpu_count()} shared cores")
     print(f"{'mixer':<10} {'params':>8} {'wall s':>7} {'train@first':>11} {'train@last':>10}  val/loss by step")

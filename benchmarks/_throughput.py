@@ -39,9 +39,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import copy
-import datetime
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -240,19 +238,12 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    cpu = platform.processor() or "?"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = f" {torch.cuda.get_device_name()!r}" if args.device == "cuda" else ""
+    from mixerzoo.evaluation.stamp import command_line, stamp, stamp_lines
+
+    given = sys.argv[2:] if argv is None else argv
+    print(stamp_lines(stamp(command_line(["benchmarks/run.py", "throughput", *given]), args.device), "# "))
     print(f"# run.py throughput: mixerzoo attention LM vs transformers LlamaForCausalLM, training, "
-          f"{args.device}{gpu} {args.dtype}")
-    print(f"# date {datetime.datetime.now().isoformat(timespec='seconds')}  cpu {cpu!r}  logical cpus "
-          f"{os.cpu_count()}  torch threads {args.threads}  load avg {os.getloadavg()[0]:.2f}")
-    print(f"# torch {torch.__version__}  transformers {transformers.__version__}  python "
-          f"{platform.python_version()}")
-    print(f"# command: python benchmarks/run.py throughput {' '.join(sys.argv[2:] if argv is None else argv)}")
+          f"{args.device} {args.dtype}; transformers {transformers.__version__}")
 
     ours = build_ours(args, args.vocab).to(args.device)
     vocab = ours.config.padded_vocab_size

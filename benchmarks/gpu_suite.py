@@ -1,4 +1,8 @@
-"""The project's GPU check in one command that fits one 9-minute run on one CUDA GPU.
+"""The project's GPU check in one command on one CUDA GPU (about 9 minutes):
+
+    python benchmarks/gpu_suite.py --out docs/results/gpu/<device>
+    python benchmarks/gpu_suite.py --out /tmp/suite --dry-run      # every step on the CPU at toy sizes
+    python benchmarks/gpu_suite.py --list                          # every command and its timeout
 
 Steps, in order, each a subprocess in its own process group under its own timeout (a step that fails or times
 out is recorded and the suite goes on; no step starts after ``--budget`` seconds, and each step's timeout is cut
@@ -7,11 +11,6 @@ to what the budget has left):
 =============  ======  ==================================================================================
 step           s       what
 =============  ======  ==================================================================================
-install        40      with ``--wheels DIR``: ``pip install --no-index --no-deps --no-compile --target SITE``
-                       of the carried wheels (mixerzoo's and its plugins' always; a third-party wheel only
-                       where its distribution is not installed already), SITE then on every later step's
-                       ``PYTHONPATH`` (after the checkout, so the checkout's code is what runs; the wheels
-                       give the entry points)
 env            25      versions (python, torch, CUDA, Triton, fla, transformers, ...), the GPU, where
                        mixerzoo and each plugin import from, every registered mixer, ``nvidia-smi``
 conformance    150     ``pytest -v -k conformance`` over ``tests/test_attention_baselines.py``,
@@ -32,40 +31,27 @@ throughput     70      ``run.py throughput``: the ~120M attention LM vs ``LlamaF
                        seq 2048, batch 8 (3 repeats, no ``torch.compile`` arm)
 =============  ======  ==================================================================================
 
-The default timeouts add up to 515 s of the default ``--budget`` 540 (install and env run first; conformance and
-kernels together take the longer of their two). Opt-in (``--with-training``, or ``--only train resume``),
-since they do not fit the 9 minutes: ``train`` (``mixerzoo fit`` of ``recipes/kvm/kvm-256-120m.yaml`` for
-``--train-steps`` steps) and ``resume`` (the same run resumed from its last checkpoint to twice the steps).
+The default timeouts add up to the default ``--budget`` (conformance and kernels together take the longer of
+their two). Opt-in (``--with-training``, or ``--only train resume``): ``train`` (``mixerzoo fit`` of
+``recipes/kvm/kvm-256-120m.yaml`` for ``--train-steps`` steps) and ``resume`` (the same run resumed from its last
+checkpoint to twice the steps).
 
-Outputs under ``--out``, at most 8 files (a device run returns no more), each cut to 16 MiB (head and tail kept):
-``env.txt`` (install and env), ``conformance.txt``, ``kernels.txt``, ``efficiency.md``, ``efficiency.json``,
-``throughput.txt``, ``summary.md`` (per step: command, exit code, seconds, and the same as a JSON block); with
-the training steps also ``train.txt`` (both runs and the last ``metrics.csv``).
-
-``--dry-run`` runs the same steps on the CPU at toy sizes (the same code paths: the efficiency step with
-``--processes shared``), so CI checks the plumbing; ``--list`` prints the commands. ``--fetch-wheels DIR`` (on a
-machine with an index, not the GPU one) downloads the third-party wheels a GPU machine lacks, pinned to the
-versions installed here, for CPython 3.12 on manylinux x86_64, and builds mixerzoo's and its plugins' wheels
-into DIR. Run from the repository root::
-
-    python benchmarks/gpu_suite.py --fetch-wheels .whl                          # here: ~5 MiB of wheels
-    python3 benchmarks/gpu_suite.py --wheels .whl --out $OUT --budget 540        # on the GPU machine
-    python benchmarks/gpu_suite.py --out /tmp/suite --dry-run                   # anywhere, about a minute
+Outputs under ``--out``: ``env.txt``, ``conformance.txt``, ``kernels.txt``, ``efficiency.md``, ``efficiency.json``,
+``throughput.txt``, ``summary.md`` (per step: command, exit code, seconds, and the same as a JSON block); with the
+training steps also ``train.txt`` (both runs and the last ``metrics.csv``). ``--dry-run`` runs the same steps on the
+CPU at toy sizes (the same code paths: the efficiency step with ``--processes shared``), so CI checks them. A
+machine without the project's dependencies installed: ``device/carry.py`` brings them as wheels.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.metadata
 import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,20 +59,11 @@ from pathlib import Path
 from _device import kill_process_group  # beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["install", "env", "conformance", "kernels", "efficiency", "throughput"]
+STEPS = ["env", "conformance", "kernels", "efficiency", "throughput"]
 OPTIONAL = ["train", "resume"]  # opt-in: a 120M training run does not fit the 9 minutes
-TIMEOUTS = {"install": 40, "env": 25, "conformance": 150, "kernels": 100, "efficiency": 230,
+TIMEOUTS = {"env": 25, "conformance": 150, "kernels": 100, "efficiency": 230,
             "throughput": 70, "train": 600, "resume": 600}
-MAX_FILES, MAX_BYTES = 8, 16 * 2**20  # what one device command returns
 BUDGET_MARGIN = 25  # seconds between the efficiency table's --budget and its step's timeout
-# What a GPU machine with torch, Triton, Lightning, torchmetrics and transformers lacks: the fla
-# kernels, jsonargparse with its signature extras (the CLI), datasets and the two of its requirements that are
-# not common (the rest, pyarrow, xxhash, fsspec, pandas, huggingface_hub, ..., come with transformers or are there).
-THIRD_PARTY = ["flash-linear-attention", "fla-core", "jsonargparse", "typeshed-client", "docstring-parser",
-               "datasets", "dill", "multiprocess"]
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
-MAX_WHEELS_MIB = 48  # the device tool carries 64 MiB in all
-
 ENV_SCRIPT = r"""
 import importlib, importlib.metadata as md, os, platform, shutil, subprocess, sys
 import torch
@@ -103,10 +80,6 @@ for name in ("triton", "fla", "transformers", "lightning", "torchmetrics", "json
         print(f"{name:18s}", getattr(m, "__version__", "?"), "from", os.path.dirname(m.__file__ or "?"))
     except Exception as e:
         print(f"{name:18s}", "not importable:", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-site = os.environ.get("GPU_SUITE_SITE")
-if site and os.path.isdir(site):
-    print("installed from the carried wheels into", site + ":",
-          ", ".join(sorted(d[:-len(".dist-info")] for d in os.listdir(site) if d.endswith(".dist-info"))))
 from mixerzoo import registry
 for name, entry in sorted(registry.entries("mixer").items()):
     try:
@@ -131,34 +104,7 @@ class Step:
     timeout: float
     beside_next: bool = False
     budget_flag: str | None = None
-    note: str = ""
     env: dict = field(default_factory=dict)
-
-
-def dist_name(wheel: str) -> str:
-    """A wheel file's distribution, normalised (PEP 503): ``fla_core-0.6.0-py3-none-any.whl`` -> ``fla-core``."""
-    return re.sub(r"[-_.]+", "-", os.path.basename(wheel).split("-")[0]).lower()
-
-
-def ours(dist: str) -> bool:
-    return dist == "mixerzoo" or dist.startswith("mixerzoo-")
-
-
-def carried_wheels(folder: str) -> tuple[list[str], list[str]]:
-    """The wheels of ``folder`` to install (mixerzoo's and its plugins' always, a third-party one only where its
-    distribution is not installed here) and a line for each one left out."""
-    install, skipped = [], []
-    for wheel in sorted(glob.glob(os.path.join(folder, "*.whl"))):
-        dist = dist_name(wheel)
-        try:
-            have = None if ours(dist) else importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            have = None
-        if have is None:
-            install.append(wheel)
-        else:
-            skipped.append(f"{os.path.basename(wheel)}: {dist} {have} is installed already")
-    return install, skipped
 
 
 def plugin_dirs() -> list[Path]:
@@ -170,12 +116,6 @@ def plan(args: argparse.Namespace) -> list[Step]:
     py, out, dry = sys.executable, Path(args.out).resolve(), args.dry_run
     device = "cpu" if dry else "cuda"
     steps = []
-    if args.wheels:
-        install, skipped = carried_wheels(args.wheels)
-        note = "".join(f"# left out: {s}\n" for s in skipped)
-        cmd = ([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade", "--target",
-                args.site, *install] if install else [py, "-c", "print('no wheel to install')"])
-        steps.append(Step("install", cmd, "env.txt", 0, note=note))
     steps.append(Step("env", [py, "-c", ENV_SCRIPT], "env.txt", 0))
     pytest = [py, "-m", "pytest", "-v", "--tb=short", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts="]
     if _has("pytest_timeout"):
@@ -238,30 +178,13 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def step_env(args: argparse.Namespace) -> dict:
+def step_env() -> dict:
     """The steps' environment: the checkout and its plugins' sources first on ``PYTHONPATH`` (the code measured
-    is the checkout's), then the site the wheels went to (their entry points, and what the machine lacked)."""
+    is the checkout's), then what ``PYTHONPATH`` held (e.g. the site ``device/carry.py`` installed wheels to)."""
     paths = [str(ROOT)] + [str(p / "src") for p in plugin_dirs()]
-    if args.wheels:
-        paths.append(args.site)
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1", GPU_SUITE_SITE=args.site
-                if args.wheels else "")
-
-
-def cap_file(path: Path, limit: int = MAX_BYTES) -> None:
-    """Cut a file over ``limit`` bytes to its first and last halves of it, with a line saying so."""
-    size = path.stat().st_size
-    if size <= limit:
-        return
-    half = limit // 2 - 200
-    with open(path, "rb") as f:
-        head = f.read(half)
-        f.seek(size - half)
-        tail = f.read()
-    path.write_bytes(head + f"\n[gpu_suite] ... {size - 2 * half} bytes cut here (file over {limit} bytes) ...\n"
-                     .encode() + tail)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
 
 
 def run_group(group: list[Step], out: Path, env: dict, deadline: float, written: set) -> list[dict]:
@@ -280,7 +203,7 @@ def run_group(group: list[Step], out: Path, env: dict, deadline: float, written:
             running.append((s, None, None, 0.0, timeout))
             continue
         cmd = list(s.cmd) + ([s.budget_flag, str(int(max(timeout - BUDGET_MARGIN, 10)))] if s.budget_flag else [])
-        log.write(f"$ {shlex.join(cmd) if s.name != 'env' else shlex.join(cmd[:2]) + ' <ENV_SCRIPT>'}\n{s.note}")
+        log.write(f"$ {shlex.join(cmd) if s.name != 'env' else shlex.join(cmd[:2]) + ' <ENV_SCRIPT>'}\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**env, **s.env},
                                 start_new_session=True)
@@ -298,7 +221,6 @@ def run_group(group: list[Step], out: Path, env: dict, deadline: float, written:
             rc = 124
         log.write(f"\n[gpu_suite] {s.name}: exit code {rc}, {time.monotonic() - t0:.0f} s\n")
         log.close()
-        cap_file(out / s.output)
         results.append(result(s, rc, time.monotonic() - t0))
     return results
 
@@ -332,50 +254,6 @@ def read_summary(out: str | Path) -> list[dict]:
     return json.loads(text.split("```json\n", 1)[1].split("\n```", 1)[0])
 
 
-def fetch_wheels(dest: str, python_version: str = "3.12") -> int:
-    """Download :data:`THIRD_PARTY`'s wheels pinned to the versions installed here (``pip download --no-deps
-    --only-binary=:all:`` for CPython ``python_version`` on manylinux x86_64) and build mixerzoo's and every
-    plugin's wheel (``pip wheel --no-deps``, from a copy of its sources) into ``dest``; older wheels of the same
-    distributions there are removed. Refuses a folder over :data:`MAX_WHEELS_MIB`."""
-    folder = Path(dest).resolve()
-    folder.mkdir(parents=True, exist_ok=True)
-    pins = {name: importlib.metadata.version(name) for name in THIRD_PARTY}
-    names = set(pins) | {"mixerzoo"} | {dist_name(p.name) for p in plugin_dirs()}
-    for old in folder.glob("*.whl"):
-        if dist_name(old.name) in names:
-            old.unlink()
-    pip = [sys.executable, "-m", "pip"]
-    cmd = pip + ["download", "--no-deps", "--only-binary=:all:", "--python-version", python_version,
-                 "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(folder),
-                 *[f"{n}=={v}" for n, v in pins.items()]]
-    print("$", shlex.join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        for project in [ROOT, *plugin_dirs()]:
-            copy = Path(tmp) / project.name
-            copy.mkdir()
-            for item in ("pyproject.toml", "README.md", "LICENSE", "mixerzoo", "src"):
-                src = project / item
-                if src.is_dir():
-                    shutil.copytree(src, copy / item, ignore=shutil.ignore_patterns(
-                        "__pycache__", "*.egg-info", "*.pyc"))
-                elif src.is_file():
-                    shutil.copy2(src, copy / item)
-            cmd = pip + ["wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(folder), str(copy)]
-            print("$", shlex.join(cmd), flush=True)
-            subprocess.run(cmd, check=True)
-    wheels = sorted(folder.glob("*.whl"))
-    total = sum(w.stat().st_size for w in wheels)
-    for w in wheels:
-        print(f"{w.stat().st_size / 2**20:7.2f} MiB  {w.name}")
-    print(f"{total / 2**20:7.2f} MiB  in all, {len(wheels)} wheels in {folder}")
-    if total > MAX_WHEELS_MIB * 2**20:
-        print(f"gpu_suite: {folder} is over {MAX_WHEELS_MIB} MiB; the device tool carries 64 MiB in all",
-              file=sys.stderr)
-        return 1
-    return 0
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="docs/results/gpu/run", help="folder for every raw output and summary.md")
@@ -383,11 +261,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="print the commands and exit")
     p.add_argument("--only", nargs="+", choices=STEPS + OPTIONAL, help="run only these steps")
     p.add_argument("--with-training", action="store_true", help="add the train and resume steps (over 9 minutes)")
-    p.add_argument("--wheels", help="folder of carried wheels to install first (see --fetch-wheels)")
-    p.add_argument("--site", default=None,
-                   help="where the wheels go (pip --target; default /tmp/site, a temporary folder with --dry-run)")
-    p.add_argument("--fetch-wheels", metavar="DIR",
-                   help="download the third-party wheels and build mixerzoo's into DIR (here, not on the GPU), exit")
     p.add_argument("--budget", type=float, default=540, help="seconds for the whole suite (default 540)")
     p.add_argument("--timeout", nargs="+", default=[], metavar="STEP=SECONDS",
                    help="a step's own timeout instead of its default (" +
@@ -406,17 +279,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         if name not in TIMEOUTS or not re.fullmatch(r"\d+(\.\d*)?", seconds):
             p.error(f"--timeout {item!r}: give STEP=SECONDS with STEP one of {', '.join(TIMEOUTS)}")
         args.timeouts[name] = float(seconds)
-    if args.site is None:
-        args.site = os.path.join(tempfile.gettempdir(), "gpu_suite_site") if args.dry_run else "/tmp/site"
-    if args.wheels and not os.path.isdir(args.wheels):
-        p.error(f"--wheels {args.wheels}: no such folder (make it with --fetch-wheels)")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.fetch_wheels:
-        return fetch_wheels(args.fetch_wheels)
     steps = plan(args)
     if args.list:
         for s in steps:
@@ -424,10 +291,6 @@ def main(argv=None) -> int:
             print(f"[{s.name}] -> {s.output}, timeout {s.timeout:.0f} s{', beside the next' * s.beside_next}\n"
                   f"  {cmd}")
         return 0
-    if len({s.output for s in steps} | {"summary.md"} | ({"efficiency.json"} if any(
-            s.name == "efficiency" for s in steps) else set())) > MAX_FILES:
-        print(f"gpu_suite: these steps would write more than {MAX_FILES} files", file=sys.stderr)
-        return 2
     if not args.dry_run:
         import torch
 
@@ -439,7 +302,7 @@ def main(argv=None) -> int:
     deadline = started + args.budget - 5  # the summary's last write
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    env, results, written, i = step_env(args), [], set(), 0
+    env, results, written, i = step_env(), [], set(), 0
     while i < len(steps):
         group = [steps[i]]
         while group[-1].beside_next and i + len(group) < len(steps):

@@ -37,6 +37,11 @@ Measurements (``--measure``, default ``train decode``):
 - ``curves`` (a sub-command, ``run.py curves --help``): ``mixerzoo fit`` of one recipe with each mixer of
   ``--mixers`` in every layer; a table of train and validation losses and a loss-curve figure.
 
+``--max-len MIXER=T`` leaves a slow mixer out of the training lengths past ``T`` (default kvm-sqrt and ovq past 16k;
+``--max-len`` with no value: none left out); each row left out is printed, saying so and why. Every table starts
+with the stamp of :mod:`mixerzoo.evaluation.stamp` (the command, the CPU model and flags, torch, threads, the
+date), which ``--json`` keeps under ``settings``.
+
 Processes: ``--processes shared`` (the default on CUDA, always for launches) runs every cell in one worker, mixer
 after mixer, each cell bounded by ``--cell-timeout`` (the worker is killed, the mixer's later cells skipped, a
 fresh worker goes on) and the whole table by ``--budget``; ``per-cell`` (the CPU's default for train and decode)
@@ -61,7 +66,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import queue
 import resource
 import statistics
@@ -678,7 +682,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--memory-only", action="store_true", help="peak memory only, no timed rounds")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-len", nargs="*", default=["kvm-sqrt=16384", "ovq=16384"], metavar="MIXER=T",
-                    help="longest training length per mixer (a slow cell can be left out)")
+                    help="longest training length per mixer (a slow cell can be left out: its row says so); no "
+                         "value: every mixer at every length")
     ap.add_argument("--decode-contexts", type=int, nargs="*", default=[1024, 16384], help="none: skip decode")
     ap.add_argument("--decode-steps", type=int, default=64, help="single-token steps per context and round")
     ap.add_argument("--decode-rounds", type=int, default=7,
@@ -757,16 +762,14 @@ def main(argv: list[str] | None = None) -> None:
         if flag:
             tool(flag[0], int(flag[1]), base)
             return
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
-    print(f"# benchmarks/run.py  {' '.join(argv)}")
-    print(f"# {cpu}{gpu}, {os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f} at start; "
-          f"torch {torch.__version__} {platform.machine()}")
+    from mixerzoo.evaluation.stamp import command_line, stamp, stamp_lines
+
+    torch.set_num_threads(args.threads)  # the stamp's threads: the workers' (this process only schedules them)
+    stamped = stamp(command_line(["benchmarks/run.py", *argv]), args.device)
+    print(stamp_lines(stamped, "# "))
     print(f"# {describe(base)}; options: "
           + "; ".join(f"{n}: {MIXERS[n][0]} {MIXERS[n][1]}" for n in args.mixers), flush=True)
-    out = {"settings": {**base, "command": "python benchmarks/run.py " + " ".join(argv), "torch": torch.__version__,
-                        "machine": f"{cpu}{gpu}, {os.cpu_count()} cores"},
-           "train": {}, "decode": {}, "launches": {}, "errors": {}}
+    out = {"settings": {**base, **stamped}, "train": {}, "decode": {}, "launches": {}, "errors": {}, "skipped": {}}
     if "train" in args.measure or "decode" in args.measure:
         train_and_decode(args, base, out)
     if "launches" in args.measure:
@@ -823,6 +826,7 @@ def train_and_decode(args: argparse.Namespace, base: dict, out: dict) -> None:
     ctx = args.decode_contexts if "decode" in args.measure else []
     train_mixers = {T: ["attention"] * ("attention" not in trainable) + [m for m in trainable if T <= limits.get(m, T)]
                     for T in lengths}
+    skipped = {T: past_max_len(trainable, T, limits) for T in lengths}
     if shared:
         cells = shared_cells(args.mixers, lengths, ctx, train_mixers)
         task = {**base, "repeats": 0 if args.memory_only else args.repeats, "steps": args.decode_steps,
@@ -848,6 +852,7 @@ def train_and_decode(args: argparse.Namespace, base: dict, out: dict) -> None:
         if shared:
             for m in mixers:
                 train_row(out, m, T, results[f"train/{m}/{T}"], args.memory_only, shared)
+            skipped_rows(out, T, skipped[T])
             continue
         times = ({m: [float("nan")] for m in mixers} if args.memory_only else
                  run({**base, "what": "time", "T": T, "mixers": mixers, "repeats": args.repeats}, args.cell_timeout))
@@ -857,6 +862,7 @@ def train_and_decode(args: argparse.Namespace, base: dict, out: dict) -> None:
                    run({**base, "what": "memory", "mixer": m, "T": T}, args.cell_timeout))
             cell = {"error": failed} if failed else mem if "error" in mem else {"times_s": times[m], **mem}
             train_row(out, m, T, cell, args.memory_only, shared)
+        skipped_rows(out, T, skipped[T])
     if ctx:
         print(f"\n## Decode: ms per token after a prefill of T tokens (median of {args.decode_rounds} rounds of "
               f"{args.decode_steps} steps, the contexts in turn), the median of the per-round ratios of the "
@@ -881,6 +887,20 @@ def train_and_decode(args: argparse.Namespace, base: dict, out: dict) -> None:
         kib = state.get(str(ctx[-1]))
         print(f"| {m} | " + " | ".join(f"{v:.2f}" for v in ms) + f" | {ratio:.2f}x | "
               f"{'-' if kib is None else f'{kib / 1024:,.0f}'} |", flush=True)
+
+
+def past_max_len(mixers: list[str], T: int, limits: dict[str, int]) -> dict[str, str]:
+    """``{mixer: why}`` for the mixers of ``mixers`` that ``--max-len`` leaves out at ``T`` tokens."""
+    return {m: f"skipped: past its --max-len {m}={limits[m]} (measure it with --max-len {m}={T}, or --max-len with "
+               f"no value)" for m in mixers if T > limits.get(m, T)}
+
+
+def skipped_rows(out: dict, T: int, why: dict[str, str]) -> None:
+    """Print a row for each mixer ``--max-len`` left out at ``T`` (``why``: :func:`past_max_len`), and record it in
+    ``out["skipped"]``: a table says what it did not measure."""
+    for m, reason in why.items():
+        out["skipped"][f"train/{m}/{T}"] = reason
+        print(f"| {fmt_len(T)} | {m} | {reason} | | | | | | | |", flush=True)
 
 
 def shared_cells(mixers: list[str], lengths: list[int], contexts: list[int],

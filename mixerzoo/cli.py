@@ -380,7 +380,8 @@ def _lightning_cli(args: list[str] | None):
     from .errors import ConfigError
     from .model.config import apply_mixer_overrides, split_mixer_overrides
     from .training import LMModule, ThroughputLogger
-    from .training.module import explicit_fields
+    from .model import LMConfig
+    from .training.module import explicit_fields, merged_fields
     from .training.checkpoints import AtomicCheckpointIO, LastCheckpoint, check_ckpt_path
 
     # Lightning 2.6 deprecation noise about torch's pytree internals, printed on every run; nothing a user can act on.
@@ -510,17 +511,23 @@ def _lightning_cli(args: list[str] | None):
             check_ckpt_path(self.config[sub].get("ckpt_path"))
             if sub == "fit":
                 _resume_in_run_folder(self.config[sub])
-            # Model fields the user set (differing from LMModule's defaults) win over the checkpoint's, so e.g.
-            # `validate --ckpt_path X --model.mixers '{attention: {mixer: tova, multi_state: 256}}'` switches
+            # Model fields the user set (differing from LMModule's defaults) win over the checkpoint's, and the
+            # mixers given are merged into the checkpoint's key by key (merged_fields: the merge of evaluate
+            # --mixers and generate), so `validate --ckpt_path X --model.mixers.attention.mixer tova` switches
             # layers without retraining; an incompatible change is refused when the weights are loaded.
-            given = self.config[sub].get("model")
-            explicit = explicit_fields(given or {})
+            given = self.config[sub].get("model") or {}
+            explicit = explicit_fields(given)
+            if mixer_overrides:
+                explicit["mixers"] = apply_mixer_overrides(given.get("mixers"), mixer_overrides)
+            ckpt_path = self.config[sub].get("ckpt_path")
             super()._parse_ckpt_path()
+            model = self.config[sub].model
+            if ckpt_path and os.path.isfile(ckpt_path):  # the checkpoint's fields were read into `model`
+                saved = model.as_dict() if hasattr(model, "as_dict") else dict(model)
+                saved = LMConfig(**{k: saved[k] for k in LMConfig.__dataclass_fields__ if k in saved})
+                explicit.update(merged_fields(saved, {**given, **explicit}))
             for k, v in explicit.items():
                 self.config[sub].model[k] = v
-            if mixer_overrides:
-                self.config[sub].model.mixers = apply_mixer_overrides(self.config[sub].model.get("mixers"),
-                                                                       mixer_overrides)
             if print_config:
                 # --print_config was held back so that it shows the merged mixers: print the subcommand's config
                 import yaml

@@ -130,6 +130,28 @@ def test_the_runner_writes_json_and_markdown_on_tiny_sizes(tmp_path):
     assert figures["launches"]["attention"]["64"]["decode"]["launches"] > 0
 
 
+def test_the_runner_prints_the_rows_max_len_skips_and_stamps_its_table(tmp_path):
+    """A mixer past its ``--max-len`` gets a row saying it was skipped and why (and a JSON entry), not silence; the
+    table starts with the stamp: the command, the CPU model and flags, torch, threads, the date."""
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, str(RUN), "--measure", "train", "--mixers", "attention", "swa-512",
+                           "--lengths", "32", "64", "--max-len", "swa-512=32", "--repeats", "1", "--d-model", "32",
+                           "--head-dim", "16", "--processes", "shared", "--threads", "1", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    md = done.stdout
+    assert "skipped" not in next(line for line in md.splitlines() if line.startswith("| 32 | swa-512 | "))
+    assert "| 64 | swa-512 | skipped: past its --max-len swa-512=32 (measure it with --max-len swa-512=64" in md
+    assert "| 64 | attention | " in md
+    figures = json.loads(out.read_text())
+    assert set(figures["skipped"]) == {"train/swa-512/64"} and "64" not in figures["train"]["swa-512"]
+    head = md.splitlines()[:2]
+    assert head[0].startswith("# Made by `python benchmarks/run.py --measure train") and " UTC" in head[0]
+    assert head[1].startswith("# Machine: ") and "torch " in head[1] and "1 threads" in head[1]
+    assert figures["settings"]["command"].startswith("python benchmarks/run.py --measure train")
+    assert {"cpu", "cpu_flags", "date", "torch", "threads"} <= set(figures["settings"])
+
+
 def test_the_runner_refuses_what_does_not_fit():
     for argv, message in ((["--d-model", "30", "--head-dim", "16"], "not a multiple"),
                           (["--model-layers", "2", "--measure", "launches"], "leave launches out"),
@@ -264,3 +286,20 @@ def test_benchmark_precision_must_be_named(benchmark_script):
     device = benchmark_script("_device")
     with pytest.raises(ValueError, match="'fp32' or 'bf16'"):
         device.autocast("cpu", "float32")
+
+
+def test_tova_memory_table_swaps_through_the_core_and_measures_through_cost(tmp_path, benchmark_script, capsys):
+    """``papers/bench_tova_memory.py`` at its smallest: the state of TOVA at multi-state 16 is 16 of full
+    attention's 64 entries per layer (keys, values and an int64 position each), the table carries the stamp."""
+    memory = benchmark_script("papers/bench_tova_memory")
+    out = tmp_path / "m.md"
+    memory.main(["--tokens", "64", "--batch", "2", "--decode", "2", "--chunk", "32", "--sizes", "16,full",
+                 "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--vocab-size", "64", "--threads", "1",
+                 "--out", str(out)])
+    rows = {r["size"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    per_entry = 2 * (2 * 2 * 16 * 4 + 8)  # 2 layers x (2 heads x key + value of 16 fp32 channels, one position)
+    assert rows["16"]["state_mib_per_row"] * 2**20 == 16 * per_entry
+    assert rows["full"]["state_mib_per_row"] * 2**20 == 64 * 2 * 2 * 2 * 16 * 4  # attention keeps no positions
+    assert rows["16"]["peak_mem_bytes"] > 0
+    text = out.read_text()
+    assert text.startswith("Made by `python ") and "\nMachine: " in text and "| 16 | " in text

@@ -1,8 +1,10 @@
-"""``benchmarks/gpu_suite.py``: the GPU suite's plumbing, checked on the CPU (its ``--dry-run`` and ``--list``)."""
+"""``benchmarks/gpu_suite.py`` (the GPU check) and ``benchmarks/device/carry.py`` (its wheels and bounded outputs on a
+borrowed machine), checked on the CPU (the suite's ``--dry-run`` and ``--list``)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
+CARRY = ROOT / "benchmarks" / "device" / "carry.py"
 
 
 def fake_wheel(folder: Path, dist: str, version: str = "1.0") -> Path:
@@ -40,8 +43,7 @@ def fake_wheel(folder: Path, dist: str, version: str = "1.0") -> Path:
 @pytest.mark.parametrize("dry", [False, True])
 def test_every_step_names_files_that_exist(tmp_path, dry, benchmark_script):
     suite = benchmark_script("gpu_suite")
-    args = suite.parse_args(["--out", str(tmp_path), "--wheels", str(tmp_path), "--with-training"]
-                            + (["--dry-run"] if dry else []))
+    args = suite.parse_args(["--out", str(tmp_path), "--with-training"] + (["--dry-run"] if dry else []))
     steps = suite.plan(args)
     assert [s.name for s in steps] == suite.STEPS + suite.OPTIONAL
     for s in steps:
@@ -52,15 +54,17 @@ def test_every_step_names_files_that_exist(tmp_path, dry, benchmark_script):
     assert ("cuda" not in by_name["efficiency"]) == dry and ("cuda" not in by_name["throughput"]) == dry
     assert by_name["resume"][-2:] == ["--ckpt_path", "last"]
     assert by_name["resume"][by_name["resume"].index("--trainer.max_steps") + 1] == str(2 * args.train_steps)
-    assert [s.name for s in suite.plan(suite.parse_args(["--out", str(tmp_path)]))] == suite.STEPS[1:]
+    assert [s.name for s in suite.plan(suite.parse_args(["--out", str(tmp_path)]))] == suite.STEPS
 
 
 def test_the_default_steps_fit_one_nine_minute_command(tmp_path, benchmark_script):
     """The default timeouts (conformance and kernels side by side) fit the default budget, which fits 9
     minutes; the efficiency table is told a budget under 4 minutes; every mixer and length the GPU table needs is in it;
-    the conformance run is verbose with fla's tests last; and the files written stay within 8."""
+    the conformance run is verbose with fla's tests last; and the files written, with carry.py's install log, stay
+    within what a borrowed machine returns."""
     suite = benchmark_script("gpu_suite")
-    steps = suite.plan(suite.parse_args(["--out", str(tmp_path), "--wheels", str(tmp_path)]))
+    carry = benchmark_script("device/carry")
+    steps = suite.plan(suite.parse_args(["--out", str(tmp_path)]))
     total, i = 0, 0
     while i < len(steps):
         n = 2 if steps[i].beside_next else 1
@@ -78,7 +82,7 @@ def test_the_default_steps_fit_one_nine_minute_command(tmp_path, benchmark_scrip
     assert eff.cmd[1] == "benchmarks/run.py" and eff.cmd[eff.cmd.index("--d-model") + 1] == "1024"
     conf = next(s.cmd for s in steps if s.name == "conformance")
     assert "-v" in conf and conf[conf.index("-k") + 1] == "conformance" and conf[-1].endswith("mixerzoo-fla/tests")
-    assert len({s.output for s in steps} | {"summary.md", "efficiency.json"}) <= suite.MAX_FILES
+    assert len({s.output for s in steps} | {"summary.md", "efficiency.json", "install.txt"}) <= carry.MAX_FILES
 
 
 def test_the_training_step_is_a_valid_fit_command(tmp_path, benchmark_script):
@@ -100,7 +104,7 @@ def test_without_cuda_the_full_suite_refuses_with_the_way_out(tmp_path):
 
 
 def test_carried_wheels_install_what_is_missing_and_ours(tmp_path, benchmark_script):
-    suite = benchmark_script("gpu_suite")
+    suite = benchmark_script("device/carry")
     for dist in ("gpu-suite-probe", "pytest", "mixerzoo-kvm"):
         fake_wheel(tmp_path, dist)
     install, skipped = suite.carried_wheels(str(tmp_path))
@@ -111,9 +115,9 @@ def test_carried_wheels_install_what_is_missing_and_ours(tmp_path, benchmark_scr
 
 
 def test_fetch_wheels_pins_the_versions_here_for_python_312(tmp_path, benchmark_script, monkeypatch):
-    """--fetch-wheels: one ``pip download`` of every third-party wheel at the version installed here, for CPython
+    """``carry.py fetch``: one ``pip download`` of every third-party wheel at the version installed here, for CPython
     3.12 on manylinux x86_64, then ``pip wheel --no-deps`` of mixerzoo and each plugin (pip itself not run)."""
-    suite = benchmark_script("gpu_suite")
+    suite = benchmark_script("device/carry")
     calls = []
     monkeypatch.setattr(suite.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
     monkeypatch.setattr(suite.importlib.metadata, "version", lambda name: "9.9")
@@ -128,7 +132,7 @@ def test_fetch_wheels_pins_the_versions_here_for_python_312(tmp_path, benchmark_
 
 
 def test_cap_file_keeps_head_and_tail(tmp_path, benchmark_script):
-    suite = benchmark_script("gpu_suite")
+    suite = benchmark_script("device/carry")
     f = tmp_path / "big.txt"
     f.write_bytes(b"H" * 3000 + b"T" * 3000)
     suite.cap_file(f, limit=2000)
@@ -137,27 +141,32 @@ def test_cap_file_keeps_head_and_tail(tmp_path, benchmark_script):
 
 
 def test_dry_run_runs_every_step_within_its_files(tmp_path):
-    """The whole suite on the CPU at toy sizes, with a folder of carried wheels: the missing one is installed into
-    the site and importable in later steps, the one installed already is left out; every step runs (conformance
-    verbose, per test); the efficiency step goes through --processes shared; at most 8 files come out."""
+    """The whole suite on the CPU at toy sizes through carry.py with a folder of carried wheels: the missing one is
+    installed into the site and importable in later steps, the one installed already is left out; every step runs
+    (conformance verbose, per test); the efficiency step goes through --processes shared; at most 8 files come
+    out."""
     wheels, out = tmp_path / "wheels", tmp_path / "out"
     wheels.mkdir()
     fake_wheel(wheels, "gpu-suite-probe")
     fake_wheel(wheels, "pytest", "0.1")
-    done = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(out), "--wheels", str(wheels),
-                           "--site", str(tmp_path / "site"),
+    done = subprocess.run([sys.executable, str(CARRY), "run", "--wheels", str(wheels), "--out", str(out), "--site",
+                           str(tmp_path / "site"), "--", "--dry-run",
                            "--timeout", "env=90"],  # env imports every plugin: over 25 s on a loaded 2-core CPU
                           cwd=ROOT, capture_output=True, text=True)
     suite_summary = (out / "summary.md").read_text() if (out / "summary.md").exists() else done.stderr
     summary = json.loads(suite_summary.split("```json\n", 1)[1].split("\n```", 1)[0])
     rcs = {r["step"]: r["rc"] for r in summary}
-    assert list(rcs) == ["install", "env", "conformance", "kernels", "efficiency", "throughput"], suite_summary
-    assert all(rcs[s] == 0 for s in ("install", "env", "kernels", "efficiency", "throughput")), suite_summary
+    assert list(rcs) == ["env", "conformance", "kernels", "efficiency", "throughput"], suite_summary
+    assert all(rcs[s] == 0 for s in ("env", "kernels", "efficiency", "throughput")), suite_summary
     assert rcs["conformance"] in (0, 1), suite_summary  # 1: a test failed (others' work), not the plumbing
     assert len(list(out.iterdir())) <= 8 and all(f.is_file() for f in out.iterdir())
-    env = (out / "env.txt").read_text()
-    assert "installed from the carried wheels" in env and "gpu_suite_probe-1.0" in env
-    assert "left out: pytest-0.1-py3-none-any.whl" in env and "mixer attention -> " in env
+    installed = (out / "install.txt").read_text()
+    assert "installed from the carried wheels" in installed and "gpu_suite_probe-1.0" in installed
+    assert "left out: pytest-0.1-py3-none-any.whl" in installed
+    assert "mixer attention -> " in (out / "env.txt").read_text()
+    probe = subprocess.run([sys.executable, "-c", "import gpu_suite_probe_probe"], capture_output=True,
+                           env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert probe.returncode == 0
     conformance = (out / "conformance.txt").read_text()
     assert "tests/test_attention_baselines.py::test_conformance[attention-kw0" in conformance
     assert " PASSED" in conformance

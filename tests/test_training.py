@@ -199,6 +199,27 @@ def test_cli_model_fields_given_with_ckpt_path_win(in_tmp, capsys):
     assert code == 2 and "does not fit this model configuration" in err
 
 
+def test_cli_validate_ckpt_path_swaps_a_mixer_keeping_its_options(in_tmp, capsys):
+    """`validate --ckpt_path` merges the mixers given into the checkpoint's key by key, the way `evaluate --mixers`
+    and `generate` do: the attention layer becomes TOVA and keeps its trained qk_norm (whose weights the checkpoint
+    holds); replacing the layer's options whole would drop them and the weights would not load."""
+    import yaml
+
+    (in_tmp / "qk.yaml").write_text(RECIPE.replace("attention: {}}", "attention: {qk_norm: rms}}"))
+    (in_tmp / "r.yaml").write_text(RECIPE)  # the data; its layers without qk_norm
+    assert main(["fit", "--config", "qk.yaml"]) == 0
+    ckpt = str(next(in_tmp.glob("runs/mixerzoo/version_*/checkpoints/last.ckpt")))
+    for swap in (["--model.mixers", "{attention: {mixer: tova, multi_state: 4}}"],
+                 ["--model.mixers.attention.mixer", "tova", "--model.mixers.attention.multi_state", "4"]):
+        assert main(["validate", "--config", "r.yaml", "--ckpt_path", ckpt, *swap]) == 0
+        saved = yaml.safe_load(sorted(in_tmp.glob("runs/mixerzoo/version_*/config.yaml"))[-1].read_text())
+        assert saved["model"]["mixers"] == {"swa": {"window": 8},
+                                            "attention": {"qk_norm": "rms", "mixer": "tova", "multi_state": 4}}
+    code, err = _cli(["validate", "--config", "r.yaml", "--ckpt_path", ckpt, "--model.mixers.atention.mixer", "tova"],
+                     capsys)
+    assert code == 2 and "no layer is named 'atention'" in err
+
+
 def test_cli_mixer_option_override_keeps_the_other_options(in_tmp, capsys):
     """`--model.mixers.NAME.KEY V` changes one option; jsonargparse alone would replace model.mixers.NAME whole,
     silently dropping the recipe's other options of that layer (here swa's window and a renamed layer's mixer)."""

@@ -22,6 +22,7 @@ import torch
 
 from mixerzoo.evaluation.models import load_eval_model
 from mixerzoo.evaluation.recall import icl_options, icl_sweep
+from mixerzoo.evaluation.stamp import stamp_lines
 from mixerzoo.protocol import state_nbytes
 
 
@@ -41,6 +42,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     names = args.names or args.ckpt
     occ = [str(i + 1) for i in range(args.max_occurrence - 1)] + [f"{args.max_occurrence}+"]
+    print(stamp_lines(prefix="# "))
     print(f"# bench_ovq_icl: per-token accuracy over output tokens by occurrence (n-th example of its function), "
           f"{args.n_samples} samples per cell; torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{os.cpu_count()} cores")

@@ -21,6 +21,7 @@ import torch
 
 from mixerzoo.evaluation.models import load_eval_model
 from mixerzoo.evaluation.recall import icr_options, icr_sweep
+from mixerzoo.evaluation.stamp import stamp_lines
 from mixerzoo.protocol import state_nbytes
 
 
@@ -43,6 +44,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     names = args.names or args.ckpt
+    print(stamp_lines(prefix="# "))
     print(f"# bench_ovq_icr: {args.task} ICR, per-token accuracy over value tokens, {args.n_samples} samples per "
           f"length; torch {torch.__version__}, {os.cpu_count()} cores")
     header = f"{'model':<16} | {'N':>6} | " + " | ".join(f"{n:>7}" for n in args.lengths) + " | state KiB"

@@ -23,9 +23,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bench_tova_ppl import heldout_windows, load_model  # beside this script
+from mixerzoo.evaluation.stamp import stamp_lines
 
-from mixerzoo_tova import convert
+from _tova import swapped  # beside this script
+from bench_tova_ppl import heldout_windows, load_model
+
 
 BUCKETS = ((0, 16), (16, 64), (64, 256), (256, 512), (512, 1024))
 
@@ -63,7 +65,7 @@ def sink_mass(model, windows: torch.Tensor, first_query: int = 512) -> list[tupl
 @torch.no_grad()
 def kept_recency(model, windows: torch.Tensor, policy: str, k: int) -> list[tuple[float, float]]:
     """Per layer: share of kept entries among the newest k/2 positions, and their mean age, after each window."""
-    bounded = convert(model, policy=policy, multi_state=k)
+    bounded = swapped(model, policy=policy, multi_state=k)
     _, states = bounded(windows[:, :-1])
     last = windows.shape[1] - 2
     res = []
@@ -83,9 +85,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
-    model = load_model(args.ckpt)
+    model = load_model(args.ckpt).model
     windows, _ = heldout_windows(args.config, args.windows, args.length)
-    lines = [f"Checkpoint `{args.ckpt}`, {args.windows} held-out windows x {args.length} tokens.", "",
+    lines = [stamp_lines(), "", f"Checkpoint `{args.ckpt}`, {args.windows} held-out windows x {args.length} tokens.", "",
              "Full-model loss (nats/token) by position:", "",
              "| positions | " + " | ".join(f"{a}-{b - 1}" for a, b in BUCKETS) + " |",
              "|---|" + "---|" * len(BUCKETS),

@@ -3,7 +3,8 @@
 The model is any source :func:`mixerzoo.hub.load_model` opens: a checkpoint trained with
 ``recipes/tova/books-attention.yaml`` (windows from the recipe's held-out books), or a pretrained LLM imported
 with ``mixerzoo import`` / a ``.gguf`` file (windows from ``--data`` documents). It is loaded once; for every policy and
-multi-state size its attention layers are switched with ``mixerzoo_tova.convert`` (weights unchanged) and
+multi-state size its attention layers are swapped for ``tova`` through the core's
+``mixerzoo.hub.source.with_mixers`` (``_tova.swapped``, weights unchanged) and
 held-out book windows are scored. ``full`` is the unchanged attention model. As in the paper (section 5.1),
 each window is as long as the training sequence, so the full model works at the length it was trained for.
 
@@ -38,8 +39,9 @@ import yaml
 
 from mixerzoo.hub import load_model
 from mixerzoo.model import LanguageModel
+from mixerzoo.evaluation.stamp import stamp, stamp_lines
 from mixerzoo.progress import progress_bar
-from mixerzoo_tova import convert
+from _tova import swapped  # beside this script
 
 PAPER = {  # appendix A table 3, LLaMA-2-7B on PG-19, multi-state 64/128/256/512 (full 4096: 7.16)
     "window": (4812.27, 4025.01, 3275.58, 2184.62), "window+4": (10.28, 8.98, 8.19, 7.73),
@@ -119,7 +121,7 @@ def profile_pass(model: LanguageModel, window: torch.Tensor, k: int, path: str) 
     """torch.profiler table (self CPU time, top 25 ops) of one TOVA pass at multi-state ``k`` over ``window``."""
     from torch.profiler import ProfilerActivity, profile
 
-    bounded = convert(model, multi_state=k, policy="tova")
+    bounded = swapped(model, multi_state=k, policy="tova")
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         bounded(window[:, :-1])
@@ -235,7 +237,7 @@ def main() -> None:
         bar = progress.add_task("policies x sizes", total=len(cells))
         for label, options, k in cells:
             t0 = time.perf_counter()
-            bounded = convert(model, multi_state=k, **{o: v for o, v in options.items() if o != "sizes"})
+            bounded = swapped(model, multi_state=k, **{o: v for o, v in options.items() if o != "sizes"})
             results.setdefault(label, {})[str(k)] = perplexity(bounded, windows, args.batch)
             seconds.setdefault(label, {})[str(k)] = time.perf_counter() - t0
             print(f"{label:>32} k={k:<5} ppl {results[label][str(k)]:10.3f} ({seconds[label][str(k)]:.0f} s)",
@@ -259,13 +261,13 @@ def main() -> None:
                 f"decode-time eviction (one token at a time once the multi-state is full). Seconds per cell: "
                 f"{json.dumps({k: {s: round(v) for s, v in row.items()} for k, row in seconds.items()})}.")
         with open(args.out, "w") as f:
-            f.write(meta + "\n\n" + table + "\n")
+            f.write(stamp_lines() + "\n\n" + meta + "\n\n" + table + "\n")
         stem = os.path.splitext(args.out)[0]
         where = "book windows (--data)" if args.data else "held-out books"
         title = (f"attention LM (d_model {model.config.d_model}, {model.config.n_layers} layers) on {where}, "
                  f"{args.windows}x{length} tokens")
         with open(stem + ".json", "w") as f:
-            json.dump({"args": vars(args), "title": title, "length": length, "full": full, "results": results, "data": info,
+            json.dump({"stamp": stamp(), "args": vars(args), "title": title, "length": length, "full": full, "results": results, "data": info,
                        "seconds": seconds, "paper_table3": PAPER}, f, indent=1)
         plot(results, sizes, full, stem + ".png", title, main_rows)
 

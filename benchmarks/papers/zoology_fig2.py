@@ -248,11 +248,12 @@ def main(argv=None) -> int:
             options = yaml.safe_load(f) or {}
     vocab_size = recipe_data(args.recipe).get("vocab_size", 256)
     recipe_lr = float(yaml.safe_load(open(args.recipe))["model"].get("lr", 1e-3))
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               "unknown CPU") if os.path.exists("/proc/cpuinfo") else "unknown CPU"
-    results = {"machine": f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} "
-                          f"threads, load average {os.getloadavg()[0]:.1f} at start",
-               "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
+    from mixerzoo.evaluation.stamp import command_line, stamp
+
+    stamped = stamp(command_line([os.path.relpath(__file__, ROOT), *(sys.argv[1:] if argv is None else argv)]))
+    results = {"machine": f"{stamped['cpu']} ({' '.join(stamped['cpu_flags'])}), {stamped['cores']} CPUs, torch "
+                          f"{stamped['torch']}, {stamped['threads']} threads, load average {stamped['load_avg']} at "
+                          f"start", "command": stamped["command"], "date": stamped["date"],
                "recipe": args.recipe, "runs": {}}
     for mixer in mixers:
         for d in args.d_models:

@@ -243,7 +243,9 @@ def _version() -> str:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    from .stamp import cpu_flags, cpu_model
+
+    return f"cpu ({cpu_model()}: {' '.join(cpu_flags()) or platform.machine()}; {torch.get_num_threads()} threads)"
 
 
 def write_outputs(results: dict, out_dir: str | Path) -> dict:

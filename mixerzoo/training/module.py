@@ -39,22 +39,37 @@ def explicit_fields(given: Any) -> dict[str, Any]:
     return {k: v for k, v in given.items() if k in defaults and v != defaults[k]}
 
 
-def _fields_from(source: str, given: dict[str, Any]) -> dict[str, Any]:
-    """Backbone fields for ``init_from``: the source's, except where ``given`` differs from LMModule's default;
-    ``mixers`` given are merged into the source's key by key. Ordered as LMConfig's fields."""
-    from ..hub.source import read_lm_config, with_mixers
+def merged_fields(config: LMConfig, given: Any) -> dict[str, Any]:
+    """The backbone fields of a saved model (``config``: an ``init_from`` source's, a ``--ckpt_path`` checkpoint's)
+    with what the user gave (``given``: LMModule arguments): a field that differs from LMModule's default replaces
+    the saved one, and ``mixers`` given are merged into the saved ones key by key
+    (:func:`mixerzoo.hub.source.with_mixers`, the merge ``evaluate --mixers`` and ``generate`` use), so
+    ``{attention: {mixer: tova, multi_state: 256}}`` swaps a layer's mixer and keeps its other options. Ordered as
+    LMConfig's fields.
 
-    config = read_lm_config(source)
+    Raises:
+        ConfigError: options for a layer name the model does not have, or an inherited option the new mixer does
+            not take (see :func:`~mixerzoo.hub.source.with_mixers`).
+    """
+    from ..hub.source import with_mixers
+
     fields = config.to_dict()
     explicit = explicit_fields(given)
     for key, value in explicit.items():
-        if key not in ("mixers", "layer_types") and value is not None:
+        if key not in ("mixers", "layer_types") and key in fields and value is not None:
             fields[key] = value
     layer_types = list(explicit["layer_types"]) if explicit.get("layer_types") else None
     if given.get("mixers") or layer_types:
         converted = with_mixers(config, given.get("mixers"), layer_types)
         fields["mixers"], fields["layer_types"] = converted.mixers, converted.layer_types
     return {k: fields[k] for k in LMConfig.__dataclass_fields__}
+
+
+def _fields_from(source: str, given: dict[str, Any]) -> dict[str, Any]:
+    """Backbone fields for ``init_from``: the source's, merged with ``given`` (:func:`merged_fields`)."""
+    from ..hub.source import read_lm_config
+
+    return merged_fields(read_lm_config(source), given)
 
 
 def _load_init_weights(model: LanguageModel, source: str) -> tuple[dict, tuple]:

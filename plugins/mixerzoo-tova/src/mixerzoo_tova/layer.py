@@ -3,7 +3,8 @@
 Oren et al., "Transformers are Multi-State RNNs" (arXiv 2401.06104): TOVA (section 4, algorithm 1) and the
 baselines of section 5.1 (Window, Window+i, H2O) as one mixer. It *is* the core ``attention`` mixer (same
 parameters, same names), so a checkpoint trained with ``attention`` loads unchanged and is evaluated with
-any policy by switching the layer's mixer in the config (see :func:`mixerzoo_tova.convert`).
+any policy by switching the layer's mixer in the config (``mixers: {attention: {mixer: tova, multi_state: 256}}``,
+merged into a saved model's by :func:`mixerzoo.hub.source.with_mixers`).
 """
 
 from __future__ import annotations
