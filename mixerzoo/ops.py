@@ -195,6 +195,12 @@ class DocumentLayout:
         """The tokens' rows of a laid-out ``y`` (``L`` along ``dim``), in their packed order (``T`` along ``dim``)."""
         return y.index_select(dim, self.place)
 
+    def carry_mask(self, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+        """``(L / chunk,)`` factors of the state each chunk (documents aligned to chunks of ``chunk`` slots) passes
+        on to the next: 0 at the last chunk of every document but the last, so the next starts empty; else 1."""
+        keep = torch.ones(self.slots // chunk, dtype=dtype, device=self.place.device)
+        return keep.index_fill(0, self.last_slots[:-1] // chunk, 0.0)
+
 
 def document_layout(offsets: Sequence[int], device: torch.device, front: int = 0, align: int = 1,
                     first_front: int | None = None, carried: int = 0) -> DocumentLayout:

@@ -8,7 +8,7 @@ that neither decay (``log alpha = 0``) nor write (``beta = 0``, ``k = 0``, ``s =
 
 Packed documents (``cu_seqlens``) are laid out so that each starts a chunk and is padded the same way at its end
 (:func:`mixerzoo.ops.document_layout`); the state a document's last chunk passes on is multiplied by 0
-(:func:`carry_mask`), so the next document starts empty: a reset inside the walk over chunks, no loop over
+(:meth:`mixerzoo.ops.DocumentLayout.carry_mask`), so the next document starts empty: a reset inside the walk over chunks, no loop over
 documents.
 """
 
@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mixerzoo.ops import DocumentLayout
-
-__all__ = ["BLOCK_CHUNKS", "to_chunks", "from_chunks", "blocks", "pairwise_decay", "carry_mask"]
+__all__ = ["BLOCK_CHUNKS", "to_chunks", "from_chunks", "blocks", "pairwise_decay"]
 
 # Chunks processed together: their intra-chunk products are batched, and a block's tensors stay small enough
 # to remain in cache while the state walks through it (about 1k tokens at the default chunk lengths).
@@ -60,9 +58,3 @@ def pairwise_decay(b: torch.Tensor, per_slot: bool = False) -> torch.Tensor:
     diff = b[..., :, None] - b[..., None, :]
     return diff.masked_fill(~causal, float("-inf")).exp()
 
-
-def carry_mask(layout: DocumentLayout, chunk: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[n]`` factors of the state each chunk of ``layout`` (documents aligned to chunks of ``chunk`` slots) passes
-    on: 0 at the last chunk of every document but the last (the next starts empty), else 1."""
-    keep = torch.ones(layout.slots // chunk, dtype=dtype, device=layout.place.device)
-    return keep.index_fill(0, layout.last_slots[:-1] // chunk, 0.0)

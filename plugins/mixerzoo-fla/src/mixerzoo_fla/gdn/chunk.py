@@ -19,7 +19,7 @@ import torch
 from mixerzoo.ops import DocumentLayout, document_layout, run_segments
 from mixerzoo.protocol import accumulation_dtype
 
-from ..chunking import BLOCK_CHUNKS, blocks, carry_mask, from_chunks, pairwise_decay, to_chunks
+from ..chunking import BLOCK_CHUNKS, blocks, from_chunks, pairwise_decay, to_chunks
 from .ops import l2_normalize
 
 __all__ = ["chunk_gated_delta_rule"]
@@ -103,14 +103,14 @@ def _delta_rule_segment(q, k, v, g, beta, pos: int, S: torch.Tensor, *, chunk: i
     dtype = S.dtype                                                                    # accumulation dtype
     q, k, v = (to_chunks(x, N, chunk) for x in (q.to(dtype) * scale, k.to(dtype), v.to(dtype)))  # [B, HV, N, C, D]
     g, beta = (to_chunks(x.to(dtype)[..., None], N, chunk)[..., 0] for x in (g, beta))          # [B, HV, N, C]
-    o, S = _delta_rule_chunks(q, k, v, g, beta, S, None if layout is None else carry_mask(layout, chunk, dtype))
+    o, S = _delta_rule_chunks(q, k, v, g, beta, S, None if layout is None else layout.carry_mask(chunk, dtype))
     return (from_chunks(o, T) if layout is None else layout.collect(from_chunks(o, layout.slots), 1)), S
 
 
 def _delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor, carry: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunks ``[B, HV, n, C, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: ``(o, S after)``.
-    ``carry [n]`` (:func:`~mixerzoo_fla.chunking.carry_mask`): 0 where a chunk passes no state on (a document
+    ``carry [n]`` (:meth:`~mixerzoo.ops.DocumentLayout.carry_mask`): 0 where a chunk passes no state on (a document
     ends in it), so the next chunk starts from zero."""
     C = q.shape[3]
     eye = torch.eye(C, dtype=q.dtype, device=q.device)

@@ -18,7 +18,7 @@ import torch
 from mixerzoo.ops import DocumentLayout, document_layout, run_segments
 from mixerzoo.protocol import accumulation_dtype
 
-from ..chunking import BLOCK_CHUNKS, blocks, carry_mask, from_chunks, pairwise_decay, to_chunks
+from ..chunking import BLOCK_CHUNKS, blocks, from_chunks, pairwise_decay, to_chunks
 
 __all__ = ["chunk_gsa"]
 
@@ -131,7 +131,7 @@ def _gsa_segment(q, k, v, s, g, pos: int, hk: torch.Tensor, hv: torch.Tensor, *,
     dtype = hk.dtype                                                    # accumulation dtype
     q = to_chunks(q.to(dtype) * scale, N, chunk).unflatten(1, (H, HQ // H)).transpose(2, 3)
     k, v, s, g = (to_chunks(x.to(dtype), N, chunk) for x in (k, v, s, g))
-    o, hk, hv = _gsa_chunks(q, k, v, s, g, exact, hk, hv, None if layout is None else carry_mask(layout, chunk, dtype))
+    o, hk, hv = _gsa_chunks(q, k, v, s, g, exact, hk, hv, None if layout is None else layout.carry_mask(chunk, dtype))
     o = o.transpose(2, 3).flatten(1, 2)
     return (from_chunks(o, T) if layout is None else layout.collect(from_chunks(o, layout.slots), 1)), hk, hv
 
@@ -139,7 +139,7 @@ def _gsa_segment(q, k, v, s, g, pos: int, hk: torch.Tensor, hv: torch.Tensor, *,
 def _gsa_chunks(q, k, v, s, g, exact: bool, hk: torch.Tensor, hv: torch.Tensor, carry: torch.Tensor | None = None):
     """The chunks of :func:`chunk_gsa` (``q [B, H, n, G, C, K]``, the rest ``[B, H, n, C, *]``) from the states
     ``hk, hv``: ``(o [B, H, n, G, C, V], hk, hv)`` after them. ``carry [n]``
-    (:func:`~mixerzoo_fla.chunking.carry_mask`): 0 where a chunk passes no memory on (a document ends in it)."""
+    (:meth:`~mixerzoo.ops.DocumentLayout.carry_mask`): 0 where a chunk passes no memory on (a document ends in it)."""
     B, H, N, C, M = s.shape
     q = q.transpose(2, 3)  # [B, H, G, n, C, K]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
