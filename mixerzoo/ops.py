@@ -22,6 +22,7 @@ import dataclasses
 import functools
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.utils.checkpoint
 
@@ -174,13 +175,14 @@ class DocumentLayout:
         gather: ``(L,)`` long, for every slot the row of ``cat([tokens (T rows), zero row, carried rows])`` it
             holds: a token ``< T``, an empty slot ``T``, a carried row ``T + 1 + j``.
         place: ``(T,)`` long, the slot of every token.
-        last_slots: ``(n_docs,)`` long, the last slot of every document (its padding included).
+        carry: ``(L / align,)`` float32, the factor of the state each chunk of ``align`` slots passes on to the
+            next: 0 at the last chunk of every document but the last (the next starts empty), else 1.
         slots: ``L``.
     """
 
     gather: torch.Tensor
     place: torch.Tensor
-    last_slots: torch.Tensor
+    carry: torch.Tensor
     slots: int
 
     def spread(self, x: torch.Tensor, dim: int, carried: torch.Tensor | None = None) -> torch.Tensor:
@@ -195,11 +197,9 @@ class DocumentLayout:
         """The tokens' rows of a laid-out ``y`` (``L`` along ``dim``), in their packed order (``T`` along ``dim``)."""
         return y.index_select(dim, self.place)
 
-    def carry_mask(self, chunk: int, dtype: torch.dtype) -> torch.Tensor:
-        """``(L / chunk,)`` factors of the state each chunk (documents aligned to chunks of ``chunk`` slots) passes
-        on to the next: 0 at the last chunk of every document but the last, so the next starts empty; else 1."""
-        keep = torch.ones(self.slots // chunk, dtype=dtype, device=self.place.device)
-        return keep.index_fill(0, self.last_slots[:-1] // chunk, 0.0)
+    def carry_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """:attr:`carry` in ``dtype``."""
+        return self.carry.to(dtype)
 
 
 def document_layout(offsets: Sequence[int], device: torch.device, front: int = 0, align: int = 1,
@@ -212,7 +212,8 @@ def document_layout(offsets: Sequence[int], device: torch.device, front: int = 0
 
     Args:
         offsets: the documents of the call or of a piece of it (:func:`local_documents`).
-        device: where the index tensors go (built on the host from ``offsets``: no device synchronisation).
+        device: where the index tensors go. They are built on the host (numpy: no operator is dispatched) and
+            copied once, asynchronously from pinned memory on CUDA: no device synchronisation.
         front: empty slots before every document (a convolution's ``W - 1``).
         align: every document's slots (front included) are a multiple of it (a chunk length).
         first_front: the first document's front instead (a document continued from an earlier piece: its
@@ -230,21 +231,22 @@ def document_layout(offsets: Sequence[int], device: torch.device, front: int = 0
 @functools.lru_cache(maxsize=32)
 def _layout(offsets: tuple[int, ...], device: torch.device, front: int, align: int, first_front: int,
             carried: int) -> DocumentLayout:
-    cu = torch.tensor(offsets, dtype=torch.long)
-    T, lengths = offsets[-1], cu.diff()
-    fronts = torch.full_like(lengths, front)
+    cu = np.asarray(offsets, dtype=np.int64)
+    T, lengths = offsets[-1], np.diff(cu)
+    fronts = np.full_like(lengths, front)
     fronts[0] = first_front
     slots = (fronts + lengths + align - 1) // align * align
-    ends = slots.cumsum(0)
-    starts = ends - slots
-    place = (starts + fronts - cu[:-1]).repeat_interleave(lengths) + torch.arange(T)
-    gather = torch.full((int(ends[-1]),), T, dtype=torch.long)
-    gather[place] = torch.arange(T)
-    if carried:
-        gather[first_front - carried:first_front] = T + 1 + torch.arange(carried)
+    ends = np.cumsum(slots)
+    place = np.repeat(ends - slots + fronts - cu[:-1], lengths) + np.arange(T)
+    gather = np.full(int(ends[-1]), T, dtype=np.int64)
+    gather[place] = np.arange(T)
+    gather[first_front - carried:first_front] = T + 1 + np.arange(carried)
+    carry = np.ones(int(ends[-1]) // align, dtype=np.float32)
+    carry[(ends[:-1] - 1) // align] = 0.0
 
-    def to_device(t: torch.Tensor) -> torch.Tensor:
+    def to_device(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
         # pinned and asynchronous: the copy does not wait for the device's queue
         return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
-    return DocumentLayout(to_device(gather), to_device(place), to_device(ends - 1), int(ends[-1]))
+    return DocumentLayout(to_device(gather), to_device(place), to_device(carry), int(ends[-1]))

@@ -8,8 +8,8 @@ that neither decay (``log alpha = 0``) nor write (``beta = 0``, ``k = 0``, ``s =
 
 Packed documents (``cu_seqlens``) are laid out so that each starts a chunk and is padded the same way at its end
 (:func:`mixerzoo.ops.document_layout`); the state a document's last chunk passes on is multiplied by 0
-(:meth:`mixerzoo.ops.DocumentLayout.carry_mask`), so the next document starts empty: a reset inside the walk over chunks, no loop over
-documents.
+(:meth:`mixerzoo.ops.DocumentLayout.carry_mask`), so the next document starts empty: a reset inside the walk over
+chunks, no loop over documents.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@
 - :class:`GatedRMSNorm`: per-head RMSNorm times a swish/sigmoid output gate (fla's ``FusedRMSNormGated``;
   parameter ``weight [D]``).
 - :func:`check_checkpoint_chunks`: both layers' ``checkpoint_chunks`` option.
+- :class:`FormsMixer`: both layers' forward, one choice of form among their table's, and :func:`piece_documents`,
+  their packed documents in a recomputed segment.
 """
 
 from __future__ import annotations
@@ -13,12 +15,56 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.ops import document_layout
-from mixerzoo.protocol import accumulation_dtype
+from typing import Any, ClassVar
+
+from mixerzoo.forms import Call, Forms
+from mixerzoo.ops import document_layout, local_documents
+from mixerzoo.protocol import Mixer, accumulation_dtype, packed_offsets, run_separately
 
 from .backends import fla as fla_backend
 
-__all__ = ["ShortConvolution", "GatedRMSNorm", "short_conv_qkv", "check_checkpoint_chunks"]
+__all__ = ["ShortConvolution", "GatedRMSNorm", "short_conv_qkv", "check_checkpoint_chunks", "FormsMixer",
+           "piece_documents"]
+
+
+class FormsMixer(Mixer):
+    """Both layers' forward: one :meth:`~mixerzoo.forms.Forms.pick` among :attr:`FORMS` (under the ``backend``
+    option), then the form's method: ``_fla(x, state, offsets)``, ``_naive(x, state)`` (one document at a time when
+    packed) or ``_torch(x, state, offsets, step)`` (``chunk``, and ``recurrent`` with ``step``)."""
+
+    FORMS: ClassVar[Forms]
+    backend: str
+
+    def forward(self, x: torch.Tensor, state: Any = None, cu_seqlens: Any = None) -> tuple[torch.Tensor, Any]:
+        """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given; with ``cu_seqlens``
+        ``(N+1,)`` each document packed in ``x [1, T, d_model]`` as if alone, the last one's state returned
+        (:mod:`mixerzoo.protocol`).
+
+        Raises:
+            ValueError: ``state`` with ``cu_seqlens``, or offsets that break the protocol's rules
+                (:func:`mixerzoo.protocol.packed_offsets`).
+            ConfigError: a forced ``backend`` that cannot serve the call (the message names the form and why).
+        """
+        offsets = None if cu_seqlens is None else packed_offsets(cu_seqlens, x, state)
+        call = Call.of(x, self, cu_seqlens=cu_seqlens, state=state, options={"backend": self.backend})
+        form = self.FORMS.pick(call, self.backend)
+        if form.name == "fla":
+            return self._fla(x, state, offsets)
+        if form.name == "naive":
+            return self._naive(x, state) if offsets is None else run_separately(self._naive, x, offsets)
+        return self._torch(x, state, offsets, step=form.name == "recurrent")
+
+
+def piece_documents(offsets: list[int] | None, pos: int, length: int, states: tuple, caches: tuple):
+    """The packed documents of the piece ``[pos, pos + length)`` of a call (:func:`mixerzoo.ops.local_documents`, or
+    None for an unpacked call) and the state entering it: ``states`` (tensors) and ``caches`` (convolution caches)
+    as given where the piece continues a document, zeros and Nones where it starts one."""
+    if offsets is None:
+        return None, states, caches
+    docs = local_documents(offsets, pos, length)
+    if docs[1] is None:
+        states, caches = tuple(torch.zeros_like(t) for t in states), (None,) * len(caches)
+    return docs, states, caches
 
 
 def check_checkpoint_chunks(value, mixer: str) -> int:
@@ -107,8 +153,8 @@ class ShortConvolution(nn.Conv1d):
         return F.silu(y) if self.activation is not None else y
 
 
-def short_conv_qkv(layer: nn.Module, x: torch.Tensor, conv_state: tuple | None, use_fla: bool, docs: tuple | None = None,
-                   fla_cu: tuple | None = None):
+def short_conv_qkv(layer: nn.Module, x: torch.Tensor, conv_state: tuple | None, use_fla: bool,
+                   docs: tuple | None = None, fla_cu: tuple | None = None):
     """Project ``x [B, T, d_model]`` with ``layer.{q,k,v}_proj`` and pass each through its short convolution
     ``layer.{q,k,v}_conv1d`` (fla's layout, shared by GDN and GSA); ``docs``/``fla_cu``: packed documents
     (:meth:`ShortConvolution.forward`).

@@ -134,7 +134,7 @@ def trellis_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     decay_end = L[..., -1].exp()  # (B, H, n)
     to_end = (L[..., -1:] - L).exp()  # (B, H, n, C)
     if offsets is not None:  # a document's last chunk passes nothing on: the next document starts empty
-        carry = layout.carry_mask(C, L.dtype)
+        carry = layout.carry_mask(L.dtype)
         decay_end, to_end = decay_end * carry, to_end * carry[:, None]
     g4, g5 = gamma.view(1, H, 1, 1), gamma.view(1, H, 1, 1, 1)
     scan = _scan if scan is None else scan

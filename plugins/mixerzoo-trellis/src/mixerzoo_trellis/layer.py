@@ -142,9 +142,11 @@ class Trellis(Mixer):
         backend: the form of the memory recurrence (:data:`FORMS`): ``auto`` (default: the Triton kernels of
             ``backends/triton`` for CUDA tensors, the chunked form's loop over chunks otherwise), ``chunk`` (always
             the loop), ``triton`` (always the kernels; on a CPU through Triton's interpreter, for tests at small
-            sizes) or ``naive`` (the token loop of ``naive.py``: a reference). All give the same results. Decoding (``T == 1``) follows the same rule: the one-kernel step of
-            ``backends/triton/decode.py`` (convolution, write norm, gates and both passes in one launch) where the
-            kernels are chosen and no gradient is wanted, ``recurrent.trellis_step`` otherwise; the same values.
+            sizes) or ``naive`` (the token loop of ``naive.py``: a reference). All give the same results.
+            Decoding (``T == 1``) follows the same rule: the one-kernel step of ``backends/triton/decode.py``
+            (convolution, write norm, gates and both passes in one launch) where the kernels are chosen and no
+            gradient is wanted, ``recurrent.trellis_step`` otherwise; the same values. Packed documents
+            (``cu_seqlens``): every form.
 
     State: :class:`TrellisState` (two memories, their chunk-start copies, the convolution cache).
 

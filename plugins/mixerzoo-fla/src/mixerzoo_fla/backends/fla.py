@@ -75,7 +75,8 @@ def fla_refusal(call: Call, delta_rule_backward: bool = False) -> str | None:
         if auto and call.device == "cuda":
             _warn_fallback()
         return f"flash-linear-attention and triton are not installed ({INSTALL_HINT})"
-    refused = fla_backward_refused(torch.device(call.device)) if delta_rule_backward and call.grad else None
+    # the form serves CUDA tensors only (its table says so), and fla checks GPU 0 whatever the device
+    refused = fla_backward_refused(torch.device("cuda")) if delta_rule_backward and call.grad else None
     if refused is None:
         return None
     if auto:

@@ -103,7 +103,7 @@ def _delta_rule_segment(q, k, v, g, beta, pos: int, S: torch.Tensor, *, chunk: i
     dtype = S.dtype                                                                    # accumulation dtype
     q, k, v = (to_chunks(x, N, chunk) for x in (q.to(dtype) * scale, k.to(dtype), v.to(dtype)))  # [B, HV, N, C, D]
     g, beta = (to_chunks(x.to(dtype)[..., None], N, chunk)[..., 0] for x in (g, beta))          # [B, HV, N, C]
-    o, S = _delta_rule_chunks(q, k, v, g, beta, S, None if layout is None else layout.carry_mask(chunk, dtype))
+    o, S = _delta_rule_chunks(q, k, v, g, beta, S, None if layout is None else layout.carry_mask(dtype))
     return (from_chunks(o, T) if layout is None else layout.collect(from_chunks(o, layout.slots), 1)), S
 
 

@@ -24,12 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.forms import Call, Form, register_forms
-from mixerzoo.ops import local_documents, optional_carry, run_segments
-from mixerzoo.protocol import Mixer, accumulation_dtype, packed_offsets, run_separately
+from mixerzoo.forms import Form, register_forms
+from mixerzoo.ops import optional_carry, run_segments
+from mixerzoo.protocol import accumulation_dtype
 
 from ..backends import fla as fla_backend
-from ..modules import GatedRMSNorm, ShortConvolution, check_checkpoint_chunks, short_conv_qkv
+from ..modules import (FormsMixer, GatedRMSNorm, ShortConvolution, check_checkpoint_chunks, piece_documents,
+                       short_conv_qkv)
 from .chunk import chunk_gated_delta_rule
 from .naive import gated_delta_rule
 from .ops import gdn_log_decay, l2_normalize
@@ -48,7 +49,7 @@ FORMS = register_forms("gdn", [
 """Gated DeltaNet's forms (the module docstring); ``backend`` is ``auto`` or one of their names."""
 
 
-class GatedDeltaNet(Mixer):
+class GatedDeltaNet(FormsMixer):
     """Gated DeltaNet layer: short conv -> gated delta rule per head -> gated RMSNorm -> output projection.
 
     Per value head (``alpha``, ``beta`` data dependent; GDN paper section 3.1; state as ``d_k x d_v``)::
@@ -96,6 +97,7 @@ class GatedDeltaNet(Mixer):
     """
 
     positional_encodings = ()
+    FORMS = FORMS
 
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, expand_v: float = 2.0,
                  n_v_heads: int | None = None, use_gate: bool = True, use_short_conv: bool = True,
@@ -167,24 +169,9 @@ class GatedDeltaNet(Mixer):
         mixer.load_state_dict(layer.state_dict())
         return mixer
 
-    def forward(self, x: torch.Tensor, state: GDNState | None = None, cu_seqlens: Any = None
-                ) -> tuple[torch.Tensor, GDNState]:
-        """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given.
-
-        ``cu_seqlens`` ``(N+1,)``: documents packed along time in ``x [1, T, d_model]``, each run as if alone
-        (:mod:`mixerzoo.protocol`; the state returned is the last document's).
-
-        Raises:
-            ValueError: ``state`` with ``cu_seqlens``, or offsets that break the protocol's rules.
-            ConfigError: a forced ``backend`` that cannot serve the call (the message names the form and why).
-        """
-        offsets = None if cu_seqlens is None else packed_offsets(cu_seqlens, x, state)
-        form = FORMS.pick(Call.of(x, self, cu_seqlens=cu_seqlens, state=state, options={"backend": self.backend}),
-                          self.backend)
-        if form.name == "fla":
-            return self._fla(x, state, offsets)
-        if form.name == "naive":
-            return self._naive(x, state) if offsets is None else run_separately(self._naive, x, offsets)
+    def _torch(self, x: torch.Tensor, state: GDNState | None, offsets: list[int] | None, step: bool
+               ) -> tuple[torch.Tensor, GDNState]:
+        """The PyTorch forms: ``chunk``, or ``recurrent`` with ``step`` (one token)."""
         # PyTorch forms (CPU; CUDA training where fla refuses its backward), the whole layer so that its memory
         # stays bounded: one pass, or in training segments of checkpoint_chunks chunks recomputed in backward, each
         # running the whole layer from its slice of x: autograd keeps x, the state entering each segment and the
@@ -195,7 +182,7 @@ class GatedDeltaNet(Mixer):
         dtype = accumulation_dtype(x)  # the state's: float32, float64 kept
         s0 = (x.new_zeros(B, self.n_v_heads, self.head_k_dim, self.head_v_dim, dtype=dtype)
               if state is None else state.recurrent.to(dtype))
-        layer = functools.partial(self._torch_layer, step=form.name == "recurrent", offsets=offsets)
+        layer = functools.partial(self._torch_layer, step=step, offsets=offsets)
         y, (s, *caches) = run_segments(layer, (x,), 0, (s0, *optional_carry(conv, self.use_short_conv)),
                                        span=self.chunk_len * self.checkpoint_chunks, dim=1)
         return y, GDNState(recurrent=s, conv=tuple(caches) or None)
@@ -247,11 +234,7 @@ class GatedDeltaNet(Mixer):
         state ``s`` and the convolution caches (none without short convolutions): ``(y, s after, *caches after)``;
         gates and state in ``s``'s dtype. ``step``: one token through the recurrent step, else the chunk form.
         ``offsets``: the call's packed documents; a piece that starts one begins from an empty state."""
-        docs = None
-        if offsets is not None:
-            docs = local_documents(offsets, pos, x.shape[1])
-            if docs[1] is None:  # the piece starts a document: nothing carries over
-                s, caches = torch.zeros_like(s), (None,) * len(caches)
+        docs, (s,), caches = piece_documents(offsets, pos, x.shape[1], (s,), caches)
         q, k, v, a, b, conv = self._inputs(x, caches, use_fla=False, docs=docs)
         g, beta = self._gates(a, b, s.dtype)
         if step:

@@ -131,7 +131,7 @@ def _gsa_segment(q, k, v, s, g, pos: int, hk: torch.Tensor, hv: torch.Tensor, *,
     dtype = hk.dtype                                                    # accumulation dtype
     q = to_chunks(q.to(dtype) * scale, N, chunk).unflatten(1, (H, HQ // H)).transpose(2, 3)
     k, v, s, g = (to_chunks(x.to(dtype), N, chunk) for x in (k, v, s, g))
-    o, hk, hv = _gsa_chunks(q, k, v, s, g, exact, hk, hv, None if layout is None else layout.carry_mask(chunk, dtype))
+    o, hk, hv = _gsa_chunks(q, k, v, s, g, exact, hk, hv, None if layout is None else layout.carry_mask(dtype))
     o = o.transpose(2, 3).flatten(1, 2)
     return (from_chunks(o, T) if layout is None else layout.collect(from_chunks(o, layout.slots), 1)), hk, hv
 

@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.forms import Call, Form, register_forms
-from mixerzoo.ops import local_documents, optional_carry, run_segments
-from mixerzoo.protocol import Mixer, accumulation_dtype, packed_offsets, run_separately
+from mixerzoo.forms import Form, register_forms
+from mixerzoo.ops import optional_carry, run_segments
+from mixerzoo.protocol import accumulation_dtype
 
 from ..backends import fla as fla_backend
-from ..modules import ShortConvolution, check_checkpoint_chunks, short_conv_qkv
+from ..modules import FormsMixer, ShortConvolution, check_checkpoint_chunks, piece_documents, short_conv_qkv
 from .chunk import chunk_gsa
 from .naive import gated_slot_attention
 from .recurrent import gsa_step
@@ -49,7 +49,7 @@ FORMS = register_forms("gsa", [
 FEATURE_MAPS = {"swish": F.silu, "relu": F.relu}
 
 
-class GatedSlotAttention(Mixer):
+class GatedSlotAttention(FormsMixer):
     """Gated Slot Attention: a bounded memory of ``num_slots`` slots per head, written with per-slot forget
     gates and read through a softmax over slots (a two-pass gated linear attention, GSA paper section 3)::
 
@@ -89,6 +89,7 @@ class GatedSlotAttention(Mixer):
     """
 
     positional_encodings = ()
+    FORMS = FORMS
 
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, expand_k: float = 1.0,
                  expand_v: float = 1.0, num_slots: int = 64, use_short_conv: bool = False, conv_size: int = 4,
@@ -154,24 +155,9 @@ class GatedSlotAttention(Mixer):
         mixer.load_state_dict(layer.state_dict())
         return mixer
 
-    def forward(self, x: torch.Tensor, state: GSAState | None = None, cu_seqlens: Any = None
-                ) -> tuple[torch.Tensor, GSAState]:
-        """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given.
-
-        ``cu_seqlens`` ``(N+1,)``: documents packed along time in ``x [1, T, d_model]``, each run as if alone
-        (:mod:`mixerzoo.protocol`; the state returned is the last document's).
-
-        Raises:
-            ValueError: ``state`` with ``cu_seqlens``, or offsets that break the protocol's rules.
-            ConfigError: a forced ``backend`` that cannot serve the call (the message names the form and why).
-        """
-        offsets = None if cu_seqlens is None else packed_offsets(cu_seqlens, x, state)
-        form = FORMS.pick(Call.of(x, self, cu_seqlens=cu_seqlens, state=state, options={"backend": self.backend}),
-                          self.backend)
-        if form.name == "fla":
-            return self._fla(x, state, offsets)
-        if form.name == "naive":
-            return self._naive(x, state) if offsets is None else run_separately(self._naive, x, offsets)
+    def _torch(self, x: torch.Tensor, state: GSAState | None, offsets: list[int] | None, step: bool
+               ) -> tuple[torch.Tensor, GSAState]:
+        """The PyTorch forms: ``chunk``, or ``recurrent`` with ``step`` (one token)."""
         # PyTorch forms: one pass, or in training segments of checkpoint_chunks chunks recomputed in backward, each
         # running the whole layer from its slice of x: autograd keeps x, the two memories entering each segment and
         # the output, not the projections, convolutions, feature maps, gates and output path
@@ -183,7 +169,7 @@ class GatedSlotAttention(Mixer):
             hv = x.new_zeros(B, self.n_kv_heads, self.num_slots, self.head_v_dim, dtype=dtype)
         else:
             hk, hv = state.hk.to(dtype), state.hv.to(dtype)
-        layer = functools.partial(self._torch_layer, step=form.name == "recurrent", offsets=offsets)
+        layer = functools.partial(self._torch_layer, step=step, offsets=offsets)
         y, (hk, hv, *caches) = run_segments(layer, (x,), 0, (hk, hv, *optional_carry(conv, self.use_short_conv)),
                                             span=self.chunk_len * self.checkpoint_chunks, dim=1)
         return y, GSAState(hk=hk, hv=hv, conv=tuple(caches) or None)
@@ -226,11 +212,7 @@ class GatedSlotAttention(Mixer):
         ``hk, hv`` and the convolution caches (none without short convolutions): ``(y, hk after, hv after, *caches
         after)``. ``step``: one token through the recurrent step, else the chunk form. ``offsets``: the call's
         packed documents; a piece that starts one begins from empty memories."""
-        docs = None
-        if offsets is not None:
-            docs = local_documents(offsets, pos, x.shape[1])
-            if docs[1] is None:  # the piece starts a document: nothing carries over
-                hk, hv, caches = torch.zeros_like(hk), torch.zeros_like(hv), (None,) * len(caches)
+        docs, (hk, hv), caches = piece_documents(offsets, pos, x.shape[1], (hk, hv), caches)
         q, k, v, f, conv = self._inputs(x, caches, use_fla=False, docs=docs)
         s, g = self._gates(f.to(hk.dtype))
         if step:
