@@ -38,15 +38,16 @@ __all__ = ["Trellis", "TrellisState", "ShortConv", "FORMS"]
 
 
 def _triton_refusal(call: Call) -> str | None:
-    """The ``triton`` form's rule beyond availability: CUDA tensors under ``backend: auto``
-    (:func:`mixerzoo.kernels.use_triton`), any device when forced (Triton's interpreter on a CPU)."""
-    if use_triton(call.options.get("backend", "auto"), torch.device(call.device)):
-        return None
-    return "under backend: auto its kernels serve CUDA tensors (backend: triton runs them in Triton's interpreter)"
+    """The ``triton`` form's rule: CUDA tensors under ``backend: auto`` (:func:`mixerzoo.kernels.use_triton`), any
+    device when forced (Triton's interpreter on a CPU), with Triton installed. (Availability is checked after the
+    device, so a CPU call under ``auto`` reads no cached function: nothing for ``torch.compile`` to trace.)"""
+    if not use_triton(call.options.get("backend", "auto"), torch.device(call.device)):
+        return "under backend: auto its kernels serve CUDA tensors (backend: triton runs them in Triton's interpreter)"
+    return None if triton_available() else "triton is not installed (pip install triton)"
 
 
 FORMS = register_forms("trellis", [
-    Form("triton", cu_seqlens=True, available=triton_available, accepts=_triton_refusal, priority=20),
+    Form("triton", cu_seqlens=True, accepts=_triton_refusal, priority=20),
     Form("chunk", cu_seqlens=True, priority=10),
     Form("naive", cu_seqlens=True, auto=False),
 ])
