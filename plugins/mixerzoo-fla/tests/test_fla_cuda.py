@@ -1,7 +1,7 @@
 """fla's Triton kernels against mixerzoo's PyTorch chunked forms on a GPU.
 
 Skipped unless CUDA and flash-linear-attention are both present (``benchmarks/gpu_suite.py`` runs it on a GPU
-machine). One layer is built twice with the same weights, ``backend: fla`` and ``backend: torch``, both on CUDA;
+machine). One layer is built twice with the same weights, ``backend: fla`` and ``backend: chunk``, both on CUDA;
 forward outputs, final states, the input gradient and every parameter gradient must agree, in fp32 and under bf16
 autocast (weights fp32, as in ``bf16-mixed`` training). Tolerances compare each tensor's largest error with its own
 scale: in fp32, torch's matmuls are exact fp32 here (TF32 off) while Triton's ``tl.dot`` rounds fp32 inputs to
@@ -71,7 +71,7 @@ def test_fla_kernels_match_the_chunked_forms(name, dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
-    ours = LAYERS[name]("torch").cuda()
+    ours = LAYERS[name]("chunk").cuda()
     theirs = LAYERS[name]("fla").cuda()
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn(2, T, D, device="cuda")
@@ -109,11 +109,11 @@ def test_fla_decode_continues_the_chunked_prefill(name):
 
 def test_gdn_trains_where_fla_refuses_its_backward():
     """``auto`` on a machine where fla refuses: training runs the PyTorch form (one warning with the fix, the same
-    gradients as ``backend: torch``), inference keeps fla's kernels and agrees with the training forward."""
+    gradients as ``backend: chunk``), inference keeps fla's kernels and agrees with the training forward."""
     if _refused("gdn") is None:
         pytest.skip("fla runs GDN's backward on this machine (no refusal to work around)")
     torch.manual_seed(0)
-    auto, ours = LAYERS["gdn"]("auto").cuda(), LAYERS["gdn"]("torch").cuda()
+    auto, ours = LAYERS["gdn"]("auto").cuda(), LAYERS["gdn"]("chunk").cuda()
     ours.load_state_dict(auto.state_dict())
     x = torch.randn(2, T, D, device="cuda")
     fla_backend._warn_refused.cache_clear()
@@ -129,3 +129,33 @@ def test_gdn_trains_where_fla_refuses_its_backward():
         _close(g[key], g_ref[key], 1e-5, f"gradient of {key}")
     y_inference, _, _, _ = _run(auto, x, "bf16", train=False)      # fla's forward kernels
     _close(y_inference, y, TOLERANCE["bf16"], "fla inference vs PyTorch training forward")
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_fla_packed_documents_match_the_documents_alone(name):
+    """fla's kernels with ``cu_seqlens`` (the fla form) == the chunked form on each document alone: output, the
+    last document's state and (where fla runs the backward) the input gradient, fp32."""
+    from mixerzoo.protocol import run_separately
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    ours = LAYERS[name]("chunk").cuda()
+    theirs = LAYERS[name]("fla").cuda()
+    theirs.load_state_dict(ours.state_dict())
+    offsets = [0, 1, 37, 100, 160]
+    x = torch.randn(1, offsets[-1], D, device="cuda")
+    train = _refused(name) is None
+    results = []
+    for run in (lambda t: theirs(t, cu_seqlens=torch.tensor(offsets)), lambda t: run_separately(ours, t, offsets)):
+        xi = x.clone().requires_grad_(train)
+        with torch.set_grad_enabled(train):
+            y, state = run(xi)
+            if train:
+                (y * torch.linspace(-1, 1, D, device="cuda")).sum().backward()
+        results.append((y.detach(), state_tensors(state), xi.grad))
+    (y, s, dx), (y_ref, s_ref, dx_ref) = results
+    _close(y, y_ref, TOLERANCE["fp32"], "output")
+    for i, (a, b) in enumerate(zip(s, s_ref, strict=True)):
+        _close(a, b, TOLERANCE["fp32"], f"state tensor {i}")
+    if train:
+        _close(dx, dx_ref, TOLERANCE["fp32"], "input gradient")

@@ -1,23 +1,29 @@
-"""Backend choice and the CUDA branch's plumbing, without a GPU.
+"""Choice of form and the ``fla`` form's plumbing, without a GPU.
 
 No GPU is available to these tests, so fla's kernels are replaced by stand-ins that implement what fla's
 docstrings specify (in-kernel q/k L2 norm, beta sigmoid, GDN gate; grouped heads; ``[N, H, K, V]`` states;
-the conv cache of the last ``W`` inputs) on top of the ``naive`` references. The layers are then run
-through their fla branch on CPU tensors and must match the PyTorch branch, share its state layout, and pick
-fla's ``chunk`` / ``fused_recurrent`` functions as fla's own layers do.
+the conv cache of the last ``W`` inputs; packed sequences through ``cu_seqlens``) on top of the ``naive``
+references, and the ``fla`` form is let run on CPU tensors. The layers' fla form must then match the PyTorch
+forms, share their state layout, pick fla's ``chunk`` / ``fused_recurrent`` functions as fla's own layers do, and
+pass packed documents to fla as fla takes them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mixerzoo.protocol import state_tensors
+from mixerzoo.errors import ConfigError
+from mixerzoo.forms import Call
+from mixerzoo.protocol import run_separately, state_tensors
 from mixerzoo_fla import GatedDeltaNet, GatedSlotAttention
 from mixerzoo_fla.backends import fla as fla_backend
+from mixerzoo_fla.gdn.layer import FORMS as GDN_FORMS
+from mixerzoo_fla.gsa.layer import FORMS as GSA_FORMS
 from mixerzoo_fla.gdn.naive import gated_delta_rule
 from mixerzoo_fla.gdn.ops import l2_normalize
 from mixerzoo_fla.gsa.naive import gated_slot_attention
@@ -26,28 +32,45 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 D = 32
 
 
-def test_resolve_backend(monkeypatch):
-    assert fla_backend.resolve_backend("auto", CPU) == "torch"
-    assert fla_backend.resolve_backend("torch", CPU) == "torch"
-    assert fla_backend.resolve_backend("torch", CUDA) == "torch"
-    with pytest.raises(ValueError, match="need CUDA tensors"):
-        fla_backend.resolve_backend("fla", CPU)
-    with pytest.raises(ValueError, match="backend='triton' is not known"):
-        fla_backend.resolve_backend("triton", CPU)
+def call(device="cpu", dtype=torch.float32, grad=False, tokens=70, backend="auto", **kw) -> Call:
+    return Call(device=device, dtype=dtype, grad=grad, tokens=tokens, options={"backend": backend}, **kw)
+
+
+def test_forms_pick(monkeypatch):
     monkeypatch.setattr(fla_backend, "fla_installed", lambda: True)
-    assert fla_backend.resolve_backend("auto", CUDA) == "fla"
-    assert fla_backend.resolve_backend("fla", CUDA) == "fla"
-    assert fla_backend.resolve_backend("auto", CUDA, dtype=torch.bfloat16) == "fla"
-    # fla's kernels do not take float64: auto runs the PyTorch forms (float64 states), fla says why it cannot
-    assert fla_backend.resolve_backend("auto", CUDA, dtype=torch.float64) == "torch"
-    with pytest.raises(ValueError, match="do not take float64"):
-        fla_backend.resolve_backend("fla", CUDA, dtype=torch.float64)
+    for forms in (GDN_FORMS, GSA_FORMS):
+        assert forms.pick(call()).name == "chunk"
+        assert forms.pick(call(tokens=1, has_state=True)).name == "recurrent"
+        assert forms.pick(call("cuda")).name == "fla"
+        assert forms.pick(call("cuda", torch.bfloat16, packed=True)).name == "fla"
+        assert forms.pick(call("cuda", tokens=1, has_state=True)).name == "fla"   # fla's fused_recurrent decodes
+        # fla's kernels do not take float64: auto runs the PyTorch forms (float64 states), fla says why it cannot
+        assert forms.pick(call("cuda", torch.float64)).name == "chunk"
+        with pytest.raises(ConfigError, match="backend 'fla' cannot run this call: it does not compute in float64"):
+            forms.pick(call("cuda", torch.float64, backend="fla"), "fla")
+        with pytest.raises(ConfigError, match="backend 'fla' cannot run this call: it runs on cuda tensors, not cpu"):
+            forms.pick(call(backend="fla"), "fla")
+        with pytest.raises(ConfigError, match="backend 'recurrent' cannot run this call: it takes 1 token"):
+            forms.pick(call(packed=True, backend="recurrent"), "recurrent")
+        assert forms.pick(call(packed=True, backend="naive"), "naive").name == "naive"
+        assert all(row["cu_seqlens"] for row in forms.table())        # every form keeps documents apart
     monkeypatch.setattr(fla_backend, "fla_installed", lambda: False)
-    with pytest.raises(ImportError, match="flash-linear-attention"):
-        fla_backend.resolve_backend("fla", CUDA)
+    with pytest.raises(ConfigError, match="flash-linear-attention and triton are not installed"):
+        GDN_FORMS.pick(call("cuda", backend="fla"), "fla")
     fla_backend._warn_fallback.cache_clear()
     with pytest.warns(UserWarning, match="PyTorch chunked forms"):
-        assert fla_backend.resolve_backend("auto", CUDA) == "torch"
+        assert GDN_FORMS.pick(call("cuda")).name == "chunk"
+
+
+@pytest.mark.parametrize("mixer", [GatedDeltaNet, GatedSlotAttention])
+def test_backend_values(mixer):
+    with pytest.raises(ConfigError, match="backend 'torch' is now named 'chunk'"):
+        mixer(16, n_heads=2, backend="torch")
+    with pytest.raises(ConfigError, match=r"backend must be one of \('auto', 'fla', 'recurrent', 'chunk', 'naive'\)"):
+        mixer(16, n_heads=2, backend="triton")
+    layer = mixer(16, n_heads=2, backend="recurrent")
+    with pytest.raises(ConfigError, match="backend 'recurrent' cannot run this call: it takes 1 token"):
+        layer(torch.randn(1, 5, 16))
 
 
 def test_cpu_path_never_touches_fla(monkeypatch):
@@ -76,10 +99,32 @@ class FakeFla:
 
     def __init__(self):
         self.calls = []
+        self.packed = []          # (kernel, cu_seqlens, cu_seqlens_cpu) of every packed call
+
+    def _sequences(self, name, fn, cu_seqlens, cu_seqlens_cpu, seqs, initial_state):
+        """fla's packed contract (batch 1, ``cu_seqlens`` offsets, final states ``[N, ...]``): ``fn`` on each
+        sequence alone."""
+        self.packed.append((name, cu_seqlens, cu_seqlens_cpu))
+        assert seqs[0].shape[0] == 1 and initial_state is None
+        bounds = cu_seqlens.tolist()
+        outs, finals = [], []
+        for a, b in zip(bounds, bounds[1:]):
+            o, final = fn(*(t[:, a:b] for t in seqs))
+            outs.append(o)
+            finals.append(final)
+        if isinstance(finals[0], tuple):
+            return torch.cat(outs, 1), tuple(torch.cat(parts) for parts in zip(*finals))
+        return torch.cat(outs, 1), torch.cat(finals)
 
     def _gdn(self, name, q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
              use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
-             allow_neg_eigval=False, scale=None, state_v_first=False):
+             allow_neg_eigval=False, scale=None, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None):
+        if cu_seqlens is not None:
+            return self._sequences(name, lambda *t: self._gdn(name, *t, initial_state, output_final_state,
+                                                              use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
+                                                              dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                                                              scale, state_v_first),
+                                   cu_seqlens, cu_seqlens_cpu, (q, k, v, g, beta), initial_state)
         self.calls.append(name)
         assert output_final_state and not state_v_first
         assert use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel
@@ -97,7 +142,11 @@ class FakeFla:
     def fused_recurrent_gated_delta_rule(self, **kw):
         return self._gdn("fused_recurrent_gated_delta_rule", **kw)
 
-    def _gsa(self, name, q, k, v, s, g, scale=None, initial_state=None, output_final_state=False):
+    def _gsa(self, name, q, k, v, s, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+             cu_seqlens_cpu=None):
+        if cu_seqlens is not None:
+            return self._sequences(name, lambda *t: self._gsa(name, *t, scale, initial_state, output_final_state),
+                                   cu_seqlens, cu_seqlens_cpu, (q, k, v, s, g), initial_state)
         self.calls.append(name)
         assert output_final_state
         assert k.shape[2] == q.shape[2], "fla's layer repeats k/v/s/g to the query heads"
@@ -109,7 +158,12 @@ class FakeFla:
     def fused_recurrent_gsa(self, **kw):
         return self._gsa("fused_recurrent_gsa", **kw)
 
-    def causal_conv1d(self, x, weight, bias=None, initial_state=None, output_final_state=False, activation=None):
+    def causal_conv1d(self, x, weight, bias=None, initial_state=None, output_final_state=False, activation=None,
+                      cu_seqlens=None, cu_seqlens_cpu=None):
+        if cu_seqlens is not None:
+            return self._sequences("causal_conv1d", lambda t: self.causal_conv1d(t, weight, bias, None, True,
+                                                                                 activation),
+                                   cu_seqlens, cu_seqlens_cpu, (x,), initial_state)
         self.calls.append("causal_conv1d")
         B, T, Dc = x.shape
         W = weight.shape[1]
@@ -126,10 +180,16 @@ def fake_fla(monkeypatch):
     return fake
 
 
-def _as_fla(module, monkeypatch):
-    """Make ``module`` take its fla branch on CPU tensors (as it would on CUDA)."""
-    monkeypatch.setattr(fla_backend, "resolve_backend",
-                        lambda backend, device, **_: "fla" if backend == "fla" else "torch")
+@pytest.fixture
+def fla_on_cpu(monkeypatch):
+    """The ``fla`` forms of both tables serve CPU tensors (as they would CUDA ones) with fla "installed"."""
+    monkeypatch.setattr(fla_backend, "fla_installed", lambda: True)
+    for forms in (GDN_FORMS, GSA_FORMS):
+        monkeypatch.setitem(forms.forms, "fla", dataclasses.replace(forms.forms["fla"], devices=None))
+
+
+def _as_fla(module):
+    """Make ``module`` take its fla form (with :func:`fla_on_cpu`)."""
     module.backend = "fla"
     return module
 
@@ -141,10 +201,11 @@ def _as_fla(module, monkeypatch):
     lambda: GatedSlotAttention(D, n_heads=4, n_kv_heads=2, num_slots=6, use_short_conv=True, chunk_len=8),
     lambda: GatedSlotAttention(D, n_heads=2, num_slots=6),
 ], ids=["gdn-gva", "gdn-plain", "deltanet", "gsa-gqa-conv", "gsa"])
-def test_fla_branch_matches_torch_branch(factory, fake_fla, monkeypatch):
+def test_fla_branch_matches_torch_branch(factory, fake_fla, fla_on_cpu):
     torch.manual_seed(0)
     ours = factory()
-    theirs = _as_fla(factory(), monkeypatch)
+    ours.backend = "chunk"                                   # (auto would take the fla form here too)
+    theirs = _as_fla(factory())
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn(2, 70, D)
     ours.eval(), theirs.eval()
@@ -155,7 +216,7 @@ def test_fla_branch_matches_torch_branch(factory, fake_fla, monkeypatch):
         for a, b in zip(state_tensors(s), state_tensors(s_ref), strict=True):  # one state layout on both branches
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
         y1, s1 = theirs(x[:, :40])                           # prefill on the fla branch ...
-        y2, _ = ours(x[:, 40:41], s1)                        # ... decode on the torch branch
+        y2, _ = ours(x[:, 40:41], s1)                        # ... decode on the PyTorch chunk form
         y3, _ = theirs(x[:, 40:41], s1)                      # ... or on the fla branch (fused_recurrent)
         torch.testing.assert_close(y2, y_ref[:, 40:41], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(y3, y_ref[:, 40:41], atol=1e-5, rtol=1e-4)
@@ -177,12 +238,9 @@ def test_fla_branch_matches_torch_branch(factory, fake_fla, monkeypatch):
 @pytest.mark.parametrize("factory", [lambda: GatedDeltaNet(D, n_heads=2, chunk_len=8),
                                      lambda: GatedSlotAttention(D, n_heads=2, num_slots=6, chunk_len=8)],
                          ids=["gdn", "gsa"])
-def test_float64_on_cuda_runs_the_torch_form(factory, fake_fla, monkeypatch):
+def test_float64_on_cuda_runs_the_torch_form(factory, fake_fla, fla_on_cpu):
     """On CUDA with fla installed, float64 inputs run the PyTorch form (fla's kernels do not take float64) and keep
     float64 states; float32 inputs still take fla's kernels."""
-    real = fla_backend.resolve_backend
-    monkeypatch.setattr(fla_backend, "fla_installed", lambda: True)
-    monkeypatch.setattr(fla_backend, "resolve_backend", lambda backend, device, **kw: real(backend, CUDA, **kw))
     layer = factory().eval()
     x = torch.randn(2, 70, D)
     with torch.no_grad():
@@ -291,12 +349,9 @@ def test_fla_gsa_backward_does_not_reach_the_refused_kernel():
 
 
 @pytest.fixture
-def refused_on_cuda(fla_flags, fake_fla, monkeypatch):
+def refused_on_cuda(fla_flags, fake_fla, fla_on_cpu):
     """Layers see CUDA with fla installed (fla's kernels are ``fake_fla``'s stand-ins, run on CPU tensors);
     ``set(refused)`` simulates a Hopper with Triton 3.6.0 and no TileLang (refused) or Triton 3.7.1."""
-    real = fla_backend.resolve_backend
-    monkeypatch.setattr(fla_backend, "fla_installed", lambda: True)
-    monkeypatch.setattr(fla_backend, "resolve_backend", lambda backend, device, **kw: real(backend, CUDA, **kw))
     forget_warning = getattr(fla_backend._warn_refused, "cache_clear", lambda: None)   # the once-only memory
     forget_warning()
     yield lambda refused: fla_flags(True, "3.6.0" if refused else "3.7.1", "absent")
@@ -352,7 +407,7 @@ def test_explicit_fla_backend_refuses_to_train_where_fla_refuses(refused_on_cuda
     refused_on_cuda(True)
     layer = GatedDeltaNet(D, n_heads=2, backend="fla")
     x = torch.randn(1, 70, D)
-    with pytest.raises(RuntimeError, match="pip install tilelang.*backend='auto'"):
+    with pytest.raises(ConfigError, match="backend 'fla' cannot run this call: .*Triton 3.6.0.*pip install tilelang"):
         layer(x)
     assert fake_fla.calls == []                  # refused before any work, not in backward
     with torch.no_grad():
@@ -367,3 +422,36 @@ def test_gsa_keeps_fla_kernels_where_gdn_is_refused(refused_on_cuda, fake_fla):
         warnings.simplefilter("error")
         _train(layer, torch.randn(1, 70, D))
     assert fake_fla.calls == ["chunk_gsa"]
+
+
+@pytest.mark.parametrize("factory", [
+    lambda: GatedDeltaNet(D, n_heads=2, n_v_heads=4, chunk_len=8),
+    lambda: GatedSlotAttention(D, n_heads=4, n_kv_heads=2, num_slots=6, use_short_conv=True, chunk_len=8),
+], ids=["gdn-gva", "gsa-gqa-conv"])
+@pytest.mark.parametrize("T_last", [5, 70], ids=["fused-recurrent", "chunk"])
+def test_fla_form_passes_packed_documents_to_fla(factory, T_last, fake_fla, fla_on_cpu):
+    """The fla form hands fla ``cu_seqlens`` as an int32 tensor on the input's device (and its int64 host copy to
+    the chunk kernels), for the convolutions and the recurrence, and returns the last document's state: the output
+    and state of the documents run one by one through the PyTorch forms."""
+    torch.manual_seed(0)
+    ours = factory()
+    ours.backend = "chunk"
+    theirs = _as_fla(factory())
+    theirs.load_state_dict(ours.state_dict())
+    ours.eval(), theirs.eval()
+    offsets = [0, 1, 12, 30, 30 + T_last]
+    x = torch.randn(1, offsets[-1], D)
+    with torch.no_grad():
+        y, state = theirs(x, cu_seqlens=torch.tensor(offsets))
+        y_ref, state_ref = run_separately(ours, x, offsets)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-4)
+    for a, b in zip(state_tensors(state), state_tensors(state_ref), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    recurrent = offsets[-1] <= 64
+    assert [name for name, *_ in fake_fla.packed] == ["causal_conv1d"] * 3 + [
+        ("fused_recurrent_" if recurrent else "chunk_") + ("gated_delta_rule" if isinstance(ours, GatedDeltaNet)
+                                                           else "gsa")]
+    for name, cu, cu_cpu in fake_fla.packed:
+        assert cu.dtype == torch.int32 and cu.device == x.device and cu.tolist() == offsets, name
+        if name.startswith("chunk_") or name == "causal_conv1d":
+            assert cu_cpu.dtype == torch.int64 and cu_cpu.device.type == "cpu" and cu_cpu.tolist() == offsets

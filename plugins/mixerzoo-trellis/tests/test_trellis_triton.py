@@ -6,6 +6,7 @@ rule reference."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -149,10 +150,14 @@ def test_layer_backend_option():
     (y_fast.square().sum() + y_slow.square().sum()).backward()
     for (name, p_fast), p_slow in zip(fast.named_parameters(), slow.parameters()):
         torch.testing.assert_close(p_fast.grad, p_slow.grad, rtol=1e-8, atol=1e-10, msg=f"gradient of {name}")
-    from mixerzoo_trellis.chunk import trellis_chunked as chunk_form
+    from mixerzoo.forms import Call
+    from mixerzoo_trellis.layer import FORMS
 
-    assert Trellis(32, n_heads=2)._chunked(torch.device("cpu")) is chunk_form
-    assert Trellis(32, n_heads=2)._checkpoint_chunks(torch.device("cpu")) == 32
+    cpu = Call.of(x, slow, options={"backend": "auto"})
+    assert FORMS.pick(cpu).name == "chunk"
+    assert FORMS.pick(dataclasses.replace(cpu, device="cuda")).name == "triton"
+    assert Trellis(32, n_heads=2)._checkpoint_chunks(triton=False) == 32
+    assert Trellis(32, n_heads=2)._checkpoint_chunks(triton=True) == 512
     with pytest.raises(ValueError, match="backend"):
         Trellis(32, n_heads=2, backend="cuda")
 

@@ -5,6 +5,11 @@ inside a chunk that does not depend on the state carried in from earlier chunks 
 (a block of :data:`BLOCK_CHUNKS` chunks at a time); then walk over the chunks to pass the state along, with a few
 small matrix products per chunk. There is no loop over tokens. A partial last chunk is padded with zeros: tokens
 that neither decay (``log alpha = 0``) nor write (``beta = 0``, ``k = 0``, ``s = 0``).
+
+Packed documents (``cu_seqlens``) are laid out so that each starts a chunk and is padded the same way at its end
+(:func:`mixerzoo.ops.document_layout`); the state a document's last chunk passes on is multiplied by 0
+(:meth:`mixerzoo.ops.DocumentLayout.carry_mask`), so the next document starts empty: a reset inside the walk over
+chunks, no loop over documents.
 """
 
 from __future__ import annotations
@@ -52,3 +57,4 @@ def pairwise_decay(b: torch.Tensor, per_slot: bool = False) -> torch.Tensor:
         return diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
     diff = b[..., :, None] - b[..., None, :]
     return diff.masked_fill(~causal, float("-inf")).exp()
+

@@ -17,12 +17,19 @@ and the reads are matmuls (eqs. 10-12)::
 Decay products are formed from differences of the log cumsum ``L`` (never as a cumprod and a division), so
 chunks of any length are stable in fp32. The only sequential part is the chunk-to-chunk recurrence of the
 memories (:func:`_scan`); the writes of both passes do not depend on any read, so it runs before the reads.
+
+Packed documents (``offsets``) are laid out so that each one's chunks are aligned to its own start
+(:func:`mixerzoo.ops.document_layout`), and a document's last chunk passes nothing on (its whole-chunk decay and
+its writes' factors are multiplied by 0): the next document starts from empty memories, inside the scan, with no
+loop over documents; the scan (``_scan`` or the Triton kernels) is unchanged.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from mixerzoo.ops import document_layout
 
 from .ops import inner_grad, normalized_silu
 from .state import TrellisMemory, zero_memory
@@ -65,7 +72,7 @@ def _scan(w: torch.Tensor, a: torch.Tensor, decay_end: torch.Tensor, to_end: tor
 def trellis_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, log_beta: torch.Tensor,
                     gamma: torch.Tensor, chunk_len: int, phi: str = "silu", f: str = "layernorm_silu",
                     memory: TrellisMemory | None = None, pos: int = 0, detach_inner_grad: bool = False,
-                    scan=None) -> tuple[torch.Tensor, TrellisMemory]:
+                    scan=None, offsets: tuple[int, ...] | None = None) -> tuple[torch.Tensor, TrellisMemory]:
     """Two-pass Trellis over a segment, chunked with stale gradients (section 3.2, eqs. 10-14).
 
     With ``chunk_len = 1`` this is the exact per-token recurrence of eq. 8 (``naive.trellis_naive``).
@@ -83,6 +90,9 @@ def trellis_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
         detach_inner_grad: do not back-propagate through the memory inside the inner gradient.
         scan: the chunk-to-chunk memory recurrence, a function with :func:`_scan`'s arguments and results (None:
             :func:`_scan`, a loop over chunks; ``backends.triton`` passes its kernel).
+        offsets: packed documents ``(0, ..., T)`` along time (``B = 1``; :mod:`mixerzoo.protocol`): the first one
+            continues ``memory`` at its own position ``pos``, every other starts empty at position 0; the memory
+            returned is the last document's.
 
     Returns:
         ``y (B, H, T, d_v)`` (after the second normalised SiLU) and the memory after the segment.
@@ -94,24 +104,38 @@ def trellis_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
         memory = zero_memory(B, H, m, d_k, d_v, q.dtype, q.device)
     if T == 0:
         return v.new_zeros(B, H, 0, d_v), memory
-    front = pos % C
-    n = (front + T + C - 1) // C
-    back = n * C - front - T
+    if offsets is None:
+        front = pos % C
+        n = (front + T + C - 1) // C
+        back = n * C - front - T
+        end = pos + T
 
-    # Pad to whole aligned chunks. Padding has w = 0 (writes nothing, u w^T = 0) and log beta = 0 (no decay),
-    # so the memory passes through it unchanged; outputs at padded positions are dropped.
-    def chunks(t: torch.Tensor) -> torch.Tensor:
-        t = F.pad(t, (0, 0, front, back))
-        return t.reshape(B, H, n, C, t.shape[-1])
+        # Pad to whole aligned chunks. Padding has w = 0 (writes nothing, u w^T = 0) and log beta = 0 (no decay),
+        # so the memory passes through it unchanged; outputs at padded positions are dropped.
+        def chunks(t: torch.Tensor) -> torch.Tensor:
+            t = F.pad(t, (0, 0, front, back))
+            return t.reshape(B, H, n, C, t.shape[-1])
 
+        L = F.pad(log_beta, (front, back)).reshape(B, H, n, C).cumsum(-1)
+    else:  # every document padded the same way to whole chunks aligned to its start (the first: to ``pos``)
+        layout = document_layout(offsets, q.device, align=C, first_front=pos % C)
+        n = layout.slots // C
+        end = (pos if len(offsets) == 2 else 0) + offsets[-1] - offsets[-2]
+
+        def chunks(t: torch.Tensor) -> torch.Tensor:
+            return layout.spread(t, 2).reshape(B, H, n, C, t.shape[-1])
+
+        L = layout.spread(log_beta, 2).reshape(B, H, n, C).cumsum(-1)
     qc, kc, vc, ac = chunks(q), chunks(k), chunks(v), chunks(a)
-    L = F.pad(log_beta, (front, back)).reshape(B, H, n, C).cumsum(-1)
     idx = torch.arange(C, device=q.device)
     causal = idx[:, None] >= idx[None, :]
     R = (L[..., :, None] - L[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, H, n, C, C)
     P = L.exp()[..., None]  # (B, H, n, C, 1)
     decay_end = L[..., -1].exp()  # (B, H, n)
     to_end = (L[..., -1:] - L).exp()  # (B, H, n, C)
+    if offsets is not None:  # a document's last chunk passes nothing on: the next document starts empty
+        carry = layout.carry_mask(L.dtype)
+        decay_end, to_end = decay_end * carry, to_end * carry[:, None]
     g4, g5 = gamma.view(1, H, 1, 1), gamma.view(1, H, 1, 1, 1)
     scan = _scan if scan is None else scan
 
@@ -133,8 +157,9 @@ def trellis_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     r = normalized_silu(S, f)
     # pass 2 read: output
     Y = P * (r @ MV0) - g5 * (((r @ Uv.transpose(-1, -2)) * R) @ vc)
-    y = normalized_silu(Y, f).reshape(B, H, n * C, d_v)[:, :, front:front + T]
+    y = normalized_silu(Y, f).reshape(B, H, n * C, d_v)
+    y = y[:, :, front:front + T] if offsets is None else layout.collect(y, 2)
 
-    if (pos + T) % C == 0:  # the segment ends on a chunk boundary: the next chunk's gradients start here
+    if end % C == 0:  # the segment ends on a chunk boundary: the next chunk's gradients start here
         mk_grad, mv_grad = mk, mv
     return y, TrellisMemory(mk, mk_grad, mv, mv_grad)

@@ -1,6 +1,11 @@
 """The Trellis mixer: projections, short convolution, the two-pass memory (``chunk`` for ``T > 1``, ``recurrent``
 for one decode token; their Triton forms in ``backends/triton`` on the GPU), output norm, gate, projection.
 
+Its forms (:data:`FORMS`, picked by :meth:`~mixerzoo.forms.Forms.pick`; the ``backend`` option forces one), each
+keeping packed documents apart (``cu_seqlens``): ``triton`` (the Triton kernels: CUDA tensors under ``auto``, any
+device when forced), ``chunk`` (``chunk.py``'s loop over chunks and ``recurrent.py``'s step), ``naive`` (the token
+loop of ``naive.py``, one document at a time; forced only).
+
 Karami, Behrouz, Kacham, Mirrokni, "Trellis: Learning to Compress Key-Value Memory in Attention Models"
 (COLM 2025), section 3 and figure 1. The paper's copy lost its equations and there is no official code; the
 reconstruction implemented here is ``shared/specs/trellis.md`` (see ``docs/mechanisms/trellis.md``). Every
@@ -9,26 +14,44 @@ choice the reconstruction had to make is an option below with the default it giv
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixerzoo.kernels import use_triton
+from mixerzoo.forms import Call, Form, register_forms
+from mixerzoo.kernels import triton_available, use_triton
 from mixerzoo.mixers.qkv import QKVProjection
-from mixerzoo.ops import run_segments
-from mixerzoo.protocol import Mixer
+from mixerzoo.ops import document_layout, local_documents, run_segments
+from mixerzoo.protocol import Mixer, packed_offsets, run_separately
 
 from .chunk import trellis_chunked
+from .naive import trellis_naive
 from .ops import FS, PHIS
 from .recurrent import trellis_step
 from .state import TrellisMemory, TrellisState, zero_memory
 
-__all__ = ["Trellis", "TrellisState", "ShortConv", "BACKENDS"]
+__all__ = ["Trellis", "TrellisState", "ShortConv", "FORMS"]
 
-BACKENDS = ("auto", "chunk", "triton")
-"""Forms of the memory recurrence for ``T > 1`` (the ``backend`` option)."""
+
+def _triton_refusal(call: Call) -> str | None:
+    """The ``triton`` form's rule: CUDA tensors under ``backend: auto`` (:func:`mixerzoo.kernels.use_triton`), any
+    device when forced (Triton's interpreter on a CPU), with Triton installed. (Availability is checked after the
+    device, so a CPU call under ``auto`` reads no cached function: nothing for ``torch.compile`` to trace.)"""
+    if not use_triton(call.options.get("backend", "auto"), torch.device(call.device)):
+        return "under backend: auto its kernels serve CUDA tensors (backend: triton runs them in Triton's interpreter)"
+    return None if triton_available() else "triton is not installed (pip install triton)"
+
+
+FORMS = register_forms("trellis", [
+    Form("triton", cu_seqlens=True, accepts=_triton_refusal, priority=20),
+    Form("chunk", cu_seqlens=True, priority=10),
+    Form("naive", cu_seqlens=True, auto=False),
+])
+"""Trellis's forms (the module docstring); the ``backend`` option is ``auto`` or one of their names."""
 
 
 def check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -49,15 +72,26 @@ class ShortConv(nn.Module):
         self.kernel_size = kernel_size
         self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, docs: tuple | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(y, new cache)``; ``docs = (offsets, lead)`` (:func:`mixerzoo.ops.local_documents`): packed documents,
+        each convolved behind zeros (the first behind ``cache`` where it continues it, ``lead`` not None); the cache
+        returned is then the last document's."""
         B, T, Cn = x.shape
-        prev = x.new_zeros(B, self.kernel_size - 1, Cn) if cache is None else cache.to(x.dtype)
-        full = torch.cat([prev, x], dim=1)
+        K = self.kernel_size
+        prev = x.new_zeros(B, K - 1, Cn) if cache is None else cache.to(x.dtype)
+        if docs is None:
+            full, place = torch.cat([prev, x], dim=1), None
+        else:  # every document behind K - 1 zeros (the carried inputs for a continued first document)
+            carried = K - 1 if docs[1] is not None and cache is not None else 0
+            layout = document_layout(docs[0], x.device, front=K - 1, carried=carried)
+            full, place = layout.spread(x, 1, prev if carried else None), layout.place - (K - 1)
         w = self.conv.weight
         # the convolution runs in the input's dtype (fp32 at least inside the layer): bf16 weights (bf16-true
         # training) are cast up, since a CUDA kernel refuses an fp32 input with a bf16 weight
         w = w if w.dtype == x.dtype else w.to(x.dtype)
         y = F.conv1d(full.transpose(1, 2), w, groups=Cn).transpose(1, 2)
+        y = y if place is None else y.index_select(1, place)
         # a copy: a view would keep the whole padded input alive in the state (and in a training segment's carry)
         return y, full[:, full.shape[1] - (self.kernel_size - 1):].clone()
 
@@ -106,12 +140,14 @@ class Trellis(Mixer):
             Default (None): 32 chunks for the loop over chunks, 512 for the Triton kernels, whose segment costs
             a fixed number of launches (about 360 per forward, recomputation and backward) while its memory
             (the chunk-start memories, ``2 m d`` per chunk and head) stays far below attention's at 32k tokens.
-        backend: the form of the memory recurrence for ``T > 1``: ``auto`` (default: the Triton kernels of
+        backend: the form of the memory recurrence (:data:`FORMS`): ``auto`` (default: the Triton kernels of
             ``backends/triton`` for CUDA tensors, the chunked form's loop over chunks otherwise), ``chunk`` (always
-            the loop) or ``triton`` (always the kernels; on a CPU through Triton's interpreter, for tests at small
-            sizes). All give the same results. Decoding (``T == 1``) follows the same rule: the one-kernel step of
-            ``backends/triton/decode.py`` (convolution, write norm, gates and both passes in one launch) where the
-            kernels are chosen and no gradient is wanted, ``recurrent.trellis_step`` otherwise; the same values.
+            the loop), ``triton`` (always the kernels; on a CPU through Triton's interpreter, for tests at small
+            sizes) or ``naive`` (the token loop of ``naive.py``: a reference). All give the same results.
+            Decoding (``T == 1``) follows the same rule: the one-kernel step of ``backends/triton/decode.py``
+            (convolution, write norm, gates and both passes in one launch) where the kernels are chosen and no
+            gradient is wanted, ``recurrent.trellis_step`` otherwise; the same values. Packed documents
+            (``cu_seqlens``): every form.
 
     State: :class:`TrellisState` (two memories, their chunk-start copies, the convolution cache).
 
@@ -135,7 +171,7 @@ class Trellis(Mixer):
                              f"got {checkpoint_chunks!r}")
         self.checkpoint_chunks = checkpoint_chunks
         check_choice("f", f, FS)
-        check_choice("backend", backend, BACKENDS)
+        FORMS.check_backend(backend)
         self.backend = backend
         if write_norm not in (None, "none", "l2"):
             raise ValueError(f"trellis option write_norm={write_norm!r} is not known; use null/none or l2")
@@ -176,12 +212,24 @@ class Trellis(Mixer):
         """Inner learning rate per head, ``softplus(gamma_raw)``, shape ``(H,)``."""
         return F.softplus(self.gamma_raw)
 
-    def forward(self, x: torch.Tensor, state: TrellisState | None = None) -> tuple[torch.Tensor, TrellisState]:
+    def forward(self, x: torch.Tensor, state: TrellisState | None = None, cu_seqlens: Any = None
+                ) -> tuple[torch.Tensor, TrellisState]:
         """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given.
 
         ``T == 1`` runs the decode step; longer inputs run the chunked form (chunks aligned to absolute
-        positions, so any split point continues exactly).
+        positions, so any split point continues exactly). ``cu_seqlens`` ``(N+1,)``: documents packed along time in
+        ``x (1, T, d_model)``, each run as if alone, its chunks aligned to its own start (:mod:`mixerzoo.protocol`;
+        the state returned is the last document's, at its own position).
+
+        Raises:
+            ValueError: ``state`` with ``cu_seqlens``, or offsets that break the protocol's rules.
+            ConfigError: a forced ``backend`` that cannot serve the call (the message names the form and why).
         """
+        offsets = None if cu_seqlens is None else packed_offsets(cu_seqlens, x, state)
+        form = FORMS.pick(Call.of(x, self, cu_seqlens=cu_seqlens, state=state, options={"backend": self.backend}),
+                          self.backend)
+        if form.name == "naive":
+            return self._naive(x, state) if offsets is None else run_separately(self._naive, x, offsets)
         B, T, _ = x.shape
         pos = 0 if state is None else state.pos
         work = torch.promote_types(x.dtype, torch.float32)  # the memory runs in fp32 at least
@@ -190,26 +238,51 @@ class Trellis(Mixer):
                                              x.device), None
         else:
             memory, conv_cache = state.memory, state.conv
+        triton = form.name == "triton"
+        layer = functools.partial(self._layer, triton=triton, offsets=offsets)
         if T == 1:
-            y, *memory, conv_cache = self._layer(x, pos, *memory, conv_cache)
+            y, *memory, conv_cache = layer(x, pos, *memory, conv_cache)
         else:
             # one pass, or in training segments recomputed in backward, each running the whole layer from its
             # slice of x: autograd keeps x, the memory entering each segment and the output, not the
             # projections, their convolved and unit copies, the reads or the output path's intermediates; and
             # backward's gradients of q, k, v and a exist one segment at a time, not for the whole sequence
-            y, (*memory, conv_cache) = run_segments(self._layer, (x,), pos, (*memory, conv_cache),
-                                                    span=self.chunk_len * self._checkpoint_chunks(x.device), dim=1)
-        return y, TrellisState(*memory, conv=conv_cache, pos=pos + T)
+            y, (*memory, conv_cache) = run_segments(layer, (x,), pos, (*memory, conv_cache),
+                                                    span=self.chunk_len * self._checkpoint_chunks(triton), dim=1)
+        end = pos + T if offsets is None else offsets[-1] - offsets[-2]
+        return y, TrellisState(*memory, conv=conv_cache, pos=end)
 
-    def _layer(self, x: torch.Tensor, pos: int, mk, mk_grad, mv, mv_grad, conv_cache):
-        """The layer on ``x (B, T, d_model)`` at absolute position ``pos`` from the memories and convolution cache
-        before it: :meth:`memory_inputs`, the two-pass memory (decode step for ``T == 1``, chunked form otherwise),
-        output path. Returns ``(y, mk, mk_grad, mv, mv_grad, conv_cache)``."""
+    def _naive(self, x: torch.Tensor, state: TrellisState | None) -> tuple[torch.Tensor, TrellisState]:
+        """The ``naive`` form: the layer around :func:`~mixerzoo_trellis.naive.trellis_naive`, the token loop."""
+        pos = 0 if state is None else state.pos
+        work = torch.promote_types(x.dtype, torch.float32)
+        q, k, v, a, log_beta, gamma, conv = self.memory_inputs(x, pos, None if state is None else state.conv, work)
+        with torch.autocast(x.device.type, enabled=False):
+            o, memory = trellis_naive(q, k, v, a, log_beta.exp(), gamma, self.phi, self.f, self.chunk_len,
+                                      None if state is None else state.memory, pos, self.detach_inner_grad)
+        return self.output(o, x), TrellisState(*memory, conv=conv, pos=pos + x.shape[1])
+
+    def _layer(self, x: torch.Tensor, pos: int, mk, mk_grad, mv, mv_grad, conv_cache, *, triton: bool,
+               offsets: list[int] | None):
+        """The layer on ``x (B, T, d_model)`` at position ``pos`` of the call from the memories and convolution cache
+        before it: :meth:`memory_inputs`, the two-pass memory (decode step for ``T == 1``, chunked form otherwise;
+        ``triton``: their Triton kernels), output path. ``offsets``: the call's packed documents (a piece that
+        starts one begins from empty memories at position 0). Returns ``(y, mk, mk_grad, mv, mv_grad,
+        conv_cache)``."""
         B, T, _ = x.shape
         memory = TrellisMemory(mk, mk_grad, mv, mv_grad)
-        if T == 1 and self._decode_kernel(x, memory):
+        docs = None
+        if offsets is not None:
+            docs = local_documents(offsets, pos, T)
+            if docs[1] is None:  # the piece starts a document: nothing carries over
+                memory, conv_cache = zero_memory(B, self.n_heads, self.num_slots, self.head_dim, self.head_dim,
+                                                 mk.dtype, x.device), None
+            pos = docs[1] or 0  # the position inside the piece's first document
+            if len(docs[0]) == 2:  # one document: the plain form at that position
+                docs = None
+        if T == 1 and triton and self._decode_kernel(x, memory):
             return self._decode_triton(x, pos, memory, conv_cache)
-        q, k, v, a, log_beta, gamma, conv_cache = self.memory_inputs(x, pos, conv_cache, mk.dtype)
+        q, k, v, a, log_beta, gamma, conv_cache = self.memory_inputs(x, pos, conv_cache, mk.dtype, docs)
         opts = dict(phi=self.phi, f=self.f, pos=pos, detach_inner_grad=self.detach_inner_grad)
         with torch.autocast(x.device.type, enabled=False):  # keep the memory in fp32 under bf16-mixed
             if T == 1:  # decode: one step of the same chunked recurrence
@@ -217,31 +290,30 @@ class Trellis(Mixer):
                                          self.chunk_len, memory=memory, **opts)
                 o = o[:, :, None]
             else:
-                o, memory = self._chunked(x.device)(q, k, v, a, log_beta, gamma, self.chunk_len, memory=memory,
-                                                    **opts)
+                o, memory = self._chunked(triton)(q, k, v, a, log_beta, gamma, self.chunk_len, memory=memory,
+                                                  offsets=None if docs is None else docs[0], **opts)
         return (self.output(o, x), *memory, conv_cache)
 
-    def _checkpoint_chunks(self, device: torch.device) -> int:
+    def _checkpoint_chunks(self, triton: bool) -> int:
         """Chunks per recomputed training segment: the ``checkpoint_chunks`` option, or its default for the form
-        ``backend`` picks on ``device``."""
+        (``triton``: the Triton kernels)."""
         if self.checkpoint_chunks is not None:
             return self.checkpoint_chunks
-        return 512 if use_triton(self.backend, device) else 32
+        return 512 if triton else 32
 
-    def _chunked(self, device: torch.device):
-        """The chunked form for tensors on ``device`` under the ``backend`` option."""
-        if use_triton(self.backend, device):
+    @staticmethod
+    def _chunked(triton: bool):
+        """The chunked form: the Triton kernels' (``triton``) or the loop over chunks."""
+        if triton:
             from .backends.triton import trellis_chunked_triton  # imports triton: only where it is used
 
             return trellis_chunked_triton
         return trellis_chunked
 
     def _decode_kernel(self, x: torch.Tensor, memory: TrellisMemory) -> bool:
-        """Whether a decode token runs the Triton step (``backends/triton/decode.py``): under the ``backend`` rule
-        of the chunked form, for a memory tile the kernels take, and only where no gradient is wanted (the kernel
-        has no backward; a step that trains runs :func:`~mixerzoo_trellis.recurrent.trellis_step`)."""
-        if not use_triton(self.backend, x.device):
-            return False
+        """Whether a decode token of the ``triton`` form runs the Triton step (``backends/triton/decode.py``): for a
+        memory tile the kernels take, and only where no gradient is wanted (the kernel has no backward; a step that
+        trains runs :func:`~mixerzoo_trellis.recurrent.trellis_step`)."""
         from .backends.triton.scan import fits  # imports triton: only where it is used
 
         if not fits(self.num_slots, self.head_dim, memory.mk.dtype):
@@ -274,9 +346,11 @@ class Trellis(Mixer):
         a = self.a_proj(x).view(B, T, self.n_heads, self.num_slots).transpose(1, 2)
         return q, k, v, a, (self.b_proj(x) if self.forget_gate else None)
 
-    def memory_inputs(self, x: torch.Tensor, pos: int, conv_cache: torch.Tensor | None, work: torch.dtype):
+    def memory_inputs(self, x: torch.Tensor, pos: int, conv_cache: torch.Tensor | None, work: torch.dtype,
+                      docs: tuple | None = None):
         """What the memory reads and writes, from ``x (B, T, d_model)`` at absolute position ``pos``: projections,
-        short convolution (continuing ``conv_cache``), write norm; in the memory's dtype ``work``.
+        short convolution (continuing ``conv_cache``; restarted at packed documents' starts, ``docs`` as
+        :meth:`ShortConv.forward`), write norm; in the memory's dtype ``work``.
 
         Returns:
             ``q, k (B, H, T, d_k)``, ``v (B, H, T, d_v)``, ``a (B, H, T, m)`` slot targets, ``log_beta (B, H, T)``
@@ -292,7 +366,7 @@ class Trellis(Mixer):
             log_beta = x.new_zeros(B, self.n_heads, T, dtype=work)
         q, k, v, a = (t.to(work) for t in (q, k, v, a))
         with torch.autocast(x.device.type, enabled=False):
-            q, k, conv_cache = self._short_conv(q, k, conv_cache)
+            q, k, conv_cache = self._short_conv(q, k, conv_cache, docs)
             k, v = self._write_norm(k, v)
             gamma = self.gamma.to(work)
         return q, k, v, a, log_beta, gamma, conv_cache
@@ -308,7 +382,7 @@ class Trellis(Mixer):
         gated and projected (paper eq. 14)."""
         return self.o_proj(self.o_norm(o) * F.gelu(self.g_proj(x)))
 
-    def _short_conv(self, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor | None
+    def _short_conv(self, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor | None, docs: tuple | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The causal short convolution of q and k ``(B, H, T, D)`` continuing ``cache`` (None: sequence start),
         and the new cache; unchanged q, k and None without ``short_conv``."""
@@ -316,7 +390,7 @@ class Trellis(Mixer):
             return q, k, None
         B, H, T, D = q.shape
         qk = torch.cat([q, k], dim=1).transpose(1, 2).reshape(B, T, 2 * H * D)
-        qk, cache = self.conv(qk, cache)
+        qk, cache = self.conv(qk, cache, docs)
         q, k = qk.view(B, T, 2 * H, D).transpose(1, 2).split(H, dim=1)
         return q, k, cache
 

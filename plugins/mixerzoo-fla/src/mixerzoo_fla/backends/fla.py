@@ -4,14 +4,10 @@
 ``transformers``) and, without a GPU, it prints a warning and every kernel launch fails ("0 active
 drivers"). Building a model and training or decoding on CPU therefore never import ``fla``.
 
-Backends (the ``backend`` option of both mixers):
-
-- ``"auto"`` (default): ``fla`` kernels for CUDA tensors when ``fla`` and ``triton`` are importable, else
-  ``torch``; always ``torch`` for float64 inputs (fla's kernels do not take float64).
-- ``"torch"``: our PyTorch forms (:mod:`mixerzoo_fla.gdn.chunk`, :mod:`mixerzoo_fla.gsa.chunk` and their
-  ``recurrent`` decode steps) on every device.
-- ``"fla"``: the ``fla`` kernels, and an error if they cannot run (CPU tensors, float64 inputs, ``fla`` not
-  installed, fla refusing the backward that a GDN training call needs).
+The layers' ``fla`` form (``mixerzoo.forms``: ``gdn``'s and ``gsa``'s tables in their ``layer.py``) runs these
+kernels: CUDA tensors in bf16/fp16/fp32 (fla's kernels do not take float64), with ``fla`` and ``triton`` importable
+(:func:`fla_refusal`); ``backend: auto`` prefers it there, and packed documents pass through as fla's own
+``cu_seqlens`` (:func:`fla_offsets`).
 
 fla refuses one backward on some machines: :func:`fla_backward_refused` predicts it without running a kernel, and
 ``auto`` then trains GDN with the PyTorch form (one warning says how to get the kernels back).
@@ -31,73 +27,71 @@ import warnings
 
 import torch
 
-__all__ = ["BACKENDS", "check_backend", "fla_installed", "fla_backward_refused", "resolve_backend", "fla_kernels",
-           "gated_delta_rule", "gated_slot_attention"]
+from mixerzoo.errors import ConfigError
+from mixerzoo.forms import Call, Forms
 
-BACKENDS = ("auto", "torch", "fla")
+__all__ = ["FLA_DTYPES", "check_backend", "fla_installed", "fla_backward_refused", "fla_refusal", "fla_offsets",
+           "fla_kernels", "gated_delta_rule", "gated_slot_attention"]
+
+FLA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""The dtypes fla's kernels compute in (float64 inputs run the PyTorch forms, which keep float64 states)."""
 
 INSTALL_HINT = "pip install flash-linear-attention==0.6.0 fla-core==0.6.0 triton einops"
 REFUSAL_FIX = ("pip install tilelang (its JIT compiler needs nvcc: a CUDA toolkit, or the nvidia-cuda-nvcc wheel), "
                "or Triton >= 3.7.1 with a torch built for it")
 
 
+@functools.cache
 def fla_installed() -> bool:
-    """Whether ``fla`` and ``triton`` can be imported (checked without importing them)."""
+    """Whether ``fla`` and ``triton`` can be imported (checked without importing them, once)."""
     return all(importlib.util.find_spec(name) is not None for name in ("fla", "triton"))
 
 
-def check_backend(backend: str) -> None:
-    """Raise ValueError naming the ``backend`` option when it is not one of :data:`BACKENDS`."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not known; use one of {', '.join(BACKENDS)} "
-                         f"(auto: fla kernels on CUDA, torch elsewhere)")
-
-
-def resolve_backend(backend: str, device: torch.device, delta_rule_backward: bool = False,
-                    dtype: torch.dtype | None = None) -> str:
-    """The implementation to run for tensors on ``device``: ``"fla"`` or ``"torch"``.
-
-    ``dtype``: the input's dtype, if known. fla's kernels do not take float64, so float64 inputs (references,
-    gradient checks) run the PyTorch forms, which keep float64 states
-    (:func:`mixerzoo.protocol.accumulation_dtype`).
-
-    ``delta_rule_backward``: the call will run backward through fla's chunked gated delta rule (a GDN forward
-    with autograd recording). Where fla refuses that backward (:func:`fla_backward_refused`), ``auto`` answers
-    ``"torch"`` and warns once with the fix; inference calls keep fla's kernels, whose forward is not affected.
+def check_backend(forms: Forms, backend: str) -> str:
+    """A layer's ``backend`` option checked against its table of forms.
 
     Raises:
-        ValueError: unknown ``backend``, or ``backend="fla"`` for non-CUDA tensors (fla's Triton kernels
-            need a GPU; use ``auto`` or ``torch``) or for float64 inputs.
-        ImportError: ``backend="fla"`` but ``fla``/``triton`` are not installed (the message says what to install).
-        RuntimeError: ``backend="fla"`` with ``delta_rule_backward`` where fla refuses that backward (the message
-            gives fla's condition and the fix; ``auto`` trains with the PyTorch form instead).
+        ConfigError: ``torch`` (the PyTorch forms' former name: the message names ``chunk``) or any value that is
+            neither ``auto`` nor a form's name.
     """
-    check_backend(backend)
     if backend == "torch":
-        return "torch"
-    if device.type != "cuda":
-        if backend == "fla":
-            raise ValueError(f"backend='fla' runs flash-linear-attention's Triton kernels, which need CUDA tensors; "
-                             f"got tensors on {device.type}. Use backend='auto' (or 'torch') on CPU")
-        return "torch"
-    if dtype == torch.float64:
-        if backend == "fla":
-            raise ValueError("backend='fla' runs flash-linear-attention's Triton kernels, which do not take float64 "
-                             "inputs; use backend='auto' (or 'torch'), which runs the PyTorch forms in float64")
-        return "torch"
+        raise ConfigError(f"{forms.mechanism} backend 'torch' is now named 'chunk' (the PyTorch chunked form; "
+                          f"backend: auto takes 'recurrent' for one-token steps): set backend: chunk or auto")
+    return forms.check_backend(backend)
+
+
+def fla_refusal(call: Call, delta_rule_backward: bool = False) -> str | None:
+    """Why the ``fla`` form cannot serve ``call`` beyond device and dtype (a :class:`~mixerzoo.forms.Form`'s
+    ``accepts``), or None.
+
+    ``delta_rule_backward``: the form is GDN's, whose backward runs fla's chunked gated delta rule; where fla refuses
+    that backward (:func:`fla_backward_refused`) a call that records autograd is refused, and under ``backend: auto``
+    one warning says that GDN trains with its PyTorch chunked form and how to get the kernels back (inference keeps
+    fla's kernels, whose forward is not affected). On CUDA without ``fla``/``triton`` one warning says what to
+    install.
+    """
+    auto = call.options.get("backend", "auto") == "auto"
     if not fla_installed():
-        if backend == "fla":
-            raise ImportError(f"backend='fla' needs flash-linear-attention and triton: {INSTALL_HINT}")
-        _warn_fallback()
-        return "torch"
-    refused = fla_backward_refused(device) if delta_rule_backward else None
+        if auto and call.device == "cuda":
+            _warn_fallback()
+        return f"flash-linear-attention and triton are not installed ({INSTALL_HINT})"
+    # the form serves CUDA tensors only (its table says so), and fla checks GPU 0 whatever the device
+    refused = fla_backward_refused(torch.device("cuda")) if delta_rule_backward and call.grad else None
     if refused is None:
-        return "fla"
-    if backend == "fla":
-        raise RuntimeError(f"backend='fla' cannot train here: {refused}. Fix: {REFUSAL_FIX}; or use backend='auto', "
-                           f"which trains with the PyTorch chunked form where fla refuses")
-    _warn_refused(refused)
-    return "torch"
+        return None
+    if auto:
+        _warn_refused(refused)
+    return f"{refused}. Fix: {REFUSAL_FIX}"
+
+
+def fla_offsets(offsets: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed documents as fla's kernels take them: ``cu_seqlens`` ``(N+1,)`` int32 on ``device`` (one asynchronous
+    copy from pinned memory, no synchronisation) and its host copy ``cu_seqlens_cpu`` (int64), which spares fla's
+    chunk kernels reading the device tensor back."""
+    cpu = torch.tensor(offsets, dtype=torch.long)
+    if device.type != "cuda":
+        return cpu.to(device=device, dtype=torch.int32), cpu
+    return cpu.to(torch.int32).pin_memory().to(device, non_blocking=True), cpu
 
 
 def fla_backward_refused(device: torch.device) -> str | None:
@@ -186,7 +180,8 @@ def fla_kernels() -> types.SimpleNamespace:
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor,
                      initial_state: torch.Tensor | None, *, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
-                     allow_neg_eigval: bool, recurrent: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     allow_neg_eigval: bool, recurrent: bool, cu_seqlens: tuple | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule (Yang, Kautz & Hatamizadeh, ICLR 2025, section 3.1) on fla's kernels, with the decay
     gate, the beta sigmoid and the q/k L2 norm fused in, as ``fla.layers.GatedDeltaNet`` calls them.
 
@@ -197,9 +192,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
         b: beta logits ``[B, T, HV]`` (the kernel applies the sigmoid, times 2 with ``allow_neg_eigval``).
         initial_state: ``[B, HV, K, V]`` or None.
         recurrent: fla's ``fused_recurrent`` kernel (short inference calls) instead of ``chunk``.
+        cu_seqlens: packed documents (``B = 1``) as :func:`fla_offsets` gives them, passed to fla's kernels.
 
     Returns:
-        ``o [B, T, HV, V]`` (q/k dtype) and the final state ``[B, HV, K, V]`` in float32.
+        ``o [B, T, HV, V]`` (q/k dtype) and the final state ``[B, HV, K, V]`` in float32 (with ``cu_seqlens``, the
+        last document's, ``[1, HV, K, V]``).
     """
     kernels = fla_kernels()
     fn = kernels.fused_recurrent_gated_delta_rule if recurrent else kernels.chunk_gated_delta_rule
@@ -208,13 +205,21 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
     else:  # DeltaNet: a zero log decay, no gate computation in the kernel
         gate = dict(g=b.new_zeros(b.shape, dtype=torch.float32))
     o, s = fn(q=q, k=k, v=v, beta=b, initial_state=initial_state, output_final_state=True,
-              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=allow_neg_eigval, **gate)
-    return o, s.float()
+              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=allow_neg_eigval,
+              **gate, **_packed(cu_seqlens, not recurrent))
+    return o, (s if cu_seqlens is None else s[-1:]).float()
+
+
+def _packed(cu_seqlens: tuple | None, chunk: bool) -> dict:
+    """fla's keyword arguments for packed documents: ``cu_seqlens``, and its host copy for the chunk kernels."""
+    if cu_seqlens is None:
+        return {}
+    return dict(cu_seqlens=cu_seqlens[0], **(dict(cu_seqlens_cpu=cu_seqlens[1]) if chunk else {}))
 
 
 def gated_slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
-                         initial_state: tuple[torch.Tensor, torch.Tensor] | None, *, scale: float
-                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                         initial_state: tuple[torch.Tensor, torch.Tensor] | None, *, scale: float,
+                         cu_seqlens: tuple | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Gated Slot Attention (Zhang et al., NeurIPS 2024, section 3) on fla's kernels, as
     ``fla.layers.GatedSlotAttention`` calls them: key/value/slot heads repeated to the query heads,
     ``fused_recurrent`` for ``T <= 64``, ``chunk`` otherwise.
@@ -224,10 +229,11 @@ def gated_slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: t
             weights and log forget gates); ``HQ`` a multiple of ``H``.
         initial_state: ``(Hk [B, H, K, M], Hv [B, H, M, V])`` or None.
         scale: query scale of the slot scores.
+        cu_seqlens: packed documents (``B = 1``) as :func:`fla_offsets` gives them, passed to fla's kernels.
 
     Returns:
         ``o [B, T, HQ, V]`` and ``(Hk, Hv)`` per key/value head in float32 (the memories of a group of query
-        heads are identical, so the first of each group is kept).
+        heads are identical, so the first of each group is kept; with ``cu_seqlens``, the last document's).
     """
     group = q.shape[2] // k.shape[2]
     if group > 1:
@@ -235,9 +241,12 @@ def gated_slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: t
         if initial_state is not None:
             initial_state = tuple(t.repeat_interleave(group, dim=1) for t in initial_state)
     kernels = fla_kernels()
-    fn = kernels.fused_recurrent_gsa if q.shape[1] <= 64 else kernels.chunk_gsa
+    recurrent = q.shape[1] <= 64
+    fn = kernels.fused_recurrent_gsa if recurrent else kernels.chunk_gsa
     # the slot weights s are the "values" of the key memory: fla's chunk_fwd_h multiplies k and s in one tl.dot,
     # which needs one dtype (under autocast the gates come out of exp in fp32 while k is bf16)
     o, (hk, hv) = fn(q=q, k=k, v=v, s=s.to(k.dtype), g=g, scale=scale, initial_state=initial_state,
-                     output_final_state=True)
+                     output_final_state=True, **_packed(cu_seqlens, not recurrent))
+    if cu_seqlens is not None:
+        hk, hv = hk[-1:], hv[-1:]
     return o, (hk[:, ::group].float(), hv[:, ::group].float())

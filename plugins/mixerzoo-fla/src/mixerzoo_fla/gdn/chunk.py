@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from mixerzoo.ops import run_segments
+from mixerzoo.ops import DocumentLayout, document_layout, run_segments
 from mixerzoo.protocol import accumulation_dtype
 
 from ..chunking import BLOCK_CHUNKS, blocks, from_chunks, pairwise_decay, to_chunks
@@ -27,8 +27,8 @@ __all__ = ["chunk_gated_delta_rule"]
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            scale: float | None = None, initial_state: torch.Tensor | None = None,
-                           chunk_len: int = 64, checkpoint_chunks: int = 0, use_qk_l2norm: bool = False
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk_len: int = 64, checkpoint_chunks: int = 0, use_qk_l2norm: bool = False,
+                           offsets: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule in chunkwise-parallel (WY / UT-transform) form (GDN paper, section 3.2).
 
     Same definition and calling convention as :func:`mixerzoo_fla.gdn.naive.gated_delta_rule` and fla's
@@ -55,12 +55,17 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         use_qk_l2norm: L2-normalise q and k here (fla's ``use_qk_l2norm_in_kernel``): inside each recomputed
             segment, with the query scale and the chunked copies (in the accumulation dtype), so autograd keeps
             only the inputs as given instead of the normalised, scaled and chunked copies too.
+        offsets: packed documents ``(0, ..., T)`` (``B = 1``; :mod:`mixerzoo.protocol`): each document's chunks
+            start at its first token (:func:`mixerzoo.ops.document_layout`) and the state passed out of its last
+            chunk is zero, so every document after the first starts empty; ``initial_state`` is the first
+            document's. The state returned is the last document's.
 
     Returns:
         ``o [B, T, HV, V]`` and the final state ``[B, HV, K, V]``, in the accumulation dtype of ``q, k, v``.
 
     Raises:
-        ValueError: ``HV`` not a multiple of ``H``, or ``chunk_len < 1``.
+        ValueError: ``HV`` not a multiple of ``H``, ``chunk_len < 1``, or ``offsets`` with ``checkpoint_chunks``
+            (a packed call is one segment: the layer recomputes its own).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -72,19 +77,25 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     C = min(chunk_len, T)
     dtype = accumulation_dtype(q, k, v)
     S = q.new_zeros(B, HV, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
-    # segments of whole chunks along time: chunk boundaries are those of one pass
     segment = functools.partial(_delta_rule_segment, chunk=C, scale=scale, group=HV // H, l2norm=use_qk_l2norm)
+    if offsets is not None:
+        if checkpoint_chunks:
+            raise ValueError("chunk_gated_delta_rule: offsets (packed documents) take checkpoint_chunks=0")
+        return segment(q, k, v, g, beta, 0, S, layout=document_layout(offsets, q.device, align=C))
+    # segments of whole chunks along time: chunk boundaries are those of one pass
     o, (S,) = run_segments(segment, (q, k, v, g, beta), 0, (S,), checkpoint_chunks * C, dim=1)
     return o, S
 
 
 def _delta_rule_segment(q, k, v, g, beta, pos: int, S: torch.Tensor, *, chunk: int, scale: float, group: int,
-                        l2norm: bool) -> tuple:
+                        l2norm: bool, layout: DocumentLayout | None = None) -> tuple:
     """Tokens ``[B, t, H, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: the optional q/k L2 norm, the
-    query scale and the chunked layout in ``S``'s dtype, then :func:`_delta_rule_chunks`; ``(o [B, t, HV, V],
-    S after)``."""
+    query scale and the chunked layout in ``S``'s dtype (with ``layout``, packed documents each in chunks of their
+    own), then :func:`_delta_rule_chunks`; ``(o [B, t, HV, V], S after)``."""
     T = q.shape[1]
-    N = math.ceil(T / chunk)
+    N = math.ceil(T / chunk) if layout is None else layout.slots // chunk
+    if layout is not None:  # empty slots: no decay (g = 0), no write (beta = 0, k = 0)
+        q, k, v, g, beta = (layout.spread(x, 1) for x in (q, k, v, g, beta))
     if l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     if group > 1:
@@ -92,12 +103,15 @@ def _delta_rule_segment(q, k, v, g, beta, pos: int, S: torch.Tensor, *, chunk: i
     dtype = S.dtype                                                                    # accumulation dtype
     q, k, v = (to_chunks(x, N, chunk) for x in (q.to(dtype) * scale, k.to(dtype), v.to(dtype)))  # [B, HV, N, C, D]
     g, beta = (to_chunks(x.to(dtype)[..., None], N, chunk)[..., 0] for x in (g, beta))          # [B, HV, N, C]
-    o, S = _delta_rule_chunks(q, k, v, g, beta, S)
-    return from_chunks(o, T), S
+    o, S = _delta_rule_chunks(q, k, v, g, beta, S, None if layout is None else layout.carry_mask(dtype))
+    return (from_chunks(o, T) if layout is None else layout.collect(from_chunks(o, layout.slots), 1)), S
 
 
-def _delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunks ``[B, HV, n, C, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: ``(o, S after)``."""
+def _delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor, carry: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks ``[B, HV, n, C, .]`` of :func:`chunk_gated_delta_rule` from state ``S``: ``(o, S after)``.
+    ``carry [n]`` (:meth:`~mixerzoo.ops.DocumentLayout.carry_mask`): 0 where a chunk passes no state on (a document
+    ends in it), so the next chunk starts from zero."""
     C = q.shape[3]
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     outs = []
@@ -114,6 +128,8 @@ def _delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor) -> tuple[torch.Tensor,
         q_decayed = qb * gamma.exp()[..., None]
         k_to_end = kb * (gamma[..., -1:] - gamma).exp()[..., None]
         chunk_decay = gamma[..., -1].exp()[..., None, None]                             # [B, HV, n, 1, 1]
+        if carry is not None:  # a document's last chunk passes nothing on: neither the decayed state nor its writes
+            chunk_decay, k_to_end = chunk_decay * carry[blk, None, None], k_to_end * carry[blk, None, None]
         # unbind once per block: indexing [:, :, n] in the loop would give every chunk a block-sized zero gradient
         # in backward (filling them was 7% of a GDN step at 8k)
         for u_n, w_n, qd_n, attn_n, decay_n, ke_n in zip(*(t.unbind(2) for t in (u, w, q_decayed, attn, chunk_decay,

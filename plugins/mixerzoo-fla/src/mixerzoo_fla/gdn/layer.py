@@ -3,12 +3,15 @@
 Yang, Kautz & Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule", ICLR 2025
 (arXiv:2412.06464). The layer mirrors flash-linear-attention 0.6.0's ``fla.layers.GatedDeltaNet``:
 same parameters (names and shapes, so fla state dicts load), same definitions, same defaults for the
-mechanism's options. Forms, by device and mode:
+mechanism's options. Its forms (:data:`FORMS`, picked by :meth:`~mixerzoo.forms.Forms.pick`; ``backend`` forces
+one), every one keeping packed documents apart (``cu_seqlens``):
 
-- CUDA with fla importable: fla's Triton kernels (:mod:`mixerzoo_fla.backends.fla`), except for training calls
-  where fla refuses its backward (:func:`~mixerzoo_fla.backends.fla.fla_backward_refused`);
-- elsewhere (and with ``backend="torch"``): :func:`~mixerzoo_fla.gdn.chunk.chunk_gated_delta_rule` for ``T > 1``,
-  :func:`~mixerzoo_fla.gdn.recurrent.gated_delta_rule_step` for one token continuing a state.
+- ``fla``: fla's Triton kernels (:mod:`mixerzoo_fla.backends.fla`; CUDA, not float64), ``cu_seqlens`` passed to
+  them; refused for training calls where fla refuses its backward
+  (:func:`~mixerzoo_fla.backends.fla.fla_backward_refused`);
+- ``recurrent``: :func:`~mixerzoo_fla.gdn.recurrent.gated_delta_rule_step`, one token;
+- ``chunk``: :func:`~mixerzoo_fla.gdn.chunk.chunk_gated_delta_rule`, documents reset inside the walk over chunks;
+- ``naive``: :func:`~mixerzoo_fla.gdn.naive.gated_delta_rule`, the token loop (forced only; one document at a time).
 """
 
 from __future__ import annotations
@@ -21,20 +24,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixerzoo.forms import Form, register_forms
 from mixerzoo.ops import optional_carry, run_segments
-from mixerzoo.protocol import Mixer, accumulation_dtype
+from mixerzoo.protocol import accumulation_dtype
 
 from ..backends import fla as fla_backend
-from ..modules import GatedRMSNorm, ShortConvolution, check_checkpoint_chunks, short_conv_qkv
+from ..modules import (FormsMixer, GatedRMSNorm, ShortConvolution, check_checkpoint_chunks, piece_documents,
+                       short_conv_qkv)
 from .chunk import chunk_gated_delta_rule
-from .ops import gdn_log_decay
+from .naive import gated_delta_rule
+from .ops import gdn_log_decay, l2_normalize
 from .recurrent import gated_delta_rule_step
 from .state import GDNState
 
-__all__ = ["GatedDeltaNet", "GDNState"]
+__all__ = ["GatedDeltaNet", "GDNState", "FORMS"]
+
+FORMS = register_forms("gdn", [
+    Form("fla", devices={"cuda"}, dtypes=fla_backend.FLA_DTYPES, cu_seqlens=True, priority=30,
+         accepts=lambda call: fla_backend.fla_refusal(call, delta_rule_backward=True)),
+    Form("recurrent", tokens=1, cu_seqlens=True, priority=20),
+    Form("chunk", cu_seqlens=True, priority=10),
+    Form("naive", cu_seqlens=True, auto=False),
+])
+"""Gated DeltaNet's forms (the module docstring); ``backend`` is ``auto`` or one of their names."""
 
 
-class GatedDeltaNet(Mixer):
+class GatedDeltaNet(FormsMixer):
     """Gated DeltaNet layer: short conv -> gated delta rule per head -> gated RMSNorm -> output projection.
 
     Per value head (``alpha``, ``beta`` data dependent; GDN paper section 3.1; state as ``d_k x d_v``)::
@@ -63,23 +78,26 @@ class GatedDeltaNet(Mixer):
         allow_neg_eigval: ``beta`` in ``(0, 2)`` (Grazzi et al. 2024), allowing negative eigenvalues.
         norm_eps: RMSNorm epsilon.
         output_gate_activation: ``swish`` (= ``silu``) or ``sigmoid``.
-        chunk_len: chunk length of the CPU/PyTorch path (the fla kernels choose their own tiling).
+        chunk_len: chunk length of the ``chunk`` form (the fla kernels choose their own tiling).
         checkpoint_chunks: training memory of the CPU/PyTorch path: segments of this many chunks are recomputed
             in backward (:func:`mixerzoo_fla.gdn.chunk.chunk_gated_delta_rule`); 0 keeps everything (faster, more
             memory). The fla kernels have their own backward and ignore it.
-        backend: ``auto`` (fla kernels on CUDA, PyTorch elsewhere, and PyTorch for training calls where fla
-            refuses its backward: Hopper, Triton in [3.4.0, 3.7.1), no usable TileLang; one warning), ``torch``
-            or ``fla`` (see :mod:`mixerzoo_fla.backends.fla`).
+        backend: ``auto`` (fla kernels on CUDA, the PyTorch forms elsewhere and for training calls where fla
+            refuses its backward: Hopper, Triton in [3.4.0, 3.7.1), no usable TileLang; one warning) or a form of
+            :data:`FORMS` (``fla``, ``recurrent``, ``chunk``, ``naive``), forced: a call it cannot serve is refused
+            in one line. (``torch``, the PyTorch forms' former name, is refused with a line naming ``chunk``.)
 
     State: :class:`GDNState`; ``n_v_heads * d_k * d_v * 4`` bytes per sequence plus the conv caches.
 
     Raises:
         ValueError: a width that does not divide, non-integer value width, bad head grouping, unknown
             activation or backend (the message names the option).
-        RuntimeError: (forward) ``backend="fla"`` on a training call where fla refuses its backward.
+        ConfigError: (forward) a forced ``backend`` that cannot serve the call (e.g. ``fla`` on a training call
+            where fla refuses its backward, ``recurrent`` for several tokens).
     """
 
     positional_encodings = ()
+    FORMS = FORMS
 
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, expand_v: float = 2.0,
                  n_v_heads: int | None = None, use_gate: bool = True, use_short_conv: bool = True,
@@ -105,7 +123,7 @@ class GatedDeltaNet(Mixer):
         check_checkpoint_chunks(checkpoint_chunks, "gdn")
         if output_gate_activation not in ("swish", "silu", "sigmoid"):
             raise ValueError(f"output_gate_activation must be swish, silu or sigmoid, got {output_gate_activation!r}")
-        fla_backend.check_backend(backend)
+        fla_backend.check_backend(FORMS, backend)
         self.d_model, self.n_heads, self.n_v_heads = d_model, n_heads, n_v_heads
         self.head_k_dim, self.head_v_dim = head_dim, round(head_v_dim)
         self.key_dim, self.value_dim = n_heads * head_dim, n_v_heads * self.head_v_dim
@@ -151,62 +169,80 @@ class GatedDeltaNet(Mixer):
         mixer.load_state_dict(layer.state_dict())
         return mixer
 
-    def forward(self, x: torch.Tensor, state: GDNState | None = None) -> tuple[torch.Tensor, GDNState]:
-        """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given."""
+    def _torch(self, x: torch.Tensor, state: GDNState | None, offsets: list[int] | None, step: bool
+               ) -> tuple[torch.Tensor, GDNState]:
+        """The PyTorch forms: ``chunk``, or ``recurrent`` with ``step`` (one token)."""
+        # PyTorch forms (CPU; CUDA training where fla refuses its backward), the whole layer so that its memory
+        # stays bounded: one pass, or in training segments of checkpoint_chunks chunks recomputed in backward, each
+        # running the whole layer from its slice of x: autograd keeps x, the state entering each segment and the
+        # output, not the projections, convolutions, gates and output path (value-width tensors, twice attention's
+        # width with expand_v 2), and backward's gradients of q, k, v exist one segment at a time
         B, T, _ = x.shape
         conv = None if state is None else state.conv
-        # fla refuses its chunked backward on some machines (Hopper, Triton 3.4.0-3.7.0, no TileLang): there the
-        # resolver answers "torch" for calls that record autograd, while inference keeps fla's kernels
-        records_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
-        form = fla_backend.resolve_backend(self.backend, x.device, dtype=x.dtype, delta_rule_backward=records_grad)
-        if form == "fla":
-            q, k, v, a, b, conv = self._inputs(x, conv, use_fla=True)
-            # fla's layer: fused_recurrent for short inference calls (decode, T <= 64 without autograd), else chunk
-            o, s = fla_backend.gated_delta_rule(
-                q, k, v, a, b, None if state is None else state.recurrent, A_log=getattr(self, "A_log", None),
-                dt_bias=getattr(self, "dt_bias", None), allow_neg_eigval=self.allow_neg_eigval,
-                recurrent=T <= 64 and not torch.is_grad_enabled() and not self.training)
-            return self._output(o.to(x.dtype), x), GDNState(recurrent=s, conv=conv)
-        # PyTorch forms (CPU; CUDA training where fla refuses its backward; backend "torch"), the whole layer so that
-        # its memory stays bounded: one pass, or in training segments of checkpoint_chunks chunks recomputed in
-        # backward, each running the whole layer from its slice of x: autograd keeps x, the state entering each
-        # segment and the output, not the projections, convolutions, gates and output path (value-width tensors, twice
-        # attention's width with expand_v 2), and backward's gradients of q, k, v exist one segment at a time
         dtype = accumulation_dtype(x)  # the state's: float32, float64 kept
         s0 = (x.new_zeros(B, self.n_v_heads, self.head_k_dim, self.head_v_dim, dtype=dtype)
               if state is None else state.recurrent.to(dtype))
-        layer = functools.partial(self._torch_layer, step=T == 1 and state is not None)
+        layer = functools.partial(self._torch_layer, step=step, offsets=offsets)
         y, (s, *caches) = run_segments(layer, (x,), 0, (s0, *optional_carry(conv, self.use_short_conv)),
                                        span=self.chunk_len * self.checkpoint_chunks, dim=1)
         return y, GDNState(recurrent=s, conv=tuple(caches) or None)
 
-    def _inputs(self, x: torch.Tensor, conv: tuple | None, use_fla: bool):
-        """Projections and short convolutions of ``x [B, T, d_model]`` (continuing the caches ``conv``):
+    def _fla(self, x: torch.Tensor, state: GDNState | None, offsets: list[int] | None) -> tuple[torch.Tensor, GDNState]:
+        """The ``fla`` form: fla's kernels, packed documents as fla's ``cu_seqlens``."""
+        fla_cu = None if offsets is None else fla_backend.fla_offsets(offsets, x.device)
+        q, k, v, a, b, conv = self._inputs(x, None if state is None else state.conv, use_fla=True, fla_cu=fla_cu)
+        # fla's layer: fused_recurrent for short inference calls (decode, T <= 64 without autograd), else chunk
+        o, s = fla_backend.gated_delta_rule(
+            q, k, v, a, b, None if state is None else state.recurrent, A_log=getattr(self, "A_log", None),
+            dt_bias=getattr(self, "dt_bias", None), allow_neg_eigval=self.allow_neg_eigval,
+            recurrent=x.shape[1] <= 64 and not torch.is_grad_enabled() and not self.training, cu_seqlens=fla_cu)
+        return self._output(o.to(x.dtype), x), GDNState(recurrent=s, conv=conv)
+
+    def _naive(self, x: torch.Tensor, state: GDNState | None) -> tuple[torch.Tensor, GDNState]:
+        """The ``naive`` form: the layer around :func:`~mixerzoo_fla.gdn.naive.gated_delta_rule`, the token loop."""
+        q, k, v, a, b, conv = self._inputs(x, None if state is None else state.conv, use_fla=False)
+        g, beta = self._gates(a, b, accumulation_dtype(x))
+        o, s = gated_delta_rule(l2_normalize(q), l2_normalize(k), v, g, beta,
+                                initial_state=None if state is None else state.recurrent)
+        return self._output(o.to(x.dtype), x), GDNState(recurrent=s, conv=conv)
+
+    def _gates(self, a: torch.Tensor | None, b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log decay ``g`` and write strength ``beta`` ``[B, T, HV]`` in ``dtype`` from the logits ``a, b``."""
+        beta = b.to(dtype).sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)
+        g = gdn_log_decay(a, self.A_log, self.dt_bias) if self.use_decay else \
+            b.new_zeros(b.shape, dtype=dtype)  # DeltaNet: log alpha = 0
+        return g, beta
+
+    def _inputs(self, x: torch.Tensor, conv: tuple | None, use_fla: bool, docs: tuple | None = None,
+                fla_cu: tuple | None = None):
+        """Projections and short convolutions of ``x [B, T, d_model]`` (continuing the caches ``conv``; restarted
+        at packed documents' starts, ``docs``/``fla_cu`` as :meth:`~mixerzoo_fla.modules.ShortConvolution.forward`):
         ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, the decay and beta logits ``a, b [B, T, HV]`` (``a`` None
         without ``use_decay``) and the new caches (None without short convolutions)."""
         B, T, _ = x.shape
         if self.use_short_conv:
-            q, k, v, conv = short_conv_qkv(self, x, conv, use_fla)
+            q, k, v, conv = short_conv_qkv(self, x, conv, use_fla, docs, fla_cu)
         else:
             q, k, v, conv = F.silu(self.q_proj(x)), F.silu(self.k_proj(x)), F.silu(self.v_proj(x)), None
         q, k = q.view(B, T, self.n_heads, self.head_k_dim), k.view(B, T, self.n_heads, self.head_k_dim)
         v = v.view(B, T, self.n_v_heads, self.head_v_dim)
         return q, k, v, self.a_proj(x) if self.use_decay else None, self.b_proj(x), conv
 
-    def _torch_layer(self, x: torch.Tensor, _pos: int, s: torch.Tensor, *caches, step: bool) -> tuple:
-        """The PyTorch form of the layer on ``x [B, t, d_model]`` from the delta-rule state ``s`` and the convolution
-        caches (none without short convolutions): ``(y, s after, *caches after)``; gates and state in ``s``'s dtype.
-        ``step``: one decode token (``t == 1``) through the recurrent step, else the chunk form."""
-        q, k, v, a, b, conv = self._inputs(x, caches, use_fla=False)
-        beta = b.to(s.dtype).sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)
-        g = gdn_log_decay(a, self.A_log, self.dt_bias) if self.use_decay else \
-            b.new_zeros(b.shape, dtype=s.dtype)  # DeltaNet: log alpha = 0
+    def _torch_layer(self, x: torch.Tensor, pos: int, s: torch.Tensor, *caches, step: bool,
+                     offsets: list[int] | None) -> tuple:
+        """The PyTorch form of the layer on ``x [B, t, d_model]`` (tokens ``pos`` on of the call) from the delta-rule
+        state ``s`` and the convolution caches (none without short convolutions): ``(y, s after, *caches after)``;
+        gates and state in ``s``'s dtype. ``step``: one token through the recurrent step, else the chunk form.
+        ``offsets``: the call's packed documents; a piece that starts one begins from an empty state."""
+        docs, (s,), caches = piece_documents(offsets, pos, x.shape[1], (s,), caches)
+        q, k, v, a, b, conv = self._inputs(x, caches, use_fla=False, docs=docs)
+        g, beta = self._gates(a, b, s.dtype)
         if step:
             o, s = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s, use_qk_l2norm=True)
             o = o[:, None]
         else:
             o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s, chunk_len=self.chunk_len,
-                                          use_qk_l2norm=True)
+                                          use_qk_l2norm=True, offsets=None if docs is None else docs[0])
         return (self._output(o.to(x.dtype), x), s, *(conv or ()))
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

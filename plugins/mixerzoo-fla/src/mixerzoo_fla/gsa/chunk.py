@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from mixerzoo.ops import run_segments
+from mixerzoo.ops import DocumentLayout, document_layout, run_segments
 from mixerzoo.protocol import accumulation_dtype
 
 from ..chunking import BLOCK_CHUNKS, blocks, from_chunks, pairwise_decay, to_chunks
@@ -33,7 +33,7 @@ BLOCK_ELEMENTS = 1 << 24
 
 def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, g: torch.Tensor,
               scale: float | None = None, initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-              chunk_len: int = 32, checkpoint_chunks: int = 0
+              chunk_len: int = 32, checkpoint_chunks: int = 0, offsets: tuple[int, ...] | None = None
               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Gated Slot Attention in chunked two-pass form (GSA paper, section 3: two GLA passes joined by a softmax).
 
@@ -66,18 +66,25 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
             (:func:`mixerzoo.ops.run_segments`): autograd keeps the two states entering each segment instead of
             every chunk's states, scores and decays. 0: one pass. (The GSA layer instead recomputes whole segments
             of the layer and calls this with 0 inside each.)
+        offsets: packed documents ``(0, ..., T)`` (``B = 1``; :mod:`mixerzoo.protocol`): each document's chunks
+            start at its first token (:func:`mixerzoo.ops.document_layout`) and the memories passed out of its last
+            chunk are zero, so every document after the first starts empty; ``initial_state`` is the first
+            document's. The memories returned are the last document's.
 
     Returns:
         ``o [B, T, HQ, V]`` and ``(Hk, Hv)``, in the accumulation dtype of ``q, k, v``.
 
     Raises:
-        ValueError: ``HQ`` not a multiple of ``H``, or ``chunk_len < 1``.
+        ValueError: ``HQ`` not a multiple of ``H``, ``chunk_len < 1``, or ``offsets`` with ``checkpoint_chunks``
+            (a packed call is one segment: the layer recomputes its own).
     """
     HQ, H = q.shape[2], k.shape[2]
     if HQ % H:
         raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({H})")
     if chunk_len < 1:
         raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
+    if offsets is not None and checkpoint_chunks:
+        raise ValueError("chunk_gsa: offsets (packed documents) take checkpoint_chunks=0")
     g = g.to(accumulation_dtype(q, k, v))
     log_gate = g.detach()
     T = q.shape[1]
@@ -85,44 +92,54 @@ def chunk_gsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
     if torch.compiler.is_compiling():
         # the span check reads a tensor on the host (a graph break, and a sync on a GPU): a compiled graph takes
         # the exact form, finite for any gate, at the requested chunk length instead
-        return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, True, checkpoint_chunks)
+        return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, True, checkpoint_chunks, offsets)
     while True:
-        span = -to_chunks(log_gate, math.ceil(T / C), C).sum(-2).min().item()      # largest decay inside a chunk
+        layout = None if offsets is None else document_layout(offsets, q.device, align=C)
+        laid = log_gate if layout is None else layout.spread(log_gate, 1)
+        span = -to_chunks(laid, math.ceil(laid.shape[1] / C), C).sum(-2).min().item()  # largest decay in a chunk
         if span <= MAX_LOG_SPAN or C <= MIN_SPLIT_CHUNK:
-            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, span > MAX_LOG_SPAN, checkpoint_chunks)
+            return _chunk_gsa(q, k, v, s, g, scale, initial_state, C, span > MAX_LOG_SPAN, checkpoint_chunks, offsets)
         C = math.ceil(C / 2)
 
 
-def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact, checkpoint_chunks):
+def _chunk_gsa(q, k, v, s, g, scale, initial_state, C, exact, checkpoint_chunks, offsets):
     B, T, HQ, K = q.shape
     H, V, M = k.shape[2], v.shape[3], s.shape[3]
     scale = K ** -0.5 if scale is None else scale
     dtype = g.dtype                                                     # accumulation dtype (chunk_gsa)
     hk = q.new_zeros(B, H, K, M, dtype=dtype) if initial_state is None else initial_state[0].to(dtype)
     hv = q.new_zeros(B, H, M, V, dtype=dtype) if initial_state is None else initial_state[1].to(dtype)
-    # segments of whole chunks along time: chunk boundaries are those of one pass
     segment = functools.partial(_gsa_segment, chunk=C, scale=scale, exact=exact)
+    if offsets is not None:
+        o, hk, hv = segment(q, k, v, s, g, 0, hk, hv, layout=document_layout(offsets, q.device, align=C))
+        return o, (hk, hv)
+    # segments of whole chunks along time: chunk boundaries are those of one pass
     o, (hk, hv) = run_segments(segment, (q, k, v, s, g), 0, (hk, hv), checkpoint_chunks * C, dim=1)
     return o, (hk, hv)
 
 
 def _gsa_segment(q, k, v, s, g, pos: int, hk: torch.Tensor, hv: torch.Tensor, *, chunk: int, scale: float,
-                 exact: bool) -> tuple:
+                 exact: bool, layout: DocumentLayout | None = None) -> tuple:
     """Tokens ``[B, t, heads, .]`` of :func:`chunk_gsa` from the states ``hk, hv``: the query scale and the chunked
-    layout in the states' dtype, then :func:`_gsa_chunks`; ``(o [B, t, HQ, V], hk, hv)``."""
+    layout in the states' dtype (with ``layout``, packed documents each in chunks of their own), then
+    :func:`_gsa_chunks`; ``(o [B, t, HQ, V], hk, hv)``."""
     T, HQ, H = q.shape[1], q.shape[2], k.shape[2]
-    N = math.ceil(T / chunk)
+    N = math.ceil(T / chunk) if layout is None else layout.slots // chunk
+    if layout is not None:  # empty slots: no decay (g = 0), no write (s = 0, k = v = 0)
+        q, k, v, s, g = (layout.spread(x, 1) for x in (q, k, v, s, g))
     # queries carry a group axis: [B, H, N, G, C, K]; everything else is per key/value head: [B, H, N, C, *]
     dtype = hk.dtype                                                    # accumulation dtype
     q = to_chunks(q.to(dtype) * scale, N, chunk).unflatten(1, (H, HQ // H)).transpose(2, 3)
     k, v, s, g = (to_chunks(x.to(dtype), N, chunk) for x in (k, v, s, g))
-    o, hk, hv = _gsa_chunks(q, k, v, s, g, exact, hk, hv)
-    return from_chunks(o.transpose(2, 3).flatten(1, 2), T), hk, hv
+    o, hk, hv = _gsa_chunks(q, k, v, s, g, exact, hk, hv, None if layout is None else layout.carry_mask(dtype))
+    o = o.transpose(2, 3).flatten(1, 2)
+    return (from_chunks(o, T) if layout is None else layout.collect(from_chunks(o, layout.slots), 1)), hk, hv
 
 
-def _gsa_chunks(q, k, v, s, g, exact: bool, hk: torch.Tensor, hv: torch.Tensor):
+def _gsa_chunks(q, k, v, s, g, exact: bool, hk: torch.Tensor, hv: torch.Tensor, carry: torch.Tensor | None = None):
     """The chunks of :func:`chunk_gsa` (``q [B, H, n, G, C, K]``, the rest ``[B, H, n, C, *]``) from the states
-    ``hk, hv``: ``(o [B, H, n, G, C, V], hk, hv)`` after them."""
+    ``hk, hv``: ``(o [B, H, n, G, C, V], hk, hv)`` after them. ``carry [n]``
+    (:meth:`~mixerzoo.ops.DocumentLayout.carry_mask`): 0 where a chunk passes no memory on (a document ends in it)."""
     B, H, N, C, M = s.shape
     q = q.transpose(2, 3)  # [B, H, G, n, C, K]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
@@ -134,6 +151,8 @@ def _gsa_chunks(q, k, v, s, g, exact: bool, hk: torch.Tensor, hv: torch.Tensor):
         b_exp = b.exp()
         s_to_end = sb * (b[..., -1:, :] - b).exp()                      # s_j exp(b_C - b_j)
         chunk_decay = b_exp[..., -1, :]                                 # [B, H, n, M]
+        if carry is not None:  # a document's last chunk passes nothing on: neither the decayed memories nor its writes
+            chunk_decay, s_to_end = chunk_decay * carry[blk, None], s_to_end * carry[blk, None, None]
         if exact:
             E = pairwise_decay(b, per_slot=True) * sb[:, :, :, None]   # s_jm E_ijm: [B, H, n, C, C, M]
         else:

@@ -3,11 +3,15 @@
 Zhang, Yang, Zhu, Zhang, Cui, Wang, Wang, Shi, Wang, Bi, Zhou & Fu, "Gated Slot Attention for Efficient
 Linear-Time Sequence Modeling", NeurIPS 2024 (arXiv:2409.07146). The layer mirrors flash-linear-attention
 0.6.0's ``fla.layers.GatedSlotAttention``: same parameters (names and shapes, so fla state dicts load), same
-definitions. Forms, by device and mode:
+definitions. Its forms (:data:`FORMS`, picked by :meth:`~mixerzoo.forms.Forms.pick`; ``backend`` forces one), every
+one keeping packed documents apart (``cu_seqlens``):
 
-- CUDA with fla importable: fla's Triton kernels (:mod:`mixerzoo_fla.backends.fla`);
-- elsewhere (and with ``backend="torch"``): :func:`~mixerzoo_fla.gsa.chunk.chunk_gsa` for ``T > 1``,
-  :func:`~mixerzoo_fla.gsa.recurrent.gsa_step` for one token continuing a state.
+- ``fla``: fla's Triton kernels (:mod:`mixerzoo_fla.backends.fla`; CUDA, not float64), ``cu_seqlens`` passed to
+  them;
+- ``recurrent``: :func:`~mixerzoo_fla.gsa.recurrent.gsa_step`, one token;
+- ``chunk``: :func:`~mixerzoo_fla.gsa.chunk.chunk_gsa`, documents reset inside the walk over chunks;
+- ``naive``: :func:`~mixerzoo_fla.gsa.naive.gated_slot_attention`, the token loop (forced only; one document at a
+  time).
 """
 
 from __future__ import annotations
@@ -20,21 +24,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixerzoo.forms import Form, register_forms
 from mixerzoo.ops import optional_carry, run_segments
-from mixerzoo.protocol import Mixer, accumulation_dtype
+from mixerzoo.protocol import accumulation_dtype
 
 from ..backends import fla as fla_backend
-from ..modules import ShortConvolution, check_checkpoint_chunks, short_conv_qkv
+from ..modules import FormsMixer, ShortConvolution, check_checkpoint_chunks, piece_documents, short_conv_qkv
 from .chunk import chunk_gsa
+from .naive import gated_slot_attention
 from .recurrent import gsa_step
 from .state import GSAState
 
-__all__ = ["GatedSlotAttention", "GSAState"]
+__all__ = ["GatedSlotAttention", "GSAState", "FORMS"]
+
+FORMS = register_forms("gsa", [
+    Form("fla", devices={"cuda"}, dtypes=fla_backend.FLA_DTYPES, cu_seqlens=True, priority=30,
+         accepts=fla_backend.fla_refusal),
+    Form("recurrent", tokens=1, cu_seqlens=True, priority=20),
+    Form("chunk", cu_seqlens=True, priority=10),
+    Form("naive", cu_seqlens=True, auto=False),
+])
+"""Gated Slot Attention's forms (the module docstring); ``backend`` is ``auto`` or one of their names."""
 
 FEATURE_MAPS = {"swish": F.silu, "relu": F.relu}
 
 
-class GatedSlotAttention(Mixer):
+class GatedSlotAttention(FormsMixer):
     """Gated Slot Attention: a bounded memory of ``num_slots`` slots per head, written with per-slot forget
     gates and read through a softmax over slots (a two-pass gated linear attention, GSA paper section 3)::
 
@@ -55,10 +70,12 @@ class GatedSlotAttention(Mixer):
         norm_eps, elementwise_affine: the output RMSNorm over ``n_heads * head_v_dim`` (fla 0.6.0 always
             uses eps 1e-5 there, whatever its ``norm_eps``; the default here is the same 1e-5).
         scale: query scale in the slot scores; fla's layer uses 1.0.
-        chunk_len: chunk length of the CPU/PyTorch path (the fla kernels choose their own tiling).
+        chunk_len: chunk length of the ``chunk`` form (the fla kernels choose their own tiling).
         checkpoint_chunks: training memory of the CPU/PyTorch path: segments of this many chunks are recomputed
             in backward (:func:`mixerzoo_fla.gsa.chunk.chunk_gsa`); 0 keeps everything (faster, more memory).
-        backend: ``auto`` (fla kernels on CUDA, PyTorch elsewhere), ``torch`` or ``fla``.
+        backend: ``auto`` (fla kernels on CUDA, the PyTorch forms elsewhere) or a form of :data:`FORMS` (``fla``,
+            ``recurrent``, ``chunk``, ``naive``), forced: a call it cannot serve is refused in one line. (``torch``,
+            the PyTorch forms' former name, is refused with a line naming ``chunk``.)
 
     fla 0.6.0 also takes ``use_output_gate`` and ``use_norm`` but its forward ignores them; they are not
     options here. The ``t2r`` feature map (learned) is not supported.
@@ -68,9 +85,11 @@ class GatedSlotAttention(Mixer):
 
     Raises:
         ValueError: widths that do not divide, bad head grouping, unknown feature map or backend.
+        ConfigError: (forward) a forced ``backend`` that cannot serve the call.
     """
 
     positional_encodings = ()
+    FORMS = FORMS
 
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, expand_k: float = 1.0,
                  expand_v: float = 1.0, num_slots: int = 64, use_short_conv: bool = False, conv_size: int = 4,
@@ -94,7 +113,7 @@ class GatedSlotAttention(Mixer):
         if chunk_len < 1:
             raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
         check_checkpoint_chunks(checkpoint_chunks, "gsa")
-        fla_backend.check_backend(backend)
+        fla_backend.check_backend(FORMS, backend)
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.key_dim, self.value_dim = round(key_dim), round(value_dim)
         self.head_k_dim, self.head_v_dim = self.key_dim // n_heads, self.value_dim // n_heads
@@ -136,54 +155,72 @@ class GatedSlotAttention(Mixer):
         mixer.load_state_dict(layer.state_dict())
         return mixer
 
-    def forward(self, x: torch.Tensor, state: GSAState | None = None) -> tuple[torch.Tensor, GSAState]:
-        """``x [B, T, d_model] -> (y [B, T, d_model], state)``, continuing ``state`` if given."""
-        B, T, _ = x.shape
-        conv = None if state is None else state.conv
-        if fla_backend.resolve_backend(self.backend, x.device, dtype=x.dtype) == "fla":
-            q, k, v, f, conv = self._inputs(x, conv, use_fla=True)
-            o, (hk, hv) = fla_backend.gated_slot_attention(q, k, v, *self._gates(f),
-                                                           None if state is None else (state.hk, state.hv),
-                                                           scale=self.scale)
-            return self._output(o.to(x.dtype).flatten(2)), GSAState(hk=hk, hv=hv, conv=conv)
+    def _torch(self, x: torch.Tensor, state: GSAState | None, offsets: list[int] | None, step: bool
+               ) -> tuple[torch.Tensor, GSAState]:
+        """The PyTorch forms: ``chunk``, or ``recurrent`` with ``step`` (one token)."""
         # PyTorch forms: one pass, or in training segments of checkpoint_chunks chunks recomputed in backward, each
         # running the whole layer from its slice of x: autograd keeps x, the two memories entering each segment and
         # the output, not the projections, convolutions, feature maps, gates and output path
+        B, T, _ = x.shape
+        conv = None if state is None else state.conv
         dtype = accumulation_dtype(x)  # the memories': float32, float64 kept
         if state is None:
             hk = x.new_zeros(B, self.n_kv_heads, self.head_k_dim, self.num_slots, dtype=dtype)
             hv = x.new_zeros(B, self.n_kv_heads, self.num_slots, self.head_v_dim, dtype=dtype)
         else:
             hk, hv = state.hk.to(dtype), state.hv.to(dtype)
-        layer = functools.partial(self._torch_layer, step=T == 1 and state is not None)
+        layer = functools.partial(self._torch_layer, step=step, offsets=offsets)
         y, (hk, hv, *caches) = run_segments(layer, (x,), 0, (hk, hv, *optional_carry(conv, self.use_short_conv)),
                                             span=self.chunk_len * self.checkpoint_chunks, dim=1)
         return y, GSAState(hk=hk, hv=hv, conv=tuple(caches) or None)
 
-    def _inputs(self, x: torch.Tensor, conv: tuple | None, use_fla: bool):
-        """Projections, short convolutions (continuing the caches ``conv``) and feature maps of
+    def _fla(self, x: torch.Tensor, state: GSAState | None, offsets: list[int] | None) -> tuple[torch.Tensor, GSAState]:
+        """The ``fla`` form: fla's kernels, packed documents as fla's ``cu_seqlens``."""
+        fla_cu = None if offsets is None else fla_backend.fla_offsets(offsets, x.device)
+        q, k, v, f, conv = self._inputs(x, None if state is None else state.conv, use_fla=True, fla_cu=fla_cu)
+        o, (hk, hv) = fla_backend.gated_slot_attention(q, k, v, *self._gates(f),
+                                                       None if state is None else (state.hk, state.hv),
+                                                       scale=self.scale, cu_seqlens=fla_cu)
+        return self._output(o.to(x.dtype).flatten(2)), GSAState(hk=hk, hv=hv, conv=conv)
+
+    def _naive(self, x: torch.Tensor, state: GSAState | None) -> tuple[torch.Tensor, GSAState]:
+        """The ``naive`` form: the layer around :func:`~mixerzoo_fla.gsa.naive.gated_slot_attention`, the token
+        loop."""
+        q, k, v, f, conv = self._inputs(x, None if state is None else state.conv, use_fla=False)
+        s, g = self._gates(f.to(accumulation_dtype(x)))
+        o, (hk, hv) = gated_slot_attention(q, k, v, s, g, scale=self.scale,
+                                           initial_state=None if state is None else (state.hk, state.hv))
+        return self._output(o.to(x.dtype).flatten(2)), GSAState(hk=hk, hv=hv, conv=conv)
+
+    def _inputs(self, x: torch.Tensor, conv: tuple | None, use_fla: bool, docs: tuple | None = None,
+                fla_cu: tuple | None = None):
+        """Projections, short convolutions (continuing the caches ``conv``; restarted at packed documents' starts,
+        ``docs``/``fla_cu`` as :meth:`~mixerzoo_fla.modules.ShortConvolution.forward`) and feature maps of
         ``x [B, T, d_model]``: ``phi(q) [B, T, HQ, K]``, ``phi(k) [B, T, H, K]``, ``silu(v) [B, T, H, V]``, the gate
         logits ``f [B, T, H, M]`` and the new caches (None without short convolutions)."""
         B, T, _ = x.shape
         if self.use_short_conv:
-            q, k, v, conv = short_conv_qkv(self, x, conv, use_fla)
+            q, k, v, conv = short_conv_qkv(self, x, conv, use_fla, docs, fla_cu)
         else:
             q, k, v, conv = self.q_proj(x), self.k_proj(x), self.v_proj(x), None
         return (*self._feature_maps(q, k, v, B, T), self.f_proj(x).view(B, T, self.n_kv_heads, self.num_slots),
                 conv)
 
-    def _torch_layer(self, x: torch.Tensor, _pos: int, hk: torch.Tensor, hv: torch.Tensor, *caches, step: bool
-                     ) -> tuple:
-        """The PyTorch form of the layer on ``x [B, t, d_model]`` from the memories ``hk, hv`` and the convolution
-        caches (none without short convolutions): ``(y, hk after, hv after, *caches after)``. ``step``: one decode
-        token (``t == 1``) through the recurrent step, else the chunk form."""
-        q, k, v, f, conv = self._inputs(x, caches, use_fla=False)
+    def _torch_layer(self, x: torch.Tensor, pos: int, hk: torch.Tensor, hv: torch.Tensor, *caches, step: bool,
+                     offsets: list[int] | None) -> tuple:
+        """The PyTorch form of the layer on ``x [B, t, d_model]`` (tokens ``pos`` on of the call) from the memories
+        ``hk, hv`` and the convolution caches (none without short convolutions): ``(y, hk after, hv after, *caches
+        after)``. ``step``: one token through the recurrent step, else the chunk form. ``offsets``: the call's
+        packed documents; a piece that starts one begins from empty memories."""
+        docs, (hk, hv), caches = piece_documents(offsets, pos, x.shape[1], (hk, hv), caches)
+        q, k, v, f, conv = self._inputs(x, caches, use_fla=False, docs=docs)
         s, g = self._gates(f.to(hk.dtype))
         if step:
             o, (hk, hv) = gsa_step(q[:, 0], k[:, 0], v[:, 0], s[:, 0], g[:, 0], (hk, hv), scale=self.scale)
             o = o[:, None]
         else:
-            o, (hk, hv) = chunk_gsa(q, k, v, s, g, scale=self.scale, initial_state=(hk, hv), chunk_len=self.chunk_len)
+            o, (hk, hv) = chunk_gsa(q, k, v, s, g, scale=self.scale, initial_state=(hk, hv), chunk_len=self.chunk_len,
+                                    offsets=None if docs is None else docs[0])
         return (self._output(o.to(x.dtype).flatten(2)), hk, hv, *(conv or ()))
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:

@@ -263,8 +263,11 @@ def triton_scan(w: torch.Tensor, a: torch.Tensor, decay_end: torch.Tensor, to_en
 
 def trellis_chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                            log_beta: torch.Tensor, gamma: torch.Tensor, chunk_len: int, phi: str = "silu",
-                           f: str = "layernorm_silu", memory=None, pos: int = 0, detach_inner_grad: bool = False):
+                           f: str = "layernorm_silu", memory=None, pos: int = 0, detach_inner_grad: bool = False,
+                           offsets: tuple[int, ...] | None = None):
     """:func:`~mixerzoo_trellis.chunk.trellis_chunked` (same arguments, shapes and results) with the memory
-    recurrence as the Triton kernels of this module; the reads stay batched matmuls over all chunks."""
+    recurrence as the Triton kernels of this module; the reads stay batched matmuls over all chunks. Packed
+    documents (``offsets``) need nothing of the kernels: a document's last chunk passes its memory on with a zero
+    decay and zero write factors, which the kernels take like any other."""
     return trellis_chunked(q, k, v, a, log_beta, gamma, chunk_len, phi=phi, f=f, memory=memory, pos=pos,
-                           detach_inner_grad=detach_inner_grad, scan=triton_scan)
+                           detach_inner_grad=detach_inner_grad, scan=triton_scan, offsets=offsets)
