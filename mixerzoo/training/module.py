@@ -141,6 +141,9 @@ class LMModule(L.LightningModule):
         distill_weight: Weight ``w`` of the distillation term in ``[0, 1]`` (null: 0.5 with a teacher; setting it
             without ``distill_from`` is an error).
         distill_temperature: Softmax temperature ``T`` of both distributions in the distillation term.
+        loss_chunk_tokens: Tokens per chunk of the LM loss, which is computed from the final hidden states a chunk
+            at a time, its gradient included, so the ``(B, T, vocab)`` logits are never held
+            (:func:`mixerzoo.model.loss.linear_cross_entropy`); null: as many as 32 MiB of float32 logits take.
 
     Logged: ``train/loss``, ``train/acc``, ``val/loss``, ``val/ppl`` (exp of the token-weighted mean loss),
     ``val/acc`` (next-token accuracy over labelled positions); with a teacher also ``train/lm_loss`` and
@@ -168,6 +171,10 @@ class LMModule(L.LightningModule):
         if isinstance(hp.max_bad_steps, bool) or not isinstance(hp.max_bad_steps, int) or hp.max_bad_steps < 1:
             raise ConfigError(f"model.max_bad_steps must be an integer >= 1 (consecutive non-finite steps that stop "
                               f"the run), got {hp.max_bad_steps!r}")
+        chunk = hp.get("loss_chunk_tokens")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ConfigError(f"model.loss_chunk_tokens must be an integer >= 1 (tokens per chunk of the loss) or "
+                              f"null (32 MiB of logits), got {chunk!r}")
         lr_lambda(0, hp.warmup_steps, 1, hp.lr_schedule, hp.min_lr_ratio)  # validates lr_schedule
         self._distill_weight = check_distill_options(hp.get("distill_from"), hp.get("distill_weight"),
                                                      hp.get("distill_temperature", 1.0), hp.get("freeze", "none"),
@@ -295,9 +302,14 @@ class LMModule(L.LightningModule):
         return self.model(input_ids, states)
 
     def _loss(self, batch: dict, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if logits is None:
-            logits, _ = self.model(batch["input_ids"])
+        """The mean LM loss over the labelled tokens, the argmax predictions and the labels. Without ``logits`` (the
+        distillation loss needs them whole) the loss is computed from the final hidden states in chunks of
+        tokens (:func:`~mixerzoo.model.loss.linear_cross_entropy`): the ``(B, T, V)`` logits are never held."""
         labels = batch["labels"]
+        if logits is None:
+            loss, preds = self.model(batch["input_ids"], labels=labels,
+                                     loss_chunk_tokens=self.hparams.get("loss_chunk_tokens"))
+            return loss, preds, labels
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
         return loss, logits.detach().argmax(-1), labels
 
@@ -438,7 +450,8 @@ def _module_options(lr: float = 1e-3, weight_decay: float = 0.1, betas: tuple[fl
                     warmup_steps: int = 100, lr_schedule: str = "cosine", min_lr_ratio: float = 0.1,
                     compile: bool = False, activation_checkpointing: bool = False, max_bad_steps: int = 10,
                     init_from: str | None = None, freeze: str = "none", distill_from: str | None = None,
-                    distill_weight: float | None = None, distill_temperature: float = 1.0) -> None:
+                    distill_weight: float | None = None, distill_temperature: float = 1.0,
+                    loss_chunk_tokens: int | None = None) -> None:
     """LMModule's own arguments (after LMConfig's fields); only its signature is used."""
 
 
