@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from _device import add_device_args, autocast, check_device, sync  # beside this module
+from mixerzoo.flops import flop_parameters, training_flops_per_token
 from mixerzoo.model import LanguageModel, LMConfig
 from mixerzoo.model.channel_mixers import default_d_ff
 
@@ -86,11 +87,6 @@ def build_llama(args, vocab: int):
 
 def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied matrix once
-
-
-def flop_params(model: torch.nn.Module, embedding: torch.nn.Embedding, tied: bool) -> int:
-    """``N`` of the FLOP formula: every parameter except the input-embedding lookup table (unless tied)."""
-    return count_params(model) - (0 if tied else embedding.weight.numel())
 
 
 # ------------------------------------------------------------------------------------------- training -----
@@ -249,15 +245,15 @@ def main(argv=None) -> None:
     vocab = ours.config.padded_vocab_size
     llama = build_llama(args, vocab).to(args.device)
     n_ours, n_llama = count_params(ours), count_params(llama)
-    f_ours = flop_params(ours, ours.embed, args.tie)
-    f_llama = flop_params(llama, llama.model.embed_tokens, args.tie)
+    f_ours, f_llama = flop_parameters(ours), flop_parameters(llama)
     print(f"# shape: d_model {args.d_model}, n_layers {args.n_layers}, n_heads {args.n_heads}, d_ff {args.d_ff} "
           f"(SwiGLU), vocab {vocab}, {'tied' if args.tie else 'untied'} head, RMSNorm eps 1e-6, RoPE theta 1e4")
     print(f"# parameters: mixerzoo {n_ours:,}  llama {n_llama:,}  (N for FLOPs: {f_ours:,} / {f_llama:,})")
     if n_ours != n_llama or f_ours != f_llama:
         raise SystemExit("parameter counts differ: the comparison would not be like for like")
     tokens = args.batch * args.seq_len
-    flops_token = 6 * f_ours + 12 * args.n_layers * args.d_model * args.seq_len
+    flops_token = training_flops_per_token(ours, args.seq_len)  # the count `mixerzoo fit` logs MFU with
+    assert flops_token == 6 * f_ours + 12 * args.n_layers * args.d_model * args.seq_len, "FLOP count changed"
     print(f"# {FLOP_FORMULA}")
     print(f"#   = 6*{f_ours:,} + 12*{args.n_layers}*{args.d_model}*{args.seq_len} = {flops_token / 1e6:.2f} MFLOP "
           f"per token; {tokens} tokens (batch {args.batch} x seq_len {args.seq_len}) per optimizer step (AdamW)")

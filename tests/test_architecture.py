@@ -19,7 +19,7 @@ PACKAGE = REPO / "mixerzoo"
 # lower layers first; units on one line share a layer but may not import each other
 LAYERS = [
     ["errors", "atomic"],
-    ["registry", "protocol", "forms", "progress", "decisions", "ops", "kernels"],
+    ["registry", "protocol", "forms", "flops", "progress", "decisions", "ops", "kernels"],
     ["strategies"],
     ["positional", "schedules"],
     ["mixers"],

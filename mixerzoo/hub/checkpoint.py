@@ -104,6 +104,10 @@ def load_checkpoint(path: str, field: str | None = None) -> dict:
         ConfigError: the file is truncated, corrupt or not a checkpoint.
     """
     what = f"{field} {path!r}" if field else repr(path)
+    from .sharded import is_sharded_checkpoint, load_sharded_checkpoint
+
+    if is_sharded_checkpoint(path):  # a folder of FSDP2's shards: gathered into one checkpoint
+        return load_sharded_checkpoint(path)
     if not os.path.isfile(path):
         hint = " (use 'last' to resume the latest run)" if field == "--ckpt_path" else ""
         raise FileNotFoundError(f"{what}: no such file{hint}")

@@ -63,7 +63,7 @@ def source_kind(source: str | os.PathLike) -> str:
     p = Path(os.path.expanduser(os.fspath(source)))
     if is_transformers_source(p):
         return "transformers"
-    if p.is_file() or os.fspath(source).endswith(".ckpt"):
+    if p.is_file() or os.fspath(source).endswith(".ckpt") or (p / ".metadata").is_file():  # a file or DCP folder
         return "checkpoint"
     return "export"
 
@@ -85,7 +85,9 @@ def open_source(source: str | os.PathLike, tokenizer: str | None = None, quiet: 
 
         return trained_from_kvm_paper(read_kvm_paper(path, tokenizer=tokenizer)), "transformers"
     if kind == "checkpoint":
-        if not os.path.isfile(path):
+        from .sharded import is_sharded_checkpoint
+
+        if not os.path.isfile(path) and not is_sharded_checkpoint(path):
             raise FileNotFoundError(f"{os.fspath(source)!r}: no such checkpoint file")
         from .checkpoint import read_checkpoint
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..flops import attention_flops
 from ..protocol import Mixer
 from .qkv import QKVProjection, StreamState
 
@@ -106,6 +107,17 @@ class Attention(Mixer):
         return 0
 
     sink_len = 0  # attention sinks kept in the cache forever (windowed variants)
+
+    def visible_keys(self, seq_len: int) -> int:
+        """Keys the last query of a ``seq_len``-token sequence sees (all of them; the window for windowed
+        variants)."""
+        return seq_len
+
+    def flops(self, seq_len: int) -> float:
+        """Training FLOPs per token of the attention itself, beyond the projections' matmuls
+        (:func:`mixerzoo.flops.attention_flops` over :meth:`visible_keys`: PaLM's ``12 * H * D * T`` for full
+        attention, no causal discount)."""
+        return attention_flops(self.qkv.n_heads, self.qkv.head_dim, self.visible_keys(seq_len))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_pos: torch.Tensor,
                p0: int) -> torch.Tensor:
@@ -230,6 +242,9 @@ class SlidingWindowAttention(Attention):
     def keep_from(self, next_pos: int) -> int:
         return next_pos - self.window + 1
 
+    def visible_keys(self, seq_len: int) -> int:
+        return min(seq_len, self.window + self.sink_len)
+
     def extra_repr(self) -> str:
         return f"window={self.window}, sink_len={self.sink_len}"
 
@@ -260,6 +275,9 @@ class BlockSlidingWindowAttention(Attention):
 
     def keep_from(self, next_pos: int) -> int:
         return (next_pos // self.chunk_len - self.n_bswa_chunks + 1) * self.chunk_len
+
+    def visible_keys(self, seq_len: int) -> int:
+        return min(seq_len, self.n_bswa_chunks * self.chunk_len)
 
     def extra_repr(self) -> str:
         return f"chunk_len={self.chunk_len}, n_bswa_chunks={self.n_bswa_chunks}"

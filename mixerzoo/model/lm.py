@@ -22,6 +22,7 @@ from torch import nn
 from ..ops import recomputed_in_backward
 from .channel_mixers import build_channel_mixer
 from .config import ConfigError, LMConfig, build_mixer
+from .loss import linear_cross_entropy
 from .norms import build_norm
 
 __all__ = ["Block", "LanguageModel", "MixerOutputError", "check_mixer_outputs"]
@@ -221,16 +222,30 @@ class LanguageModel(nn.Module):
                                   f"needs ({need} tokens, e.g. one chunk); raise {field} or lower that mixer's "
                                   f"chunk_len")
 
-    def forward(self, input_ids: torch.Tensor, states: list | None = None) -> tuple[torch.Tensor, list]:
-        """Logits and per-layer states.
+    def forward(self, input_ids: torch.Tensor, states: list | None = None, labels: torch.Tensor | None = None,
+                loss_chunk_tokens: int | None = None) -> tuple[torch.Tensor, Any]:
+        """Logits and per-layer states; or, given ``labels``, the training loss and the predictions.
 
         Args:
             input_ids: ``(B, T)`` token ids.
             states: the list returned by a previous call (continues those sequences), or ``None``.
+            labels: ``(B, T)`` target ids (``-100`` where none). Given, the full logits are never made: the mean
+                cross-entropy over the labelled tokens is computed from the final hidden states a chunk of
+                ``loss_chunk_tokens`` tokens at a time (:func:`mixerzoo.model.loss.linear_cross_entropy`). Inside
+                ``forward`` so that a sharded model (FSDP2) has the head's weight gathered while it is read.
 
         Returns:
-            ``logits (B, T, padded_vocab_size)`` and the new per-layer states (a list of ``n_layers`` entries).
+            ``logits (B, T, padded_vocab_size)`` and the new per-layer states (a list of ``n_layers`` entries);
+            with ``labels``: the loss (a scalar) and the argmax predictions ``(B, T)``.
         """
+        hidden, new_states = self.features(input_ids, states)
+        if labels is not None:
+            return linear_cross_entropy(hidden, self.head.weight, labels, chunk_tokens=loss_chunk_tokens)
+        return self.head(hidden), new_states
+
+    def features(self, input_ids: torch.Tensor, states: list | None = None) -> tuple[torch.Tensor, list]:
+        """The final hidden states ``(B, T, d_model)`` (after the final norm, before the head) and the per-layer
+        states, as :meth:`forward` takes them."""
         x = self.embed(input_ids)
         if self.config.embed_norm:
             x = self.embed_norm(x)
@@ -241,7 +256,7 @@ class LanguageModel(nn.Module):
         for block, state in zip(self.blocks, states):
             x, s = _checkpointed(block, x, state, shared) if recompute else block(x, state, shared)
             new_states.append(s)
-        return self.head(self.norm(x)), new_states
+        return self.norm(x), new_states
 
     def num_parameters(self, non_embedding: bool = True) -> int:
         """Parameter count (without the embedding, as in Kaplan et al., if ``non_embedding``)."""

@@ -2,5 +2,6 @@
 
 from .callbacks import StepProgressBar, ThroughputLogger
 from .module import LMModule
+from .parallel import FSDP2Strategy
 
-__all__ = ["LMModule", "StepProgressBar", "ThroughputLogger"]
+__all__ = ["LMModule", "StepProgressBar", "ThroughputLogger", "FSDP2Strategy"]

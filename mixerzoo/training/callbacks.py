@@ -10,7 +10,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import RichProgressBar
 
-__all__ = ["ThroughputLogger", "StepProgressBar", "peak_memory_mb", "is_step_based"]
+__all__ = ["ThroughputLogger", "StepProgressBar", "peak_memory_mb", "peak_flops", "is_step_based"]
 
 
 def is_step_based(trainer) -> bool:
@@ -58,14 +58,25 @@ def peak_memory_mb(device: torch.device | str | None = None) -> float:
 
 
 class ThroughputLogger(L.Callback):
-    """Logs ``train/tokens_per_s`` (input tokens per wall-clock second, all processes) averaged over the last
-    ``window`` steps, and ``train/peak_mem_mb`` (see :func:`peak_memory_mb`)."""
+    """Logs, averaged over the last ``window`` steps: ``train/tokens_per_s`` (input tokens per wall-clock second,
+    all processes), ``train/tflops_per_s`` (per process, from :func:`mixerzoo.flops.training_flops_per_token`) and
+    ``train/mfu`` (that rate over the device's peak for the run's precision, from Lightning's table of GPUs,
+    ``lightning.fabric.utilities.throughput.get_available_flops``; dense bf16: H100 SXM 989 TFLOP/s, A100 312;
+    docs/training.md lists them); and ``train/peak_mem_mb`` (see :func:`peak_memory_mb`). MFU is left out where
+    the device's peak is unknown (a CPU) or a mixer has no analytic FLOP count."""
 
     def __init__(self, window: int = 10) -> None:
         self.window = window
         self._t0: float | None = None
         self._tokens = 0
         self._steps = 0
+        self._flops = 0.0
+        self._per_token: dict[int, float | None] = {}
+        self._peak: float | None = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit":
+            self._peak = peak_flops(trainer.strategy.root_device, trainer.precision)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._t0 is None:
@@ -73,13 +84,39 @@ class ThroughputLogger(L.Callback):
                 torch.cuda.synchronize(pl_module.device)
             self._t0 = time.perf_counter()
 
+    def _flops_per_token(self, pl_module, seq_len: int) -> float | None:
+        if seq_len not in self._per_token:
+            from ..flops import training_flops_per_token
+
+            model = getattr(pl_module, "model", None)
+            self._per_token[seq_len] = None if model is None else training_flops_per_token(model, seq_len)
+        return self._per_token[seq_len]
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._tokens += batch["input_ids"].numel() * trainer.world_size
+        ids = batch["input_ids"]
+        per_token = self._flops_per_token(pl_module, ids.shape[-1])
+        self._tokens += ids.numel() * trainer.world_size
+        self._flops = None if per_token is None or self._flops is None else self._flops + per_token * ids.numel()
         self._steps += 1
         if self._steps >= self.window:
             if pl_module.device.type == "cuda":
                 torch.cuda.synchronize(pl_module.device)
             dt = time.perf_counter() - self._t0
             pl_module.log("train/tokens_per_s", self._tokens / dt, prog_bar=True, rank_zero_only=True)
+            if self._flops is not None:
+                pl_module.log("train/tflops_per_s", self._flops / dt / 1e12, rank_zero_only=True)
+                if self._peak:
+                    pl_module.log("train/mfu", self._flops / dt / self._peak, prog_bar=True, rank_zero_only=True)
             pl_module.log("train/peak_mem_mb", peak_memory_mb(pl_module.device), rank_zero_only=True)
-            self._t0, self._tokens, self._steps = None, 0, 0
+            self._t0, self._tokens, self._steps, self._flops = None, 0, 0, 0.0
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The device's peak FLOP/s for a run at Lightning ``precision`` (``bf16-mixed``: bfloat16 matmuls), from
+    Lightning's table of GPUs; None on a CPU or an unlisted device."""
+    if device.type != "cuda":
+        return None
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(precision).split("-")[0], torch.float32)
+    return get_available_flops(device, dtype)

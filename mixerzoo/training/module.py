@@ -156,6 +156,10 @@ class LMModule(L.LightningModule):
         distill_weight: Weight ``w`` of the distillation term in ``[0, 1]`` (null: 0.5 with a teacher; setting it
             without ``distill_from`` is an error).
         distill_temperature: Softmax temperature ``T`` of both distributions in the distillation term.
+        loss_chunk_tokens: Tokens per chunk of the LM loss, which is computed from the final hidden states a chunk
+            at a time, its gradient included, so the ``(B, T, vocab)`` logits are never held
+            (:func:`mixerzoo.model.loss.linear_cross_entropy`); null: as many as 8 MiB of float32 logits take on a
+            CPU, 256 MiB on a GPU.
 
     Logged: ``train/loss``, ``train/acc``, ``val/loss``, ``val/ppl`` (exp of the token-weighted mean loss),
     ``val/acc`` (next-token accuracy over labelled positions); with a teacher also ``train/lm_loss`` and
@@ -183,6 +187,10 @@ class LMModule(L.LightningModule):
         if isinstance(hp.max_bad_steps, bool) or not isinstance(hp.max_bad_steps, int) or hp.max_bad_steps < 1:
             raise ConfigError(f"model.max_bad_steps must be an integer >= 1 (consecutive non-finite steps that stop "
                               f"the run), got {hp.max_bad_steps!r}")
+        chunk = hp.get("loss_chunk_tokens")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ConfigError(f"model.loss_chunk_tokens must be an integer >= 1 (tokens per chunk of the loss) or "
+                              f"null (chosen from the vocabulary and the device), got {chunk!r}")
         lr_lambda(0, hp.warmup_steps, 1, hp.lr_schedule, hp.min_lr_ratio)  # validates lr_schedule
         self._distill_weight = check_distill_options(hp.get("distill_from"), hp.get("distill_weight"),
                                                      hp.get("distill_temperature", 1.0), hp.get("freeze", "none"),
@@ -209,9 +217,20 @@ class LMModule(L.LightningModule):
             check_mixer_options(spec)
 
     def configure_model(self) -> None:
-        """Build the LM once the vocabulary is known (from ``vocab_size`` or the datamodule's tokenizer)."""
-        if self.model is not None:
-            return
+        """Build the LM once the vocabulary is known (from ``vocab_size`` or the datamodule's tokenizer), and under
+        a model-parallel strategy (:class:`~mixerzoo.training.parallel.FSDP2Strategy`) shard it over the device
+        mesh the strategy made (:func:`~mixerzoo.training.parallel.parallelize`)."""
+        if self.model is None:
+            self._build_model()
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is not None and not getattr(self, "_sharded", False):
+            from .parallel import parallelize
+
+            options = getattr(self.trainer.strategy, "fsdp_options", dict)()
+            parallelize(self.model, mesh, **options)
+            self._sharded = True
+
+    def _build_model(self) -> None:
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         data_vocab = getattr(dm, "vocab_size", None)
         vocab = self.hparams.vocab_size
@@ -310,9 +329,14 @@ class LMModule(L.LightningModule):
         return self.model(input_ids, states)
 
     def _loss(self, batch: dict, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if logits is None:
-            logits, _ = self.model(batch["input_ids"])
+        """The mean LM loss over the labelled tokens, the argmax predictions and the labels. Without ``logits`` (the
+        distillation loss needs them whole) the loss is computed from the final hidden states in chunks of
+        tokens (:func:`~mixerzoo.model.loss.linear_cross_entropy`): the ``(B, T, V)`` logits are never held."""
         labels = batch["labels"]
+        if logits is None:
+            loss, preds = self.model(batch["input_ids"], labels=labels,
+                                     loss_chunk_tokens=self.hparams.get("loss_chunk_tokens"))
+            return loss, preds, labels
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
         return loss, logits.detach().argmax(-1), labels
 
@@ -433,7 +457,7 @@ class LMModule(L.LightningModule):
         random generator states for :meth:`on_train_start`."""
         self._rng_to_restore = checkpoint.get("rng_states")
         self._bad_steps = int(checkpoint.get("mixerzoo_bad_steps", 0))
-        if self.model is None:
+        if self.model is None or "state_dict" not in checkpoint:  # a sharded (DCP) checkpoint loads into the shards
             return
         ours = self.state_dict()
         theirs = checkpoint.get("state_dict", {})
@@ -453,7 +477,8 @@ def _module_options(lr: float = 1e-3, weight_decay: float = 0.1, betas: tuple[fl
                     warmup_steps: int = 100, lr_schedule: str = "cosine", min_lr_ratio: float = 0.1,
                     compile: bool = False, activation_checkpointing: bool = False, max_bad_steps: int = 10,
                     init_from: str | None = None, freeze: str = "none", distill_from: str | None = None,
-                    distill_weight: float | None = None, distill_temperature: float = 1.0) -> None:
+                    distill_weight: float | None = None, distill_temperature: float = 1.0,
+                    loss_chunk_tokens: int | None = None) -> None:
     """LMModule's own arguments (after LMConfig's fields); only its signature is used."""
 
 
