@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.forms import Call, Form, register_forms
+from mixerzoo.flops import recurrent_flops
 from mixerzoo.kernels import triton_available, use_triton
 from mixerzoo.mixers.qkv import QKVProjection
 from mixerzoo.ops import document_layout, local_documents, run_segments
@@ -399,6 +400,14 @@ class Trellis(Mixer):
         if not self.write_norm:
             return k, v
         return F.normalize(k, dim=-1, eps=1e-6), F.normalize(v, dim=-1, eps=1e-6)
+
+    def flops(self, seq_len: int) -> float:
+        """Training FLOPs per token of the two-pass memory beyond the projections: keys to ``num_slots`` slots and
+        slots to values (:func:`mixerzoo.flops.recurrent_flops` with ``(head_dim, num_slots)`` and ``(num_slots,
+        head_dim)`` states per head)."""
+        c = min(self.chunk_len, seq_len)
+        return (recurrent_flops(self.n_heads, self.head_dim, self.num_slots, c)
+                + recurrent_flops(self.n_heads, self.num_slots, self.head_dim, c))
 
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, head_dim={self.head_dim}, num_slots={self.num_slots}, "

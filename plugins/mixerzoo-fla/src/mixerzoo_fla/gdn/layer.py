@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.forms import Form, register_forms
+from mixerzoo.flops import recurrent_flops
 from mixerzoo.ops import optional_carry, run_segments
 from mixerzoo.protocol import accumulation_dtype
 
@@ -254,6 +255,11 @@ class GatedDeltaNet(FormsMixer):
         else:
             o = self.o_norm(o)
         return self.o_proj(o.reshape(B, T, self.value_dim))
+
+    def flops(self, seq_len: int) -> float:
+        """Training FLOPs per token of the delta rule beyond the projections: a chunked linear recurrence with a
+        ``(head_k_dim, head_v_dim)`` state per value head (:func:`mixerzoo.flops.recurrent_flops`)."""
+        return recurrent_flops(self.n_v_heads, self.head_k_dim, self.head_v_dim, min(self.chunk_len, seq_len))
 
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, n_v_heads={self.n_v_heads}, head_k_dim={self.head_k_dim}, "

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixerzoo.forms import Form, register_forms
+from mixerzoo.flops import recurrent_flops
 from mixerzoo.ops import optional_carry, run_segments
 from mixerzoo.protocol import accumulation_dtype
 
@@ -238,6 +239,14 @@ class GatedSlotAttention(FormsMixer):
         return (phi(q.reshape(B, T, self.n_heads, self.head_k_dim)),
                 phi(k.reshape(B, T, self.n_kv_heads, self.head_k_dim)),
                 F.silu(v.reshape(B, T, self.n_kv_heads, self.head_v_dim)))
+
+    def flops(self, seq_len: int) -> float:
+        """Training FLOPs per token of the two gated passes beyond the projections, keys to slots and slots to values
+        (:func:`mixerzoo.flops.recurrent_flops` with ``(head_k_dim, num_slots)`` and ``(num_slots, head_v_dim)``
+        states per head)."""
+        c = min(self.chunk_len, seq_len)
+        return (recurrent_flops(self.n_heads, self.head_k_dim, self.num_slots, c)
+                + recurrent_flops(self.n_heads, self.num_slots, self.head_v_dim, c))
 
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_k_dim={self.head_k_dim}, "
