@@ -131,7 +131,7 @@ def _finished_parts(directory: Path, dtype: np.dtype, tokenizer_sha: str) -> dic
 
 def build_shards(directory: Path, texts: Callable[[int], Iterator[str]], n_documents: int, is_val: np.ndarray,
                  tokenizer, eos_id: int | None, dtype: np.dtype, caps: dict, tokenizer_sha: str, n_bytes: int = 0,
-                 progress: bool = True, part_tokens: int = PART_TOKENS) -> dict:
+                 progress: bool = True, part_tokens: int | None = None) -> dict:
     """Tokenize documents ``0 .. n_documents - 1`` (``texts(i)`` yields them from ``i``) into the parts of
     ``directory``, keeping the finished parts already there, and write ``manifest.json`` last. Returns the
     manifest.
@@ -142,12 +142,14 @@ def build_shards(directory: Path, texts: Callable[[int], Iterator[str]], n_docum
         tokenizer_sha: hash of the tokenizer's JSON, stored in every part and the manifest.
         n_bytes: UTF-8 bytes of all the documents, for the progress bar's ETA (0: count documents only).
         progress: draw a progress bar (documents, tokens, MB/s, ETA) on a terminal.
+        part_tokens: tokens per part (None: :data:`PART_TOKENS`).
 
     Raises:
         UserError: the disk filled while writing (the finished parts are kept: the next run continues).
     """
     from ..progress import progress_bar
 
+    part_tokens = PART_TOKENS if part_tokens is None else part_tokens
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(".*.tmp"):  # temporary files of an interrupted write: never renamed into place
         stale.unlink(missing_ok=True)
@@ -388,7 +390,8 @@ class TokenWindows(Dataset):
             raise self._damaged(self.directory / _name(k, self.split, "bin"),
                                 f"an id >= the vocabulary size {self.vocab_size}")
         x = torch.from_numpy(x.astype(np.int64))
-        return {"input_ids": x[:-1], "labels": x[1:], "doc_starts": self.doc_starts(i * w + 1, i * w + self.seq_len) - i * w}
+        starts = self.doc_starts(i * w + 1, i * w + self.seq_len) - i * w
+        return {"input_ids": x[:-1], "labels": x[1:], "doc_starts": starts}
 
 
 def collate_windows(items: list[dict]) -> dict:
