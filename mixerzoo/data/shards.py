@@ -21,6 +21,7 @@ damaged parts.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import json
 import logging
@@ -316,6 +317,7 @@ class TokenWindows(Dataset):
         self.bounds = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))]).astype(np.int64)
         self.n_tokens = int(self.bounds[-1])
         self.n_windows = self.n_tokens // (seq_len + 1)
+        self._bounds = self.bounds.tolist()  # plain ints: bisect on a list is cheaper than numpy per window
         self._fds: dict[int, int] = {}
         self._starts: dict[int, np.ndarray] = {}
 
@@ -348,50 +350,68 @@ class TokenWindows(Dataset):
     def read(self, lo: int, hi: int) -> np.ndarray:
         """Tokens ``lo .. hi - 1`` of the stream (``(hi - lo,)``, the cache's dtype)."""
         out = np.empty(hi - lo, dtype=self.dtype)
-        k, at, size = int(np.searchsorted(self.bounds, lo, side="right")) - 1, lo, self.dtype.itemsize
+        k, at, size = bisect.bisect_right(self._bounds, lo) - 1, lo, self.dtype.itemsize
         while at < hi:
-            end = min(hi, int(self.bounds[k + 1]))
+            end = min(hi, self._bounds[k + 1])
             if end > at:
                 want = (end - at) * size
-                buf = os.pread(self._fd(k), want, (at - int(self.bounds[k])) * size)
+                buf = os.pread(self._fd(k), want, (at - self._bounds[k]) * size)
                 if len(buf) != want:
                     raise self._damaged(self.directory / _name(k, self.split, "bin"), "shorter than its manifest says")
                 out[at - lo : end - lo] = np.frombuffer(buf, dtype=self.dtype)
             at, k = end, k + 1
         return out
 
+    def _part_starts(self, k: int) -> np.ndarray:
+        """Stream offsets of the documents beginning in part ``k`` (the last few parts' kept in memory)."""
+        starts = self._starts.pop(k, None)
+        if starts is None:
+            path = self.directory / _name(k, self.split, "starts.npy")
+            try:
+                starts = np.load(path, allow_pickle=False) + self._bounds[k]
+            except (OSError, ValueError) as e:
+                raise self._damaged(path, str(e)) from e
+            if len(self._starts) >= 4:
+                self._starts.pop(next(iter(self._starts)))
+        self._starts[k] = starts  # most recently used last
+        return starts
+
     def doc_starts(self, lo: int, hi: int) -> np.ndarray:
         """Stream offsets ``s`` with ``lo <= s < hi`` where a document begins (int64, ascending)."""
-        first = int(np.searchsorted(self.bounds, lo, side="right")) - 1
-        last = int(np.searchsorted(self.bounds, hi, side="left"))
+        first = bisect.bisect_right(self._bounds, lo) - 1
+        last = bisect.bisect_left(self._bounds, hi)
         out = []
-        for k in range(max(first, 0), min(last, len(self.bounds) - 1)):
-            if k not in self._starts:
-                path = self.directory / _name(k, self.split, "starts.npy")
-                try:
-                    self._starts[k] = np.load(path, allow_pickle=False)
-                except (OSError, ValueError) as e:
-                    raise self._damaged(path, str(e)) from e
-            starts = self._starts[k] + self.bounds[k]
-            out.append(starts[np.searchsorted(starts, lo) : np.searchsorted(starts, hi)])
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        for k in range(max(first, 0), min(last, len(self._bounds) - 1)):
+            starts = self._part_starts(k)
+            a, b = np.searchsorted(starts, (lo, hi))
+            out.append(starts[a:b])
+        return out[0] if len(out) == 1 else np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
     def tokens(self) -> np.ndarray:
         """The whole stream of the split, in memory (``(n_tokens,)``): for small corpora and analysis only."""
         return self.read(0, self.n_tokens)
 
     def __getitem__(self, i: int) -> dict:
-        if not 0 <= i < self.n_windows:
-            raise IndexError(i)
-        w = self.seq_len + 1
-        x = self.read(i * w, (i + 1) * w)
-        if x.max(initial=0) >= self.vocab_size:
-            k = int(np.searchsorted(self.bounds, i * w, side="right")) - 1
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        """The windows ``indices`` (what a ``DataLoader`` asks for a whole batch at once)."""
+        w, n = self.seq_len + 1, len(indices)
+        for i in indices:
+            if not 0 <= i < self.n_windows:
+                raise IndexError(i)
+        x = np.empty((n, w), dtype=self.dtype)
+        for r, i in enumerate(indices):
+            x[r] = self.read(i * w, (i + 1) * w)
+        if n and x.max() >= self.vocab_size:
+            i = indices[int(x.max(axis=1).argmax())]
+            k = bisect.bisect_right(self._bounds, i * w) - 1
             raise self._damaged(self.directory / _name(k, self.split, "bin"),
                                 f"an id >= the vocabulary size {self.vocab_size}")
-        x = torch.from_numpy(x.astype(np.int64))
-        starts = self.doc_starts(i * w + 1, i * w + self.seq_len) - i * w
-        return {"input_ids": x[:-1], "labels": x[1:], "doc_starts": starts}
+        t = torch.from_numpy(x.astype(np.int64))
+        return [{"input_ids": t[r, :-1], "labels": t[r, 1:],
+                 "doc_starts": self.doc_starts(i * w + 1, i * w + self.seq_len) - i * w}
+                for r, i in enumerate(indices)]
 
 
 def collate_windows(items: list[dict]) -> dict:
