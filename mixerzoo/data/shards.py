@@ -299,8 +299,8 @@ class TokenWindows(Dataset):
     plus ``"doc_starts"``: the in-window offsets ``j`` in ``[1, seq_len)`` where ``input_ids[j]`` is the first
     token of a document (the token after an end-of-text), int64 numpy, ascending, read from the part's
     ``starts.npy`` with a binary search (no pass over the tokens). Memory: the open file descriptors and the
-    small ``starts`` arrays; a window is read with ``os.pread``. Pickles without any of that (worker processes
-    reopen the files).
+    ``starts`` arrays of the last 4 parts used; a window is read with ``os.pread``. Pickles without any of
+    that (worker processes reopen the files). A ``DataLoader`` fetches a batch at once (``__getitems__``).
 
     Args:
         directory: the cache folder. split: ``"train"`` or ``"val"``. counts: tokens of the split per part.
