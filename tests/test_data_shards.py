@@ -335,3 +335,35 @@ def test_ddp_ranks_read_disjoint_windows_whose_union_is_the_one_process_epoch(tm
     merged = sum(([*ranks[0][i : i + 2], *ranks[1][i : i + 2]] for i in range(0, len(ranks[0]), 2)), [])
     assert merged == single
     assert len(set(single)) == len(single)  # distinct windows: disjointness is not vacuous
+
+
+@needs_data
+def test_corpora_mixed_with_weights(tmp_path):
+    text = SHAKESPEARE.read_text(encoding="utf-8")
+    for name, lo in (("a", 0), ("b", 200_000)):
+        (tmp_path / name).mkdir()
+        for i in range(6):
+            (tmp_path / name / f"d{i}.txt").write_text(text[lo + i * 3000 : lo + i * 3000 + 2500], encoding="utf-8")
+    kw = dict(tokenizer=str(GPT2), seq_len=32, batch_size=4, val_fraction=0.2, cache_dir=str(tmp_path / "c"))
+    mixed = TextDataModule(paths=[str(tmp_path / "a"), str(tmp_path / "b")], weights=[3, 1], **kw)
+    mixed.setup()
+    a, b = (TextDataModule(paths=str(tmp_path / n), **kw) for n in "ab")
+    a.setup()
+    b.setup()
+    wa = {tuple(a.dataset("train")[i]["input_ids"].tolist()) for i in range(len(a.dataset("train")))}
+    wb = {tuple(b.dataset("train")[i]["input_ids"].tolist()) for i in range(len(b.dataset("train")))}
+    train = mixed.dataset("train")
+    assert len(train) == len(wa) + len(wb)
+    rows = [tuple(x.tolist()) for batch in mixed.train_dataloader() for x in batch["input_ids"]]
+    from_a, from_b = sum(r in wa for r in rows), sum(r in wb for r in rows)
+    assert from_a + from_b == len(rows) == len(train) // 4 * 4
+    assert abs(from_a / len(rows) - 0.75) < 0.05  # the weights, up to the dropped last batch
+    assert len({r for r in rows if r in wb}) == from_b < len(wb)  # b down-weighted: a subset, no repeats
+    assert from_a > len(wa)  # a up-weighted: its windows repeat
+    assert len(mixed.dataset("val")) == len(a.dataset("val")) + len(b.dataset("val"))
+    assert mixed.val_documents == [a.val_documents, b.val_documents]
+    with pytest.raises(ConfigError, match=r"data\.weights: give one positive weight per corpus"):
+        TextDataModule(paths=[str(tmp_path / "a"), str(tmp_path / "b")], weights=[1], **kw)
+    with pytest.raises(ConfigError, match=r"data\.weights: mixed corpora need one vocabulary"):
+        TextDataModule(paths=[str(tmp_path / "a"), str(tmp_path / "b")], weights=[1, 1],
+                       **{**kw, "tokenizer": None})

@@ -39,6 +39,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from torch.utils.data import ConcatDataset, Dataset
 
 from ..atomic import atomic_write
 from ..errors import ConfigError
@@ -56,6 +57,7 @@ from .tokenizers import EOS_CANDIDATES, EOS_TOKEN, find_eos_id, load_tokenizer, 
 __all__ = [
     "TextDataModule",
     "TokenWindows",
+    "MixedWindows",
     "resolve_paths",
     "load_tokenizer",
     "train_bpe",
@@ -115,12 +117,15 @@ class TextDataModule(LMDataModule):
         num_workers: int = 0,
         seed: int = 0,
         max_tokens: int | None = None,
+        weights: list[float] | None = None,
     ) -> None:
         """
         Args:
-            paths: text files, directories (every *.txt/*.json/*.jsonl inside, recursively) or globs, or a list
-                of them. Files ending .json/.jsonl are read as JSON (lines), one document per record.
-            hf_dataset: instead of paths, a Hugging Face Hub dataset name (needs network or a cached copy).
+            paths: text files, directories (every *.txt/*.json/*.jsonl/*.parquet inside, recursively) or globs,
+                or a list of them. Files ending .json/.jsonl are read as JSON (lines), .parquet as Parquet, one
+                document per record. With ``weights``: a list of corpora, each entry one file, folder or glob.
+            hf_dataset: instead of paths, a folder written by ``datasets.Dataset.save_to_disk``, or a Hugging
+                Face Hub dataset name (needs network or a cached copy).
             hf_config: the Hub dataset's configuration name (e.g. wikitext-2-raw-v1).
             hf_split: the Hub dataset's split to read; validation documents are split off it.
             text_field: the field holding the text in JSON files and Hub datasets.
@@ -137,7 +142,12 @@ class TextDataModule(LMDataModule):
             num_workers: DataLoader worker processes.
             seed: seed of the document split and of the training-window shuffle.
             max_tokens: cap on training tokens for quick runs (validation is capped at
-                max(ceil(val_fraction * max_tokens), seq_len + 1)); null uses everything.
+                max(ceil(val_fraction * max_tokens), seq_len + 1)); null uses everything. Per corpus with
+                ``weights``.
+            weights: mix the corpora of ``paths`` (a list, one corpus per entry, at least two) with these
+                positive sampling weights: each corpus is split, tokenized and cached on its own, and an epoch's
+                training windows come from them in proportion to the weights (:class:`MixedWindows`);
+                validation is every corpus's validation windows. Needs ``tokenizer`` (one vocabulary for all).
         """
         super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed)
         if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
@@ -151,6 +161,20 @@ class TextDataModule(LMDataModule):
         if (paths is None) == (hf_dataset is None):
             raise ConfigError("data.paths and data.hf_dataset: give exactly one (local text files, or a Hub dataset "
                               f"name); got paths={paths!r}, hf_dataset={hf_dataset!r}")
+        self.weights, self._corpora = weights, []
+        if weights is not None:
+            items = [paths] if isinstance(paths, str) else list(paths or [])
+            if (not isinstance(weights, (list, tuple)) or len(weights) != len(items) or len(items) < 2
+                    or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights)):
+                raise ConfigError(f"data.weights: give one positive weight per corpus of data.paths (a list of at "
+                                  f"least two), got weights={weights!r} for paths={paths!r}")
+            if tokenizer is None:
+                raise ConfigError("data.weights: mixed corpora need one vocabulary: set data.tokenizer to a "
+                                  "tokenizer.json (train a BPE on one corpus first if needed)")
+            self._corpora = [TextDataModule(paths=item, text_field=text_field, tokenizer=tokenizer, seq_len=seq_len,
+                                            batch_size=batch_size, val_fraction=val_fraction, sample_by=sample_by,
+                                            cache_dir=cache_dir, num_workers=num_workers, seed=seed,
+                                            max_tokens=max_tokens) for item in items]
         self.paths = paths
         self.hf_dataset, self.hf_config, self.hf_split, self.text_field = hf_dataset, hf_config, hf_split, text_field
         self.tokenizer_path = tokenizer
@@ -309,6 +333,11 @@ class TextDataModule(LMDataModule):
                             "max_tokens": self.max_tokens, "text_field": self.text_field})
 
     def _prepare(self) -> None:
+        if self._corpora:
+            for corpus in self._corpora:
+                corpus._prepare()
+            self.val_documents = [corpus.val_documents for corpus in self._corpora]
+            return
         if self._manifest is not None:
             return
         dtype = shard_dtype(self.vocab_size)
@@ -354,6 +383,12 @@ class TextDataModule(LMDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Load (or build) the token shards and make the train/val window datasets."""
         self._prepare()
+        if self._corpora:
+            for corpus in self._corpora:
+                corpus.setup(stage)
+            self._datasets = {"train": MixedWindows([c.dataset("train") for c in self._corpora], self.weights),
+                              "val": ConcatDataset([c.dataset("val") for c in self._corpora])}
+            return
         windows = {}
         for name in ("train", "val"):
             total = self._manifest["tokens"][name]
@@ -365,6 +400,53 @@ class TextDataModule(LMDataModule):
             windows[name] = TokenWindows(self._directory, name, [p["tokens"][name] for p in self._manifest["parts"]],
                                          np.dtype(self._manifest["dtype"]), self.seq_len, self.vocab_size)
         self._datasets = windows
+
+
+class MixedWindows(Dataset):
+    """The windows of several corpora in proportion to weights, as one indexable dataset.
+
+    ``n = sum(len(d) for d in datasets)`` slots; corpus ``c`` gets ``s_c`` of them, ``s_c`` proportional to
+    ``weights[c]`` (largest remainders, at least 1), and its slot ``j`` is its window ``floor(j * n_c / s_c)``:
+    spread evenly over the corpus, repeated when ``s_c > n_c``, every ``n_c / s_c``-th when fewer (the same
+    windows every epoch). The training sampler permutes the slots, so batches mix the corpora.
+
+    Args:
+        datasets: the corpora's :class:`TokenWindows`. weights: positive, one per dataset.
+    """
+
+    def __init__(self, datasets: list, weights: list[float]) -> None:
+        self.datasets = list(datasets)
+        sizes = np.array([len(d) for d in self.datasets], dtype=np.int64)
+        n = int(sizes.sum())
+        share = np.asarray(weights, dtype=np.float64) / float(np.sum(weights)) * n
+        slots = np.maximum(np.floor(share).astype(np.int64), 1)
+        for c in np.argsort(-(share - np.floor(share)), kind="stable")[: max(0, n - int(slots.sum()))]:
+            slots[c] += 1
+        self.sizes, self.slots = sizes, slots
+        self.first = np.concatenate([[0], np.cumsum(slots)])
+
+    def __len__(self) -> int:
+        return int(self.first[-1])
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """``(corpus, window)`` of slot ``i``."""
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        c = int(np.searchsorted(self.first, i, side="right")) - 1
+        return c, int((i - self.first[c]) * self.sizes[c] // self.slots[c])
+
+    def __getitem__(self, i: int) -> dict:
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        where = [self.locate(i) for i in indices]
+        out: list = [None] * len(indices)
+        for c, dataset in enumerate(self.datasets):
+            rows = [r for r, (cc, _) in enumerate(where) if cc == c]
+            if rows:
+                for r, item in zip(rows, dataset.__getitems__([where[r][1] for r in rows])):
+                    out[r] = item
+        return out
 
 
 _announced: set[str] = set()
