@@ -194,11 +194,14 @@ def load_documents(files: Sequence[Path], sample_by: str, text_field: str, cache
 
 
 class DocumentSource:
-    """The non-empty documents of Arrow tables, in corpus order, read a slice at a time (memory: one slice).
+    """The non-empty documents of Arrow tables, in corpus order, read a record batch at a time.
 
     A document is a row whose text is not null and not whitespace only (Arrow's Unicode whitespace trim).
-    Construction makes one pass over the column (Arrow compute, no Python strings) to count the documents
-    (``n``) and their UTF-8 bytes (``n_bytes``); ``texts(start)`` yields the documents from index ``start``.
+    Construction makes one pass over the column (Arrow compute per batch, no Python strings) to count the
+    documents (``n``) and their UTF-8 bytes (``n_bytes``); ``texts(start)`` yields the documents from index
+    ``start``. A ``datasets.Dataset`` backed by cache files is read from those files as an Arrow stream with
+    plain reads, not through its memory map: mapped pages that were read stay resident (and count in the
+    process's memory) until the map is closed, so a pass over a memory map grows with the corpus.
 
     Args:
         tables: ``(dataset, column, where)`` triples (``datasets.Dataset`` or ``pyarrow.Table``); ``where``
@@ -208,48 +211,69 @@ class DocumentSource:
         ConfigError: a column that does not hold strings.
     """
 
-    SLICE = 1024
-
     def __init__(self, tables: Sequence[tuple]) -> None:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        self.tables, self.masks = [], []
+        self.sources, self.masks = [], []
         self.n_bytes = 0
         for ds, column, where in tables:
             if not isinstance(ds, pa.Table) and ds._indices is not None:  # a selection: write it out once
                 ds = ds.flatten_indices()
-            table = ds if isinstance(ds, pa.Table) else ds.data.table
-            col = table.column(column)
-            if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_null(col.type)):
-                raise ConfigError(f"data.text_field: {column!r} of {where} holds {col.type}, not text; set it to a "
-                                  f"field that holds strings")
-            if pa.types.is_null(col.type):
-                mask = np.zeros(len(col), dtype=bool)
-            else:
+            files = [] if isinstance(ds, pa.Table) else [f["filename"] for f in ds.cache_files]
+            source = (files, column) if files else (ds if isinstance(ds, pa.Table) else ds.data.table, column)
+            masks = []
+            for col in self._columns(source):
+                if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)
+                        or pa.types.is_null(col.type)):
+                    raise ConfigError(f"data.text_field: {column!r} of {where} holds {col.type}, not text; set it "
+                                      f"to a field that holds strings")
+                if pa.types.is_null(col.type):
+                    masks.append(np.zeros(len(col), dtype=bool))
+                    continue
                 keep = pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(col)), 0).fill_null(False)
-                mask = keep.to_numpy(zero_copy_only=False).astype(bool, copy=False)
+                masks.append(keep.to_numpy(zero_copy_only=False).astype(bool, copy=False))
                 self.n_bytes += int(pc.sum(pc.binary_length(pc.filter(col, keep))).as_py() or 0)
-            self.tables.append(table.select([column]))
-            self.masks.append(mask)
+            self.sources.append(source)
+            self.masks.append(np.concatenate(masks) if masks else np.zeros(0, dtype=bool))
         self.counts = np.array([int(m.sum()) for m in self.masks], dtype=np.int64)
         self.n = int(self.counts.sum())
+
+    @staticmethod
+    def _columns(source):
+        """The text column of a source, one Arrow array per record batch."""
+        import pyarrow as pa
+
+        files, column = source
+        if isinstance(files, pa.Table):
+            for batch in files.select([column]).to_batches(max_chunksize=1024):
+                yield batch.column(0)
+            return
+        for name in files:
+            with pa.OSFile(name) as f:  # plain reads (see the class docstring)
+                reader = pa.ipc.open_stream(f)
+                index = reader.schema.get_field_index(column)
+                for batch in reader:
+                    yield batch.column(index)
 
     def texts(self, start: int = 0):
         """Yield the documents ``start, start + 1, ...`` (strings)."""
         first = np.concatenate([[0], np.cumsum(self.counts)])
-        for t, (table, mask) in enumerate(zip(self.tables, self.masks)):
+        for t, (source, mask) in enumerate(zip(self.sources, self.masks)):
             if first[t + 1] <= start:
                 continue
-            skip = max(0, start - first[t])
             rows = np.flatnonzero(mask)
-            row = int(rows[skip]) if skip < len(rows) else len(mask)
-            while row < len(mask):
-                chunk = table.slice(row, self.SLICE).column(0).to_pylist()
-                for text, keep in zip(chunk, mask[row : row + len(chunk)]):
-                    if keep:
-                        yield text
-                row += len(chunk)
+            skip = max(0, start - int(first[t]))
+            row0 = int(rows[skip]) if skip < len(rows) else len(mask)
+            row = 0
+            for col in self._columns(source):
+                n = len(col)
+                if row + n > row0:
+                    lo = max(0, row0 - row)
+                    for text, keep in zip(col.slice(lo).to_pylist(), mask[row + lo : row + n]):
+                        if keep:
+                            yield text
+                row += n
 
 
 # --------------------------------------------------------------------------------------------------------------
