@@ -142,8 +142,9 @@ def test_bpe_is_trained_on_the_training_split_only(tmp_path):
 
 
 from mixerzoo.data import documents as _documents_mod, encoding as _encoding_mod, tokenizers as _tokenizers_mod  # noqa: E402
+from mixerzoo.data import shards as _shards_mod  # noqa: E402
 
-PIPELINE_MODULES = (text_mod, _documents_mod, _encoding_mod, _tokenizers_mod)
+PIPELINE_MODULES = (text_mod, _documents_mod, _encoding_mod, _tokenizers_mod, _shards_mod)
 
 
 @needs_data
@@ -158,7 +159,7 @@ def test_cache_is_reused_without_tokenising(tmp_path, shakespeare, monkeypatch):
         raise AssertionError("the second setup must come from the cache")
 
     with monkeypatch.context() as m:
-        for name in ("train_bpe", "encode_documents", "load_documents"):
+        for name in ("train_bpe", "build_shards", "open_tables"):
             for module in PIPELINE_MODULES:  # wherever the pipeline step lives or is imported
                 if hasattr(module, name):
                     m.setattr(module, name, forbidden)
@@ -171,10 +172,10 @@ def test_cache_is_reused_without_tokenising(tmp_path, shakespeare, monkeypatch):
 
     # changing a source file invalidates both caches
     calls = []
-    real = text_mod.encode_documents
+    real = text_mod.build_shards
     for module in PIPELINE_MODULES:
-        if hasattr(module, "encode_documents"):
-            monkeypatch.setattr(module, "encode_documents", lambda *a, **k: calls.append(1) or real(*a, **k))
+        if hasattr(module, "build_shards"):
+            monkeypatch.setattr(module, "build_shards", lambda *a, **k: calls.append(1) or real(*a, **k))
     with open(tmp_path / "corpus" / "doc00.txt", "a") as f:
         f.write("\nA new line.")
     third = TextDataModule(**kwargs)
@@ -189,23 +190,29 @@ def test_corrupt_caches_are_deleted_and_rebuilt(tmp_path, shakespeare):
                   val_fraction=0.25)
     ref = TextDataModule(**kwargs)
     ref.setup()
-    ref_train, ref_val = np.array(ref.train_tokens), np.array(ref.val_tokens)  # copies: ref's are memory-mapped
+    ref_train, ref_val = ref.train_tokens, ref.val_tokens
     ref_tokenizer = ref.tokenizer.to_str()
-    del ref.train_tokens, ref.val_tokens  # never touch a mapped file that is truncated below
     token_dir = next((tmp_path / "cache" / "tokens").iterdir())
-    (token_dir / "train.npy").write_bytes(b"this is not an npy file")
-    with pytest.warns(UserWarning, match="corrupt"):
+    (token_dir / "part-00000.train.bin").write_bytes(b"this is not a token shard")
+    with pytest.warns(UserWarning, match=r"corrupt \(.*part-00000\.train\.bin has 25 bytes"):
         again = TextDataModule(**kwargs)
         again.setup()
     assert np.array_equal(again.train_tokens, ref_train)
     del again
 
-    val = token_dir / "val.npy"
+    val = token_dir / "part-00000.val.bin"
     val.write_bytes(val.read_bytes()[: val.stat().st_size // 2])  # truncated
     with pytest.warns(UserWarning, match="corrupt"):
         again = TextDataModule(**kwargs)
         again.setup()
     assert np.array_equal(again.val_tokens, ref_val)
+    del again
+
+    (token_dir / "manifest.json").write_text("{ truncated")
+    with pytest.warns(UserWarning, match="corrupt"):
+        again = TextDataModule(**kwargs)
+        again.setup()
+    assert np.array_equal(again.train_tokens, ref_train) and np.array_equal(again.val_tokens, ref_val)
     del again
 
     ref.tokenizer_file.write_text("{ truncated")
@@ -230,9 +237,9 @@ def test_max_tokens_is_a_prefix_of_the_full_stream(tmp_path, shakespeare):
 
 @needs_data
 def test_long_documents_encoded_in_pieces_match_one_encode(gpt2, shakespeare, monkeypatch):
-    monkeypatch.setattr(_encoding_mod, "_PIECE_CHARS", 500)  # the encoding step lives in data/encoding.py
+    monkeypatch.setattr(_encoding_mod, "PIECE_CHARS", 500)  # the encoding step lives in data/encoding.py
     doc = shakespeare[:20000]
-    assert len(_encoding_mod._pieces(doc, 500, True)) > 10
+    assert len(_encoding_mod.pieces(doc, 500, True)) > 10
     ids = text_mod.encode_documents(gpt2, [doc, "Second document."], eos_id=50256)
     assert ids.tolist() == gpt2.encode(doc).ids + [50256] + gpt2.encode("Second document.").ids
 
@@ -409,11 +416,15 @@ def test_hub_dataset_path_without_network(tmp_path, monkeypatch):
 def test_windows_dataset_pickles_without_its_tokens(tmp_path):
     import pickle
 
-    path = tmp_path / "stream.npy"
-    np.save(path, np.arange(1000, dtype=np.uint16))
-    ds = text_mod.TokenWindows(path, seq_len=9)
-    assert len(ds) == 100 and ds[3]["input_ids"].tolist() == list(range(30, 39))
+    from mixerzoo.data.shards import TokenWindows
+
+    for k, (lo, hi) in enumerate(((0, 600), (600, 1000))):  # a window (index 54) straddles the two parts
+        np.arange(lo, hi, dtype=np.uint16).tofile(tmp_path / f"part-{k:05d}.train.bin")
+        np.save(tmp_path / f"part-{k:05d}.train.starts.npy", np.array([], dtype=np.int64))
+    ds = TokenWindows(tmp_path, "train", [600, 400], np.uint16, seq_len=10, vocab_size=1000)
+    assert len(ds) == 90 and ds[3]["input_ids"].tolist() == list(range(33, 43))
+    assert ds[54]["input_ids"].tolist() == list(range(594, 604))
     blob = pickle.dumps(ds)
-    assert len(blob) < 1000  # workers re-open the memory map instead of copying the stream
+    assert len(blob) < 1000  # workers reopen the files instead of copying the stream
     again = pickle.loads(blob)
-    assert again[99]["labels"].tolist() == list(range(991, 1000))
+    assert again[89]["labels"].tolist() == list(range(980, 990))

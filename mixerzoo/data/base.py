@@ -190,6 +190,7 @@ class LMDataModule(L.LightningDataModule):
     ignore_index: int = IGNORE_INDEX
     eos_id: int | None = None
     tokenizer = None
+    collate_fn = None  # the loaders' collate function (None: torch's default, which stacks the dict's tensors)
 
     def __init__(self, seq_len: int, batch_size: int, num_workers: int = 0, seed: int = 0) -> None:
         super().__init__()
@@ -211,7 +212,7 @@ class LMDataModule(L.LightningDataModule):
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         if shuffle:
             raise ValueError("only the training loader shuffles; use train_dataloader()")
-        return DataLoader(self.dataset(split), batch_size=self.batch_size, shuffle=False,
+        return DataLoader(self.dataset(split), batch_size=self.batch_size, shuffle=False, collate_fn=self.collate_fn,
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
     def _world(self) -> tuple[int, int]:
@@ -229,7 +230,8 @@ class LMDataModule(L.LightningDataModule):
             sampler.load_state_dict(self._train_position)
         self._train_sampler = sampler
         return ResumableDataLoader(self.dataset("train"), batch_size=self.batch_size, sampler=sampler,
-                                   num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+                                   collate_fn=self.collate_fn, num_workers=self.num_workers,
+                                   persistent_workers=self.num_workers > 0)
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches in a fixed order."""
