@@ -148,6 +148,7 @@ class TextDataModule(LMDataModule):
         num_workers: int = 0,
         seed: int = 0,
         max_tokens: int | None = None,
+        document_mask: bool = False,
     ) -> None:
         """
         Args:
@@ -171,6 +172,9 @@ class TextDataModule(LMDataModule):
             seed: seed of the document split and of the training-window shuffle.
             max_tokens: cap on training tokens for quick runs (validation is capped at
                 max(ceil(val_fraction * max_tokens), seq_len + 1)); null uses everything.
+            document_mask: keep documents apart: a batch trains as one packed sequence whose documents start at
+                every window and every end-of-text token, and no mixer reads across them
+                (:mod:`mixerzoo.data.packing`; every layer's mixer must take ``cu_seqlens``).
         """
         super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed)
         if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
@@ -192,6 +196,9 @@ class TextDataModule(LMDataModule):
         self.sample_by = sample_by
         self.cache_dir = Path(os.path.expanduser(cache_dir)).resolve()
         self.max_tokens = max_tokens
+        if not isinstance(document_mask, bool):
+            raise ConfigError(f"data.document_mask must be true or false, got {document_mask!r}")
+        self.document_mask = document_mask
         self.files: list[Path] = []
         if paths is not None:
             self.files = [f for f in resolve_paths(paths) if not f.is_relative_to(self.cache_dir)]

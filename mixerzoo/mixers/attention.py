@@ -160,10 +160,13 @@ class Attention(Mixer):
         keep = max(self.keep_from(p0 + T) - (p0 + T - S), 0)
         return y, KVCache(k=k[:, :, keep:], v=v[:, :, keep:], next_pos=p0 + T, shift=shift)
 
+    @torch.compiler.disable
     def _packed_forward(self, x: torch.Tensor, offsets: list[int], shared: dict | None
                         ) -> tuple[torch.Tensor, KVCache]:
         """:meth:`forward` over packed sequences at host ``offsets``; the state is the last sequence's cache, as
-        a call on that sequence alone leaves it (its sinks, then the keys any later query can still see)."""
+        a call on that sequence alone leaves it (its sinks, then the keys any later query can still see). Run
+        eagerly under ``torch.compile``: its pieces follow each batch's offsets, which a compiled graph would
+        specialise on and recompile for at every new batch."""
         T = x.shape[1]
         q, k, v, positions, shift = self.qkv.stream(x, None, shared, offsets=offsets)
         o = self.attend_packed(q, k, v, offsets)
