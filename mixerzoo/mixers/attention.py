@@ -219,12 +219,21 @@ class Attention(Mixer):
             if kind == "causal" or (kind == "group" and not windowed and docs[q0] == docs[q1 - 1]):
                 pieces.append((q1 - q0, ranges, None))
                 continue
-            keys = torch.cat([torch.arange(a, b) for a, b in ranges])
-            mask = self.visible(positions[q0:q1], positions[keys]) & (docs[q0:q1, None] == docs[keys][None, :])
+            # a window block shorter than a block (a document's last) takes the top-left corner of a whole block's
+            # mask, which is then shared with that document's (and the others') whole blocks
+            short = size - (q1 - q0) if kind == "window" else 0
+            keys = torch.cat([torch.arange(a, b) for a, b in ranges[:-1]] + [torch.arange(*ranges[-1]) if not short
+                                                                            else torch.arange(ranges[-1][0], q0 + size)])
+            rows = torch.arange(q0, q0 + size) if short else torch.arange(q0, q1)
+            qpos = positions[q0] + rows - q0 if short else positions[q0:q1]
+            kpos = (positions[ranges[0][0]] + keys - ranges[0][0]) if short else positions[keys]
+            mask = self.visible(qpos, kpos)
+            if kind == "group":
+                mask &= docs[q0:q1, None] == docs[keys][None, :]
             key = (tuple(mask.shape), mask.numpy().tobytes())
             if key not in masks:
                 masks[key] = mask.to(q.device)
-            pieces.append((q1 - q0, ranges, masks[key]))
+            pieces.append((q1 - q0, ranges, (masks[key], q1 - q0, keys.numel() - short)))
         return self._attend_pieces(q, k, v, pieces)
 
     def _block_len(self, next_pos: int) -> int:
@@ -262,7 +271,7 @@ class Attention(Mixer):
         """Consecutive pieces of the queries ``q (B, H, T, D)``, each ``(queries, key ranges, mask)``, against the
         keys ``k, v (B, H_kv, S, D)`` in its ranges ``[(a, b), ...]`` (ascending) under its boolean mask
         ``(queries, keys)``, or causally (SDPA's ``is_causal``) where the mask is None (square pieces only).
-        ``(B, H, T, D)``.
+        ``(B, H, T, D)``. A mask may be given as ``(mask, rows, cols)``: its top-left ``(rows, cols)`` corner.
 
         The keys are split once at every range edge (backward: one cat), not sliced per piece (a full-size zero
         gradient per piece). A mask passed for several pieces (the same object) becomes one additive mask: SDPA
@@ -282,10 +291,12 @@ class Attention(Mixer):
             if mask is None:
                 outs.append(F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=gqa))
                 continue
+            mask, rows, cols = mask if isinstance(mask, tuple) else (mask, qb.shape[2], kb.shape[2])
             if id(mask) not in additive:
                 additive[id(mask)] = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
                     ~mask, float("-inf"))
-            outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=additive[id(mask)], enable_gqa=gqa))
+            bias = additive[id(mask)][:rows, :cols]
+            outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, enable_gqa=gqa))
         return torch.cat(outs, dim=2)
 
     def _cached_positions(self, next_pos: int, cached: int, device: torch.device) -> torch.Tensor:
