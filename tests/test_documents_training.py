@@ -85,7 +85,8 @@ def test_the_data_module_moves_tokens_and_keeps_cu_seqlens_on_the_host():
 
 
 RECIPE = """
-model: {{d_model: 32, n_layers: 2, n_heads: 2, layer_types: [swa, attention], mixers: {{swa: {{window: 8}}, attention: {{token_shift: true}}}}, warmup_steps: 1}}
+model: {{d_model: 32, n_layers: 2, n_heads: 2, layer_types: [swa, attention], warmup_steps: 1,
+        mixers: {{swa: {{window: 8}}, attention: {{token_shift: true}}}}}}
 data:
   class_path: mixerzoo.data.TextDataModule
   init_args: {{paths: {data}/tinyshakespeare/input.txt, sample_by: paragraph, bpe_vocab_size: 300,

@@ -222,8 +222,8 @@ class Attention(Mixer):
             # a window block shorter than a block (a document's last) takes the top-left corner of a whole block's
             # mask, which is then shared with that document's (and the others') whole blocks
             short = size - (q1 - q0) if kind == "window" else 0
-            keys = torch.cat([torch.arange(a, b) for a, b in ranges[:-1]] + [torch.arange(*ranges[-1]) if not short
-                                                                            else torch.arange(ranges[-1][0], q0 + size)])
+            last = torch.arange(ranges[-1][0], q0 + size if short else ranges[-1][1])
+            keys = torch.cat([torch.arange(a, b) for a, b in ranges[:-1]] + [last])
             rows = torch.arange(q0, q0 + size) if short else torch.arange(q0, q1)
             qpos = positions[q0] + rows - q0 if short else positions[q0:q1]
             kpos = (positions[ranges[0][0]] + keys - ranges[0][0]) if short else positions[keys]

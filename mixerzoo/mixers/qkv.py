@@ -226,7 +226,8 @@ class QKVProjection(nn.Module):
         new_shift = None
         if self.token_shift:
             prev = shift_state if shift_state is not None else (None, None, None)
-            (q, pq), (k, pk), (v, pv) = (token_shift(a, mu, p, reset) for a, mu, p in zip((q, k, v), self.shift_mu, prev))
+            (q, pq), (k, pk), (v, pv) = (token_shift(a, mu, p, reset)
+                                         for a, mu, p in zip((q, k, v), self.shift_mu, prev))
             new_shift = (pq, pk, pv)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
