@@ -108,11 +108,15 @@ MIXERS = {  # name in the tables: (registry name, layer options)
     "swa-512": ("swa", dict(window=512, positional=HALF_ROPE)),
     "tova-512": ("tova", dict(multi_state=512, positional=HALF_ROPE)),
 }
+# packed documents: "<name>+docs" is the layer called with cu_seqlens of --documents documents of unequal length
+# (:func:`document_offsets`); its ratio columns compare it with "<name>", the same layer on the same tokens without
+MIXERS["bswa-256"] = ("bswa", dict(chunk_len=256, n_bswa_chunks=2, positional=HALF_ROPE, qk_norm="layernorm"))
+MIXERS.update({f"{m}+docs": spec for m, spec in list(MIXERS.items())})
 NEXT_DECODE_STEPS = 256  # the launch table's decode steps from T: a whole chunk of every chunked mixer here
 TRAINABLE = [m for m in MIXERS if not m.startswith("tova")]  # TOVA is an inference-time policy
 # "/keep": checkpoint_chunks 0 (no recomputation); "/chunk", "/triton": a GPU's forms on the CPU (--mixers all has
 # them all)
-DEFAULT = [m for m in MIXERS if not m.endswith(("/keep", "/chunk", "/triton"))]
+DEFAULT = [m for m in MIXERS if not m.endswith(("/keep", "/chunk", "/triton", "+docs")) and m != "bswa-256"]
 MEASURES = ["train", "decode", "launches"]
 
 
@@ -125,6 +129,8 @@ def build(name: str, task: dict, spec: tuple[str, dict] | None = None):
 
     torch.manual_seed(0)
     kind, options = spec or MIXERS[name]
+    if name.endswith("+docs"):
+        return Packed(build(name.removesuffix("+docs"), task, spec), task.get("documents", 8))
     d_model = task.get("d_model", D_MODEL)
     n_heads = d_model // task.get("head_dim", D_MODEL // N_HEADS)
     if task.get("layers"):
@@ -135,6 +141,32 @@ def build(name: str, task: dict, spec: tuple[str, dict] | None = None):
         model.activation_checkpointing = bool(task.get("activation_checkpointing"))
         return model.to(on(task)[0])
     return registry.get(kind)(d_model, n_heads=n_heads, **options).to(on(task)[0])
+
+
+def document_offsets(T: int, n: int):
+    """``(n+1,)`` int32 CPU offsets of ``n`` documents of unequal length filling ``T`` tokens: lengths in the
+    proportions ``1..n`` in a fixed shuffled order (``(5 i) % n + 1``; for 8: 1, 6, 3, 8, 5, 2, 7, 4)."""
+    import torch
+
+    weights = [(5 * i) % n + 1 for i in range(n)]
+    cuts = [round(T * sum(weights[:i]) / sum(weights)) for i in range(n + 1)]
+    return torch.tensor(cuts, dtype=torch.int32)
+
+
+class Packed:
+    """A ``+docs`` configuration: the layer called on ``x (1, T, d)`` with the ``cu_seqlens`` of ``n`` documents
+    (:func:`document_offsets`; a decode step or a call with a state goes to the layer as it is)."""
+
+    def __init__(self, layer, n: int) -> None:
+        self.layer, self.n = layer, n
+
+    def __getattr__(self, name: str):
+        return getattr(self.layer, name)
+
+    def __call__(self, x, state=None):
+        if state is not None or x.shape[1] < self.n:
+            return self.layer(x, state)
+        return self.layer(x, None, cu_seqlens=document_offsets(x.shape[1], self.n))
 
 
 def inputs(task: dict, T: int):
@@ -259,7 +291,7 @@ def launches_cell(layer, T: int, task: dict, trainable: bool, gpu_path: bool = F
 
 def on_gpu_path(name: str) -> bool:
     """Whether configuration ``name`` is a ``/triton`` one: the layer forced onto the kernels a GPU runs."""
-    return MIXERS[name][1].get("backend") == "triton"
+    return MIXERS[name.removesuffix("+docs")][1].get("backend") == "triton"
 
 
 def kernel_path(task: dict, gpu_path: bool) -> contextlib.ExitStack:
@@ -715,13 +747,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=None,
                     help="--processes shared: seconds for the whole table; no cell starts after them")
     add_device_args(ap)
+    ap.add_argument("--documents", type=int, default=8, metavar="N",
+                    help="documents of unequal length packed into each step of the +docs configurations")
     ap.add_argument("--d-model", type=int, default=D_MODEL)
     ap.add_argument("--head-dim", type=int, default=D_MODEL // N_HEADS)
     args = ap.parse_args(argv)
     if args.worker or args.cells:
         return args
     if "all" in args.mixers:
-        args.mixers = list(MIXERS)
+        args.mixers = [m for m in MIXERS if not m.endswith("+docs")]
     if args.d_model % args.head_dim:
         ap.error(f"--d-model {args.d_model} is not a multiple of --head-dim {args.head_dim}")
     if args.model_layers < 0:
@@ -757,7 +791,8 @@ def main(argv: list[str] | None = None) -> None:
 
     base = {"threads": args.threads, "device": args.device, "dtype": args.dtype, "d_model": args.d_model,
             "head_dim": args.head_dim, "layers": args.model_layers,
-            "activation_checkpointing": args.activation_checkpointing, "skip_kernels": args.skip_kernels}
+            "activation_checkpointing": args.activation_checkpointing, "skip_kernels": args.skip_kernels,
+            "documents": args.documents}
     for flag, tool in ((args.profile, profile), (args.memory_profile, memory_profile), (args.op_lines, op_lines)):
         if flag:
             tool(flag[0], int(flag[1]), base)
@@ -928,7 +963,7 @@ def train_row(out: dict, m: str, T: int, cell: dict, memory_only: bool, shared: 
         print(f"| {fmt_len(T)} | {m} | error: {cell['error']} | | | | | | | |", flush=True)
         return
     out["train"].setdefault(m, {})[T] = cell
-    ref = out["train"].get("attention", {}).get(T, {})
+    ref = out["train"].get(m.removesuffix("+docs") if m.endswith("+docs") else "attention", {}).get(T, {})
     nan = float("nan")
 
     def vs(key: str) -> str:

@@ -46,6 +46,8 @@ CHECKS: dict[str, tuple[str, str]] = {
     "bf16-weights": ("check_bf16_weights", "with bf16 weights and inputs the mixer must run, stay close to fp32 "
                                            "and give finite gradients"),
     "cuda-bf16": ("check_cuda_bf16", "bf16 on CUDA must stay close to fp32 on CPU"),
+    "documents": ("check_documents", "documents packed with cu_seqlens must give each document's output, input "
+                                     "gradient and final state as if run alone (fp32 and float64)"),
 }
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixerzoo.protocol import MixerState
+from mixerzoo.protocol import MixerState, packed_offsets, run_separately
 from mixerzoo.testing import ConformanceError, check_autocast_bf16, run_conformance
 
 
@@ -27,7 +27,10 @@ class RunningMean(nn.Module):
         self.w = nn.Linear(d_model, d_model)
         self.fp32_state = fp32_state
 
-    def forward(self, x, state=None):
+    def forward(self, x, state=None, cu_seqlens=None):
+        if cu_seqlens is not None:  # packed documents: each alone (the conformance kit's documents check)
+            packed_offsets(cu_seqlens, x, state)
+            return run_separately(self, x, cu_seqlens)
         v = self.u(x)  # bf16 under autocast
         acc = v.to(torch.promote_types(v.dtype, torch.float32)) if self.fp32_state else v  # float64 stays
         prev = None if state is None else state.total.to(acc.dtype)

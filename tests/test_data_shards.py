@@ -22,6 +22,7 @@ import torch.distributed as dist
 from mixerzoo.data import TextDataModule
 from mixerzoo.data import shards as shards_mod
 from mixerzoo.data.encoding import encode_documents
+from mixerzoo.data.packing import document_offsets
 from mixerzoo.errors import ConfigError, UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,16 +76,19 @@ def test_parts_equal_one_encode_and_windows_carry_the_document_starts(tmp_path, 
             item = ds[i]
             window = stream[i * w : (i + 1) * w]
             assert item["input_ids"].tolist() == window[:-1].tolist() and item["labels"].tolist() == window[1:].tolist()
-            # a document begins right after every end-of-text inside the window (positions 1 .. seq_len - 1)
-            want = [j for j in range(1, 64) if window[j - 1] == 50256]
+            # a document begins at every end-of-text inside the window (positions 1 .. seq_len - 1)
+            want = [j for j in range(1, 64) if window[j] == 50256]
             assert item["doc_starts"].tolist() == want, (split, i)
-    batch = next(iter(dm.val_dataloader()))
-    cu = batch["cu_seqlens"]
-    assert isinstance(cu, np.ndarray) and cu.dtype == np.int32 and cu[0] == 0 and cu[-1] == 4 * 64
-    flat = batch["input_ids"].reshape(-1).numpy()
-    inner = [p for p in cu[1:-1] if p % 64]
-    assert inner == [p for p in range(1, 4 * 64) if p % 64 and flat[p - 1] == 50256]
-    assert all(r * 64 in cu for r in range(5))
+    assert "cu_seqlens" not in next(iter(dm.val_dataloader()))  # only with document_mask
+    dm.document_mask = True
+    inner = 0
+    for batch in [*dm.val_dataloader(), *dm.train_dataloader()]:
+        cu = batch["cu_seqlens"]
+        assert isinstance(cu, torch.Tensor) and cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == cu[-1] // 64 * 64
+        # read from the shards' offsets, equal to the scan of the tokens that data.packing defines
+        assert torch.equal(cu, document_offsets(batch["input_ids"], 50256))
+        inner += len(cu) - 1 - len(batch["input_ids"])
+    assert inner > 0  # documents did start inside windows
 
 
 @needs_data
@@ -229,7 +233,7 @@ class Probe(L.Callback):
             if not glob.glob(f"runs/**/checkpoints/step{kill_at}.ckpt", recursive=True):
                 raise RuntimeError(f"no checkpoint of step {kill_at} before the kill")
             os.kill(os.getpid(), signal.SIGKILL)
-        digest = hashlib.sha256(batch["input_ids"].numpy().tobytes() + batch["cu_seqlens"].tobytes()).hexdigest()
+        digest = hashlib.sha256(batch["input_ids"].numpy().tobytes() + batch["cu_seqlens"].numpy().tobytes()).hexdigest()
         with open("windows.txt", "a") as f:
             f.write(f"{trainer.global_step} {digest}\\n")
 '''
@@ -244,7 +248,7 @@ model: {{d_model: 16, n_layers: 1, n_heads: 2, layer_types: [attention], mixers:
 data:
   class_path: mixerzoo.data.TextDataModule
   init_args: {{paths: {root / 'corpus'}, tokenizer: {GPT2}, seq_len: 32, batch_size: 4, val_fraction: 0.1,
-              num_workers: {workers}, cache_dir: {root / 'cache'}}}
+              num_workers: {workers}, cache_dir: {root / 'cache'}, document_mask: true}}
 trainer: {{max_steps: {MAX_STEPS}, log_every_n_steps: 1, enable_progress_bar: false, enable_model_summary: false,
           limit_val_batches: 0, callbacks: [{{class_path: window_probe.Probe}}]}}
 checkpoint: {{every_n_train_steps: {KILL_AT}, monitor: null, save_top_k: -1, filename: "step{{step}}"}}

@@ -190,7 +190,7 @@ class LMDataModule(L.LightningDataModule):
     ignore_index: int = IGNORE_INDEX
     eos_id: int | None = None
     tokenizer = None
-    collate_fn = None  # the loaders' collate function (None: torch's default, which stacks the dict's tensors)
+    document_mask: bool = False  # a data module with documents sets it from its ``document_mask`` option
 
     def __init__(self, seq_len: int, batch_size: int, num_workers: int = 0, seed: int = 0) -> None:
         super().__init__()
@@ -212,8 +212,27 @@ class LMDataModule(L.LightningDataModule):
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         if shuffle:
             raise ValueError("only the training loader shuffles; use train_dataloader()")
-        return DataLoader(self.dataset(split), batch_size=self.batch_size, shuffle=False, collate_fn=self.collate_fn,
+        return DataLoader(self.dataset(split), batch_size=self.batch_size, shuffle=False, collate_fn=self.collate_fn(),
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        """Lightning's move of a batch to the accelerator, except ``cu_seqlens`` (document offsets), which stays on
+        the CPU: mixers read it on the host (:mod:`mixerzoo.protocol`), so a device copy would only be read back."""
+        if isinstance(batch, dict) and "cu_seqlens" in batch:
+            rest = super().transfer_batch_to_device({k: v for k, v in batch.items() if k != "cu_seqlens"}, device,
+                                                    dataloader_idx)
+            return {**rest, "cu_seqlens": batch["cu_seqlens"]}
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def collate_fn(self):
+        """How items become a batch: with ``document_mask``, :class:`~mixerzoo.data.packing.PackedCollate` (the
+        batch also holds ``cu_seqlens``, its documents' offsets: windows and end-of-text tokens); else None (the
+        default collate)."""
+        if not self.document_mask:
+            return None
+        from .packing import PackedCollate
+
+        return PackedCollate(self.eos_id)
 
     def _world(self) -> tuple[int, int]:
         """``(world_size, global_rank)`` of the attached trainer, ``(1, 0)`` without one."""
@@ -230,7 +249,7 @@ class LMDataModule(L.LightningDataModule):
             sampler.load_state_dict(self._train_position)
         self._train_sampler = sampler
         return ResumableDataLoader(self.dataset("train"), batch_size=self.batch_size, sampler=sampler,
-                                   collate_fn=self.collate_fn, num_workers=self.num_workers,
+                                   collate_fn=self.collate_fn(), num_workers=self.num_workers,
                                    persistent_workers=self.num_workers > 0)
 
     def val_dataloader(self) -> DataLoader:

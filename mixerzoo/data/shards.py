@@ -296,8 +296,9 @@ class TokenWindows(Dataset):
 
     Window ``i`` is ``w = stream[i*(seq_len+1) : (i+1)*(seq_len+1)]`` (the tail shorter than a window is
     dropped) and ``dataset[i]`` is ``{"input_ids": w[:-1], "labels": w[1:]}`` (int64 tensors, ``(seq_len,)``)
-    plus ``"doc_starts"``: the in-window offsets ``j`` in ``[1, seq_len)`` where ``input_ids[j]`` is the first
-    token of a document (the token after an end-of-text), int64 numpy, ascending, read from the part's
+    plus ``"doc_starts"``: the in-window offsets ``j`` in ``[1, seq_len)`` where a document starts: its
+    end-of-text token (the one before its first token; :mod:`mixerzoo.data.packing`'s rule), or its first token in
+    a stream without separators (``separated`` False), int64 numpy, ascending, read from the part's
     ``starts.npy`` with a binary search (no pass over the tokens). Memory: the open file descriptors and the
     ``starts`` arrays of the last 4 parts used; a window is read with ``os.pread``. Pickles without any of
     that (worker processes reopen the files). A ``DataLoader`` fetches a batch at once (``__getitems__``).
@@ -305,14 +306,15 @@ class TokenWindows(Dataset):
     Args:
         directory: the cache folder. split: ``"train"`` or ``"val"``. counts: tokens of the split per part.
         dtype: the ids' dtype. seq_len: tokens per row. vocab_size: ids must be below it.
+        separated: whether an end-of-text token stands before every document but the first.
 
     Raises (from ``__getitem__``):
         UserError: a part file that is missing, short, or holds ids ``>= vocab_size`` (names the file and the fix).
     """
 
     def __init__(self, directory: str | os.PathLike, split: str, counts: list[int], dtype: np.dtype, seq_len: int,
-                 vocab_size: int) -> None:
-        self.directory, self.split = Path(directory), split
+                 vocab_size: int, separated: bool = True) -> None:
+        self.directory, self.split, self.separated = Path(directory), split, separated
         self.dtype, self.seq_len, self.vocab_size = np.dtype(dtype), seq_len, vocab_size
         self.bounds = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))]).astype(np.int64)
         self.n_tokens = int(self.bounds[-1])
@@ -409,22 +411,26 @@ class TokenWindows(Dataset):
             raise self._damaged(self.directory / _name(k, self.split, "bin"),
                                 f"an id >= the vocabulary size {self.vocab_size}")
         t = torch.from_numpy(x.astype(np.int64))
+        s = int(self.separated)  # a document starts at its end-of-text token, one before its first token
         return [{"input_ids": t[r, :-1], "labels": t[r, 1:],
-                 "doc_starts": self.doc_starts(i * w + 1, i * w + self.seq_len) - i * w}
+                 "doc_starts": self.doc_starts(i * w + 1 + s, i * w + self.seq_len + s) - s - i * w}
                 for r, i in enumerate(indices)]
 
 
-def collate_windows(items: list[dict]) -> dict:
-    """Stack :class:`TokenWindows` items into ``{"input_ids": (B, T), "labels": (B, T)}`` (int64 tensors) plus
-    ``"cu_seqlens"``: the document boundaries of the flattened ``(B*T,)`` batch as in variable-length attention
-    (FlashAttention's ``cu_seqlens``): ``0``, then for each row ``r`` the offsets ``r*T + j`` of the documents
-    beginning inside it and the row's end ``(r+1)*T``; int32 numpy, on the host (Lightning moves only tensors),
-    ``(n_segments + 1,)``."""
+def collate_windows(items: list[dict], packed: bool = False) -> dict:
+    """Stack :class:`TokenWindows` items into ``{"input_ids": (B, T), "labels": (B, T)}`` (int64 tensors); with
+    ``packed`` also ``"cu_seqlens"``: the documents of the flattened ``(B*T,)`` batch as variable-length attention
+    takes them (FlashAttention's ``cu_seqlens``): ``0``, then for each row ``r`` the offsets ``r*T + j`` of the
+    documents beginning inside it and the row's end ``(r+1)*T``; an int32 CPU tensor ``(N + 1,)``, equal to
+    :func:`mixerzoo.data.packing.document_offsets` of ``input_ids`` (a document starts at its end-of-text token)
+    but read from the shards' offsets, not from the tokens."""
     ids = torch.stack([it["input_ids"] for it in items])
     labels = torch.stack([it["labels"] for it in items])
+    if not packed:
+        return {"input_ids": ids, "labels": labels}
     T = ids.shape[1]
     cu = [np.zeros(1, dtype=np.int64)]
     for r, it in enumerate(items):
         cu.append(r * T + it["doc_starts"])
         cu.append(np.array([(r + 1) * T], dtype=np.int64))
-    return {"input_ids": ids, "labels": labels, "cu_seqlens": np.concatenate(cu).astype(np.int32)}
+    return {"input_ids": ids, "labels": labels, "cu_seqlens": torch.from_numpy(np.concatenate(cu).astype(np.int32))}

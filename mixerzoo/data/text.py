@@ -19,8 +19,9 @@ Pipeline (:class:`TextDataModule`):
    writes each split's stream ``ids(doc_0) eos ids(doc_1) eos ...`` into parts of ~8M tokens with the offsets
    of their documents (:mod:`mixerzoo.data.shards`); finished parts survive an interrupted run.
 6. **Windows.** Each stream is cut into non-overlapping windows of ``seq_len + 1`` tokens ``w``
-   (the remainder is dropped); a row is ``input_ids = w[:-1]``, ``labels = w[1:]``, and each batch carries
-   ``cu_seqlens``, the documents' boundaries (:func:`~mixerzoo.data.shards.collate_windows`). Train and val
+   (the remainder is dropped); a row is ``input_ids = w[:-1]``, ``labels = w[1:]``; with ``document_mask`` each
+   batch carries ``cu_seqlens``, the documents' boundaries read from the shards' offsets
+   (:func:`~mixerzoo.data.shards.collate_windows`). Train and val
    windows come from different streams, so they never overlap.
 
 Binary files (a NUL byte in the first 64 KiB) are refused with a ``ConfigError`` naming the file.
@@ -31,6 +32,7 @@ and raise a ``ConfigError`` naming the file.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -82,7 +84,8 @@ class TextDataModule(LMDataModule):
     tokenises. After ``setup``: ``val_documents`` the corpus indices of the validation documents (empty for a
     single document), ``tokenizer_file`` the tokenizer.json used (the cached one for a trained BPE);
     ``train_tokens``/``val_tokens`` read a whole stream into memory (small corpora, analysis). Batches are
-    ``{"input_ids", "labels", "cu_seqlens"}`` (:func:`~mixerzoo.data.shards.collate_windows`).
+    ``{"input_ids", "labels"}``, plus ``"cu_seqlens"`` with ``document_mask``
+    (:func:`~mixerzoo.data.shards.collate_windows`).
 
     Caches under ``cache_dir``: ``tokenizers/bpe-<key>/tokenizer.json`` (key: the source files' paths, sizes
     and mtimes, ``sample_by``, ``val_fraction``, ``seed``, ``max_tokens``, ``bpe_vocab_size``) and the shard
@@ -118,6 +121,7 @@ class TextDataModule(LMDataModule):
         seed: int = 0,
         max_tokens: int | None = None,
         weights: list[float] | None = None,
+        document_mask: bool = False,
     ) -> None:
         """
         Args:
@@ -148,6 +152,10 @@ class TextDataModule(LMDataModule):
                 positive sampling weights: each corpus is split, tokenized and cached on its own, and an epoch's
                 training windows come from them in proportion to the weights (:class:`MixedWindows`);
                 validation is every corpus's validation windows. Needs ``tokenizer`` (one vocabulary for all).
+            document_mask: keep documents apart: a batch trains as one packed sequence whose documents start at
+                every window and every end-of-text token, and no mixer reads across them
+                (:mod:`mixerzoo.data.packing`; every layer's mixer must take ``cu_seqlens``). The boundaries
+                come with each window from the shards' document offsets, at no pass over the tokens.
         """
         super().__init__(seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed)
         if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
@@ -183,6 +191,9 @@ class TextDataModule(LMDataModule):
         self.sample_by = sample_by
         self.cache_dir = Path(os.path.expanduser(cache_dir)).resolve()
         self.max_tokens = max_tokens
+        if not isinstance(document_mask, bool):
+            raise ConfigError(f"data.document_mask must be true or false, got {document_mask!r}")
+        self.document_mask = document_mask
         self.files: list[Path] = []
         if paths is not None:
             self.files = [f for f in resolve_paths(paths) if not f.is_relative_to(self.cache_dir)]
@@ -206,8 +217,12 @@ class TextDataModule(LMDataModule):
         self._manifest: dict | None = None
         self.val_documents: list[int] = []
         self._directory: Path | None = None
-        self.collate_fn = collate_windows
         self.save_hyperparameters()
+
+    def collate_fn(self):
+        """:func:`~mixerzoo.data.shards.collate_windows`, with the documents' offsets (``cu_seqlens``) when
+        ``document_mask`` is on (picklable, for worker processes)."""
+        return functools.partial(collate_windows, packed=self.document_mask)
 
     # -- tokenizer, lazily --------------------------------------------------------------------------------------
     @property
@@ -398,7 +413,8 @@ class TextDataModule(LMDataModule):
                                   f"of seq_len + 1 = {self.seq_len + 1}; lower data.seq_len, {fraction}, raise "
                                   f"data.max_tokens, or add text")
             windows[name] = TokenWindows(self._directory, name, [p["tokens"][name] for p in self._manifest["parts"]],
-                                         np.dtype(self._manifest["dtype"]), self.seq_len, self.vocab_size)
+                                         np.dtype(self._manifest["dtype"]), self.seq_len, self.vocab_size,
+                                         separated=self._manifest.get("eos_id") is not None)
         self._datasets = windows
 
 

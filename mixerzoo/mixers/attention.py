@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..flops import attention_flops
-from ..protocol import Mixer
-from .qkv import QKVProjection, StreamState
+from ..protocol import Mixer, packed_offsets
+from .qkv import QKVProjection, StreamState, packed_positions
 
 __all__ = ["KVCache", "Attention", "SlidingWindowAttention", "BlockSlidingWindowAttention", "attention_reference"]
 
@@ -137,9 +137,20 @@ class Attention(Mixer):
                                                enable_gqa=q.shape[1] != k.shape[1])
         return o
 
-    def forward(self, x: torch.Tensor, state: KVCache | None = None, shared: dict | None = None
-                ) -> tuple[torch.Tensor, KVCache]:
-        """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` (a :class:`KVCache`) if given."""
+    def forward(self, x: torch.Tensor, state: KVCache | None = None, shared: dict | None = None,
+                cu_seqlens: Any = None) -> tuple[torch.Tensor, KVCache]:
+        """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` (a :class:`KVCache`) if given.
+
+        With ``cu_seqlens`` (``(N+1,)`` offsets of sequences packed along time, :mod:`mixerzoo.protocol`), ``x`` is
+        ``(1, T, d_model)`` and each sequence is attended as if alone: positions, sinks, windows and chunks are
+        measured from its start and no query sees another sequence's keys (:meth:`attend_packed`); the returned
+        state is the last sequence's.
+
+        Raises:
+            ValueError: ``cu_seqlens`` with a ``state``, with batch other than 1, or offsets that break the rules.
+        """
+        if cu_seqlens is not None:
+            return self._packed_forward(x, packed_offsets(cu_seqlens, x, state), shared)
         B, T, _ = x.shape
         q, k, v, positions, shift = self.qkv.stream(x, state, shared)
         p0 = 0 if state is None else state.next_pos
@@ -161,6 +172,82 @@ class Attention(Mixer):
         keep = max(self.keep_from(p0 + T) - (p0 + T - S), 0)
         return y, KVCache(k=k[:, :, keep:], v=v[:, :, keep:], next_pos=p0 + T, shift=shift)
 
+    @torch.compiler.disable
+    def _packed_forward(self, x: torch.Tensor, offsets: list[int], shared: dict | None
+                        ) -> tuple[torch.Tensor, KVCache]:
+        """:meth:`forward` over packed sequences at host ``offsets``; the state is the last sequence's cache, as
+        a call on that sequence alone leaves it (its sinks, then the keys any later query can still see). Run
+        eagerly under ``torch.compile``: its pieces follow each batch's offsets, which a compiled graph would
+        specialise on and recompile for at every new batch."""
+        T = x.shape[1]
+        q, k, v, positions, shift = self.qkv.stream(x, None, shared, offsets=offsets)
+        o = self.attend_packed(q, k, v, offsets)
+        y = self.o_proj(o.transpose(1, 2).reshape(1, T, -1))
+        s, n = offsets[-2], T - offsets[-2]  # the last sequence: its start and length
+        sinks, recent = min(self.sink_len, n), s + max(self.keep_from(n), 0)
+        if sinks and recent > s + sinks:
+            k, v = (torch.cat([t[:, :, s:s + sinks], t[:, :, recent:]], dim=2) for t in (k, v))
+        else:  # with sinks and no gap after them, every key of the sequence is kept
+            k, v = (t[:, :, s if sinks else recent:] for t in (k, v))
+        return y, KVCache(k=k, v=v, next_pos=n, shift=shift)
+
+    def attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+        """Attention over packed sequences: ``q (1, H, T, D)``, ``k, v (1, H_kv, T, D)`` at positions within their
+        sequences, sequences at host ``offsets`` ``[0, ..., T]``; ``(1, H, T, D)``. A query sees the keys
+        :meth:`visible` allows in its own sequence only.
+
+        Up to ``2 * block`` tokens: one SDPA under the block-diagonal ``(T, T)`` mask. Longer: pieces of queries,
+        each against only the keys it can see (:meth:`_attend_pieces`), so no ``(T, T)`` mask is made: sequences
+        up to a block long are grouped into pieces of at most a block (a block-diagonal mask of their own); a
+        longer one is, under full attention, one causal piece (SDPA's ``is_causal``, no mask), and under a window,
+        blocks from its start, each against its sinks and ``[keep_from(block start), block end]``. The masks
+        come from host positions (no device synchronisation); equal ones are made once.
+        :func:`attention_reference` over each sequence alone computes the same; the tests compare them."""
+        T = q.shape[2]
+        windowed = type(self).keep_from is not Attention.keep_from
+        size = self._block_len(T) if windowed else 256
+        positions, docs = packed_positions(offsets)  # host tensors: the masks are built on the host
+        if T <= 2 * size:
+            mask = self.visible(positions, positions) & (docs[:, None] == docs[None, :])
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device),
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+        spans: list[tuple[int, int, list[tuple[int, int]], str]] = []  # (q0, q1, key ranges, kind)
+        for s, e in zip(offsets, offsets[1:]):
+            if e - s <= size:  # short sequences share a piece while it stays within a block
+                if spans and spans[-1][3] == "group" and e - spans[-1][0] <= size:
+                    spans[-1] = (spans[-1][0], e, [(spans[-1][0], e)], "group")
+                else:
+                    spans.append((s, e, [(s, e)], "group"))
+            elif not windowed:
+                spans.append((s, e, [(s, e)], "causal"))
+            else:
+                for t0 in range(s, e, size):
+                    lo = s + max(self.keep_from(t0 - s), 0)
+                    sinks = [(s, min(s + self.sink_len, lo))] if self.sink_len and lo > s else []
+                    spans.append((t0, min(e, t0 + size), sinks + [(lo, min(e, t0 + size))], "window"))
+        masks: dict[tuple, torch.Tensor] = {}
+        pieces = []
+        for q0, q1, ranges, kind in spans:
+            if kind == "causal" or (kind == "group" and not windowed and docs[q0] == docs[q1 - 1]):
+                pieces.append((q1 - q0, ranges, None))
+                continue
+            # a window block shorter than a block (a document's last) takes the top-left corner of a whole block's
+            # mask, which is then shared with that document's (and the others') whole blocks
+            short = size - (q1 - q0) if kind == "window" else 0
+            last = torch.arange(ranges[-1][0], q0 + size if short else ranges[-1][1])
+            keys = torch.cat([torch.arange(a, b) for a, b in ranges[:-1]] + [last])
+            rows = torch.arange(q0, q0 + size) if short else torch.arange(q0, q1)
+            qpos = positions[q0] + rows - q0 if short else positions[q0:q1]
+            kpos = (positions[ranges[0][0]] + keys - ranges[0][0]) if short else positions[keys]
+            mask = self.visible(qpos, kpos)
+            if kind == "group":
+                mask &= docs[q0:q1, None] == docs[keys][None, :]
+            key = (tuple(mask.shape), mask.numpy().tobytes())
+            if key not in masks:
+                masks[key] = mask.to(q.device)
+            pieces.append((q1 - q0, ranges, (masks[key], q1 - q0, keys.numel() - short)))
+        return self._attend_pieces(q, k, v, pieces)
+
     def _block_len(self, next_pos: int) -> int:
         """Queries per block of :meth:`_windowed_attention`: the look-back span, at least 256."""
         return max(256, next_pos - self.keep_from(next_pos))
@@ -180,21 +267,48 @@ class Attention(Mixer):
         size = self._block_len(p0 + T)
         blocks = [(t0, min(T, t0 + size)) for t0 in range(0, T, size)]
         spans = [(ns + max(self.keep_from(p0 + t0) - first, 0), ns + p0 + t1 - first) for t0, t1 in blocks]
-        # one split at every span edge (backward: one cat), not slices (a full-size zero gradient per block)
-        cuts = sorted({0, ns, S} | {c for span in spans for c in span})
-        widths = [b - a for a, b in zip(cuts, cuts[1:])]
-        pieces = dict(zip(cuts, zip(k.split(widths, dim=2), v.split(widths, dim=2))))
-        outs, gqa, last = [], q.shape[1] != k.shape[1], None
-        for (t0, t1), (lo, hi), qb in zip(blocks, spans, q.split([t1 - t0 for t0, t1 in blocks], dim=2)):
-            starts = [a for a in cuts[:-1] if a < ns or lo <= a < hi]
-            kb, vb = (torch.cat([pieces[a][i] for a in starts], dim=2) for i in (0, 1))
+        pieces, last = [], None
+        for (t0, t1), (lo, hi) in zip(blocks, spans):
             mask = self.visible(positions[t0:t1], torch.cat([k_pos[:ns], k_pos[lo:hi]]))
-            # a block whose mask equals the previous one's passes the same additive mask: autograd keeps one mask
-            # for a run of such blocks instead of one each (SDPA turns a boolean mask into a float one of its own per
-            # call: (block, 2 block) floats per block, 30 of 111 MiB kept at 8k)
-            if last is None or last[0].shape != mask.shape or not torch.equal(last[0], mask):
-                last = (mask, torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf")))
-            outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=last[1], enable_gqa=gqa))
+            # a block whose mask equals the previous one's passes the same mask: one additive mask is kept for a
+            # run of such blocks instead of one each
+            if last is None or last.shape != mask.shape or not torch.equal(last, mask):
+                last = mask
+            pieces.append((t1 - t0, ([(0, ns)] if ns else []) + [(lo, hi)], last))
+        return self._attend_pieces(q, k, v, pieces)
+
+    @staticmethod
+    def _attend_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       pieces: list[tuple[int, list[tuple[int, int]], torch.Tensor | None]]) -> torch.Tensor:
+        """Consecutive pieces of the queries ``q (B, H, T, D)``, each ``(queries, key ranges, mask)``, against the
+        keys ``k, v (B, H_kv, S, D)`` in its ranges ``[(a, b), ...]`` (ascending) under its boolean mask
+        ``(queries, keys)``, or causally (SDPA's ``is_causal``) where the mask is None (square pieces only).
+        ``(B, H, T, D)``. A mask may be given as ``(mask, rows, cols)``: its top-left ``(rows, cols)`` corner.
+
+        The keys are split once at every range edge (backward: one cat), not sliced per piece (a full-size zero
+        gradient per piece). A mask passed for several pieces (the same object) becomes one additive mask: SDPA
+        turns a boolean mask into a float one of its own per call, and autograd would keep one per piece ((block,
+        2 block) floats each, 30 of 111 MiB kept at 8k tokens)."""
+        S = k.shape[2]
+        cuts = sorted({0, S} | {c for _, ranges, _ in pieces for r in ranges for c in r})
+        widths = [b - a for a, b in zip(cuts, cuts[1:])]
+        parts = dict(zip(cuts, zip(k.split(widths, dim=2), v.split(widths, dim=2))))
+        outs, gqa, additive = [], q.shape[1] != k.shape[1], {}
+        for qb, (_, ranges, mask) in zip(q.split([p[0] for p in pieces], dim=2), pieces):
+            starts = [a for a in cuts[:-1] if any(lo <= a < hi for lo, hi in ranges)]
+            if len(starts) == 1:
+                kb, vb = parts[starts[0]]
+            else:
+                kb, vb = (torch.cat([parts[a][i] for a in starts], dim=2) for i in (0, 1))
+            if mask is None:
+                outs.append(F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=gqa))
+                continue
+            mask, rows, cols = mask if isinstance(mask, tuple) else (mask, qb.shape[2], kb.shape[2])
+            if id(mask) not in additive:
+                additive[id(mask)] = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+                    ~mask, float("-inf"))
+            bias = additive[id(mask)][:rows, :cols]
+            outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, enable_gqa=gqa))
         return torch.cat(outs, dim=2)
 
     def _cached_positions(self, next_pos: int, cached: int, device: torch.device) -> torch.Tensor:

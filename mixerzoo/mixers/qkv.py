@@ -15,7 +15,7 @@ from torch import nn
 from ..positional import build_positional
 from ..protocol import MixerState
 
-__all__ = ["QKVProjection", "StreamState", "head_norm", "token_shift"]
+__all__ = ["QKVProjection", "StreamState", "head_norm", "token_shift", "packed_positions"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -47,20 +47,45 @@ def head_norm(kind: str | None, head_dim: int, eps: float | None = None) -> nn.M
     raise ValueError(f"qk_norm must be one of none, rms, layernorm; got {kind!r}")
 
 
-def token_shift(a: torch.Tensor, mu: torch.Tensor, prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def token_shift(a: torch.Tensor, mu: torch.Tensor, prev: torch.Tensor | None, reset: torch.Tensor | None = None,
+                zero_start: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Token shift ``a'_t = a_t + mu (a_{t-1} - a_t)`` along time (KVM paper, appendix B eq. 9; RWKV's lerp).
 
     Args:
         a: ``(B, T, C)``. mu: ``(C,)`` learned mix. prev: ``(B, C)``, the token before ``a[:, 0]`` carried from
             the state, or None at sequence start, where the first token shifts with itself (``a_{-1} = a_0``, the
             paper's convention, so the first token is not scaled by ``1 - mu``).
+        reset: ``(T,)`` bool, True where a packed sequence starts (``cu_seqlens``): there the previous token is
+            not the one before, but what a sequence start takes (the token itself, or zero with ``zero_start``).
+        zero_start: at a ``reset`` the previous token is zero (RWKV's zero-padded time shift) instead of the
+            token itself.
 
     Returns:
         the shifted ``(B, T, C)`` and the carry for the next call, ``a[:, -1]`` ``(B, C)``.
     """
     first = a[:, :1] if prev is None else prev[:, None].to(a.dtype)
     shifted = torch.cat([first, a[:, :-1]], dim=1)
+    if reset is not None:
+        shifted = torch.where(reset[:, None], torch.zeros_like(a) if zero_start else a, shifted)
     return a + mu * (shifted - a), a[:, -1]
+
+
+def packed_positions(offsets: list[int], device: torch.device | str | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and document indices of packed sequences (:mod:`mixerzoo.protocol`'s ``cu_seqlens``).
+
+    Args:
+        offsets: ``[0, c_1, ..., T]`` host integers (:func:`mixerzoo.protocol.packed_offsets`).
+        device: where the tensors go (built on the host, then copied once: no device synchronisation).
+
+    Returns:
+        ``positions (T,)`` int64, each token's position within its own sequence (0 at every start), and
+        ``docs (T,)`` int64, the index of the sequence each token belongs to.
+    """
+    lengths = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])])
+    docs = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    positions = torch.arange(offsets[-1]) - torch.tensor(offsets[:-1])[docs]
+    return positions.to(device), docs.to(device)
 
 
 class QKVProjection(nn.Module):
@@ -138,17 +163,27 @@ class QKVProjection(nn.Module):
             return torch.sigmoid(self.v_lambda)
         return torch.sigmoid(self.v_lambda + self.v_gate_up(self.v_gate_down(x)))
 
-    def stream(self, x: torch.Tensor, state: StreamState | None, shared: dict | None = None
+    def stream(self, x: torch.Tensor, state: StreamState | None, shared: dict | None = None,
+               offsets: list[int] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """The prelude every attention-like mixer shares: positions continue ``state`` (from 0 at ``None``), and
         q/k/v are projected with the state's token-shift carry.
 
         Args:
             x: ``(B, T, d_model)``. state: the mixer's :class:`StreamState` (or None at sequence start).
+            offsets: packed sequences (``cu_seqlens`` read by :func:`mixerzoo.protocol.packed_offsets`; then
+                ``x`` is ``(1, T, d_model)`` and ``state`` None): positions restart at 0 at every sequence start
+                and the token shift starts there afresh, as if each sequence were projected alone.
 
         Returns:
-            ``q (B, H, T, D)``, ``k, v (B, H_kv, T, D)``, absolute ``positions (T,)``, the new shift carry.
+            ``q (B, H, T, D)``, ``k, v (B, H_kv, T, D)``, ``positions (T,)`` (absolute, or within each packed
+            sequence), the new shift carry (the last token's, so the last packed sequence's).
         """
+        if offsets is not None:
+            positions, _ = packed_positions(offsets, x.device)
+            reset = positions == 0 if self.token_shift else None
+            q, k, v, shift = self(x, positions, None, shared, reset=reset)
+            return q, k, v, positions, shift
         p0 = 0 if state is None else state.next_pos
         positions = torch.arange(p0, p0 + x.shape[1], device=x.device)
         q, k, v, shift = self(x, positions, None if state is None else state.shift, shared)
@@ -160,7 +195,8 @@ class QKVProjection(nn.Module):
         return self.pos.apply(self.q_norm(q), positions)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shift_state: tuple | None = None,
-                shared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+                shared: dict | None = None, reset: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """Project and encode.
 
         Args:
@@ -168,6 +204,8 @@ class QKVProjection(nn.Module):
             positions: absolute positions ``(T,)`` of the tokens in ``x``.
             shift_state: previous-token projections from the state (``None`` at sequence start).
             shared: per-forward dict shared across layers (for the value residual).
+            reset: ``(T,)`` bool, True where a packed sequence starts: the token shift starts afresh there
+                (:func:`token_shift`).
 
         Returns:
             ``q (B, H, T, D)``, ``k (B, H_kv, T, D)``, ``v (B, H_kv, T, D)``, new shift state (or None).
@@ -188,7 +226,8 @@ class QKVProjection(nn.Module):
         new_shift = None
         if self.token_shift:
             prev = shift_state if shift_state is not None else (None, None, None)
-            (q, pq), (k, pk), (v, pv) = (token_shift(a, mu, p) for a, mu, p in zip((q, k, v), self.shift_mu, prev))
+            (q, pq), (k, pk), (v, pv) = (token_shift(a, mu, p, reset)
+                                         for a, mu, p in zip((q, k, v), self.shift_mu, prev))
             new_shift = (pq, pk, pv)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)

@@ -1,7 +1,9 @@
 """Channel mixers (the per-token MLP sublayer): SwiGLU, ReLU² (optionally with token shift) and RWKV-7's.
 
 Like mixers they map ``(x (B, T, d_model), state) -> (y, state)``; the state is only used by token shift
-(the previous token's input) and is ``None`` otherwise.
+(the previous token's input) and is ``None`` otherwise. A mixer with token shift (``token_shift`` True) also takes
+``reset (T,)`` (bool, True where a packed document starts): the shift starts afresh there, as at a sequence
+start; the others are per token and need nothing for packed documents.
 """
 
 from __future__ import annotations
@@ -52,10 +54,10 @@ class ReLUSquared(nn.Module):
         if token_shift:
             self.shift_mu = nn.Parameter(torch.full((d_model,), 0.5))
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, reset: torch.Tensor | None = None):
         new_state = None
         if self.token_shift:
-            x, new_state = token_shift(x, self.shift_mu, state)
+            x, new_state = token_shift(x, self.shift_mu, state, reset)
         return self.down_proj(F.relu(self.up_proj(x)).square()), new_state
 
 
@@ -67,6 +69,8 @@ class RWKV7ChannelMix(nn.Module):
 
     ``x (B, T, d_model) -> (y (B, T, d_model), state)``; the state is the last input token ``(B, d_model)``."""
 
+    token_shift = True
+
     def __init__(self, d_model: int, d_ff: int, token_shift: bool = True) -> None:
         super().__init__()
         if not token_shift:
@@ -75,9 +79,9 @@ class RWKV7ChannelMix(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=False)
         self.shift_mu = nn.Parameter(torch.full((d_model,), 0.5))
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, reset: torch.Tensor | None = None):
         prev = torch.zeros_like(x[:, 0]) if state is None else state
-        x, new_state = token_shift(x, self.shift_mu, prev)
+        x, new_state = token_shift(x, self.shift_mu, prev, reset, zero_start=True)
         return self.down_proj(F.relu(self.up_proj(x)).square()), new_state
 
 

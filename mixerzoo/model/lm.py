@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from ..ops import recomputed_in_backward
+from ..protocol import packed_offsets, takes_cu_seqlens
 from .channel_mixers import build_channel_mixer
 from .config import ConfigError, LMConfig, build_mixer
 from .loss import linear_cross_entropy
 from .norms import build_norm
 
-__all__ = ["Block", "LanguageModel", "MixerOutputError", "check_mixer_outputs"]
+__all__ = ["Block", "LanguageModel", "MixerOutputError", "check_mixer_outputs", "layers_without_cu_seqlens"]
 
 
 class MixerOutputError(ConfigError):
@@ -116,7 +117,7 @@ class Block(nn.Module):
             self._anchor_key = "v_first" if config.value_residual_groups == "model" else f"v_first/{spec.name}"
         self._anchor_from_embedding = config.value_residual_anchor == "embedding"
 
-    def _grouped_mixer(self, h: torch.Tensor, mixer_state, shared: dict):
+    def _grouped_mixer(self, h: torch.Tensor, mixer_state, shared: dict, packed: dict):
         """The mixer with its group's value-residual anchor under the key ``v_first`` it reads; the group's first
         layer projects the anchor from the embedding output (``shared["x0"]``) through its own norm and value
         projection when ``value_residual_anchor`` is ``embedding``, else publishes the values it makes itself."""
@@ -126,22 +127,30 @@ class Block(nn.Module):
         own = {k: v for k, v in shared.items() if k != "v_first"}
         if key in shared:
             own["v_first"] = shared[key]
-        y, mixer_state = self.mixer(h, mixer_state, shared=own)
+        y, mixer_state = self.mixer(h, mixer_state, shared=own, **packed)
         if "v_first" in own:
             shared.setdefault(key, own["v_first"])
         return y, mixer_state
 
-    def forward(self, x: torch.Tensor, state: tuple | None = None, shared: dict | None = None):
+    def forward(self, x: torch.Tensor, state: tuple | None = None, shared: dict | None = None,
+                cu_seqlens: torch.Tensor | None = None, reset: torch.Tensor | None = None):
+        """``x (B, T, d_model)`` -> ``(x', (mixer_state, channel_state))``. With ``cu_seqlens`` (packed sequences,
+        :mod:`mixerzoo.protocol`) the mixer keeps them apart, and the channel mixer's token shift starts afresh
+        where ``reset (T,)`` (bool, True at each sequence start) says."""
         mixer_state, channel_state = state if state is not None else (None, None)
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         h = self.norm1(x)
         if self._anchor_key is not None and shared is not None:
-            y, mixer_state = self._grouped_mixer(h, mixer_state, shared)
+            y, mixer_state = self._grouped_mixer(h, mixer_state, shared, packed)
         elif self._pass_shared:
-            y, mixer_state = self.mixer(h, mixer_state, shared=shared)
+            y, mixer_state = self.mixer(h, mixer_state, shared=shared, **packed)
         else:
-            y, mixer_state = self.mixer(h, mixer_state)
+            y, mixer_state = self.mixer(h, mixer_state, **packed)
         x = x + y if self._residual_scale == 1.0 else x + y * self._residual_scale
-        y, channel_state = self.channel(self.norm2(x), channel_state)
+        if reset is not None and getattr(self.channel, "token_shift", False):
+            y, channel_state = self.channel(self.norm2(x), channel_state, reset=reset)
+        else:
+            y, channel_state = self.channel(self.norm2(x), channel_state)
         y = y if self._residual_scale == 1.0 else y * self._residual_scale
         return x + y, (mixer_state, channel_state)
 
@@ -222,30 +231,53 @@ class LanguageModel(nn.Module):
                                   f"needs ({need} tokens, e.g. one chunk); raise {field} or lower that mixer's "
                                   f"chunk_len")
 
-    def forward(self, input_ids: torch.Tensor, states: list | None = None, labels: torch.Tensor | None = None,
-                loss_chunk_tokens: int | None = None) -> tuple[torch.Tensor, Any]:
+    def forward(self, input_ids: torch.Tensor, states: list | None = None, cu_seqlens: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, loss_chunk_tokens: int | None = None) -> tuple[torch.Tensor, Any]:
         """Logits and per-layer states; or, given ``labels``, the training loss and the predictions.
 
         Args:
             input_ids: ``(B, T)`` token ids.
             states: the list returned by a previous call (continues those sequences), or ``None``.
+            cu_seqlens: ``(N+1,)`` integer offsets of documents packed along time (:mod:`mixerzoo.protocol`;
+                ``input_ids`` then ``(1, T)``, states None): every layer's mixer keeps them apart and a channel
+                mixer's token shift restarts at each, so the logits equal each document run alone. Read on the host
+                once (hand a CPU tensor); each mixer gets it as an int32 CPU tensor.
             labels: ``(B, T)`` target ids (``-100`` where none). Given, the full logits are never made: the mean
                 cross-entropy over the labelled tokens is computed from the final hidden states a chunk of
                 ``loss_chunk_tokens`` tokens at a time (:func:`mixerzoo.model.loss.linear_cross_entropy`). Inside
                 ``forward`` so that a sharded model (FSDP2) has the head's weight gathered while it is read.
 
         Returns:
-            ``logits (B, T, padded_vocab_size)`` and the new per-layer states (a list of ``n_layers`` entries);
-            with ``labels``: the loss (a scalar) and the argmax predictions ``(B, T)``.
+            ``logits (B, T, padded_vocab_size)`` and the new per-layer states (a list of ``n_layers`` entries; with
+            ``cu_seqlens`` the last document's); with ``labels``: the loss (a scalar) and the argmax predictions
+            ``(B, T)``.
+
+        Raises:
+            ValueError: ``cu_seqlens`` with states, with a batch other than 1, or offsets that break the rules.
+            ConfigError: ``cu_seqlens`` for a layer whose mixer does not take it (:func:`layers_without_cu_seqlens`).
         """
-        hidden, new_states = self.features(input_ids, states)
+        hidden, new_states = self.features(input_ids, states, cu_seqlens)
         if labels is not None:
             return linear_cross_entropy(hidden, self.head.weight, labels, chunk_tokens=loss_chunk_tokens)
         return self.head(hidden), new_states
 
-    def features(self, input_ids: torch.Tensor, states: list | None = None) -> tuple[torch.Tensor, list]:
+    def features(self, input_ids: torch.Tensor, states: list | None = None, cu_seqlens: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, list]:
         """The final hidden states ``(B, T, d_model)`` (after the final norm, before the head) and the per-layer
-        states, as :meth:`forward` takes them."""
+        states, as :meth:`forward` takes them (same arguments, same errors)."""
+        reset = None
+        if cu_seqlens is not None:
+            given = None if states is None or all(s is None for s in states) else states
+            offsets = packed_offsets(cu_seqlens, input_ids[..., None], given)
+            missing = layers_without_cu_seqlens(self)
+            if missing:
+                raise ConfigError(f"{missing[0]} does not take cu_seqlens, so packed documents would leak into each "
+                                  f"other; implement forward(x, state=None, cu_seqlens=None) in that mixer "
+                                  f"(mixerzoo.protocol) or train without data.document_mask")
+            cu_seqlens = torch.tensor(offsets, dtype=torch.int32)
+            reset = torch.zeros(input_ids.shape[1], dtype=torch.bool)
+            reset[offsets[:-1]] = True
+            reset = reset.to(input_ids.device)
         x = self.embed(input_ids)
         if self.config.embed_norm:
             x = self.embed_norm(x)
@@ -254,7 +286,10 @@ class LanguageModel(nn.Module):
         new_states = []
         recompute = self.activation_checkpointing and self.training
         for block, state in zip(self.blocks, states):
-            x, s = _checkpointed(block, x, state, shared) if recompute else block(x, state, shared)
+            if recompute:
+                x, s = _checkpointed(block, x, state, shared, cu_seqlens, reset)
+            else:
+                x, s = block(x, state, shared, cu_seqlens, reset)
             new_states.append(s)
         return self.norm(x), new_states
 
@@ -264,7 +299,15 @@ class LanguageModel(nn.Module):
         return n - self.embed.weight.numel() if non_embedding else n
 
 
-def _checkpointed(block: Block, x: torch.Tensor, state: tuple | None, shared: dict) -> tuple:
+def layers_without_cu_seqlens(model: "LanguageModel") -> list[str]:
+    """``"layer i (name: mixer 'm' (distribution d v))"`` for each layer whose mixer does not take ``cu_seqlens``
+    (:func:`mixerzoo.protocol.takes_cu_seqlens`): those that cannot keep packed documents apart."""
+    return [f"layer {i} ({b.layer_name}: {_mixer_origin(b.mixer_name)})" for i, b in enumerate(model.blocks)
+            if not takes_cu_seqlens(b.mixer)]
+
+
+def _checkpointed(block: Block, x: torch.Tensor, state: tuple | None, shared: dict,
+                  cu_seqlens: torch.Tensor | None = None, reset: torch.Tensor | None = None) -> tuple:
     """``block(x, state, shared)`` under ``torch.utils.checkpoint`` (non-reentrant) when autograd records it
     (:func:`mixerzoo.ops.recomputed_in_backward`). The recomputation in backward must see ``shared``
     as the first run saw it: the value residual's first layer stores its values there, and run again with them
@@ -274,7 +317,7 @@ def _checkpointed(block: Block, x: torch.Tensor, state: tuple | None, shared: di
 
     def run(x: torch.Tensor, state: tuple | None) -> tuple:
         seen = dict(before)
-        out = block(x, state, seen)
+        out = block(x, state, seen, cu_seqlens, reset)
         for key, value in seen.items():
             shared.setdefault(key, value)
         return out

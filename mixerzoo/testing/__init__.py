@@ -63,11 +63,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..protocol import state_nbytes, state_tensors
 from .. import decisions
 from ..decisions import DecisionMismatch
+from .documents import check_documents
 
 __all__ = ["ConformanceError", "check_causality", "check_continuation", "check_decode", "check_gradients",
            "check_state", "check_cuda_bf16", "check_autocast_bf16", "check_recomputation",
            "check_activation_checkpointing", "check_cuda_autocast_emulated", "check_float64", "check_bf16_weights",
-           "run_conformance",
+           "run_conformance", "check_documents",
            "decode_stepwise", "OperatorCalls",
            "FP32_ATOL", "FP32_RTOL", "AUTOCAST_BF16_ATOL", "AUTOCAST_BF16_RTOL", "BF16_UNIT_ROUNDOFF",
            "BF16_ROUNDINGS", "BF16_WEIGHTS_ROUNDINGS", "bf16_tolerance", "decisions"]
@@ -95,7 +96,7 @@ class ConformanceError(AssertionError):
 
     ``check`` names the failed check (``causality``, ``continuation``, ``decode``, ``decode-after-prefill``,
     ``state``, ``gradients``, ``activation-checkpointing``, ``autocast-bf16``, ``cuda-autocast``, ``float64``,
-    ``bf16-weights``, ``cuda-bf16``) when raised from :func:`run_conformance`, else None.
+    ``bf16-weights``, ``cuda-bf16``, ``documents``) when raised from :func:`run_conformance`, else None.
     """
 
     check: str | None = None
@@ -640,7 +641,8 @@ def run_conformance(factory: Callable[[], nn.Module], d_model: int, seq_len: int
           against_fp32=bf16_against_fp32)
     named("bf16-weights", check_bf16_weights, factory, d_model, seq_len, against_fp32=bf16_against_fp32,
           roundings=bf16_weights_roundings)
-    checks += ["cuda-autocast", "float64", "bf16-weights"]
+    named("documents", check_documents, mixer, d_model, seed=seed, atol=atol, rtol=rtol)
+    checks += ["cuda-autocast", "float64", "bf16-weights", "documents"]
     if torch.cuda.is_available():
         named("autocast-bf16", check_autocast_bf16, mixer, d_model, seq_len, seed=seed, device="cuda",
               atol=bf16_atol, rtol=bf16_rtol, against_fp32=bf16_against_fp32, roundings=bf16_roundings)

@@ -17,7 +17,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ..model import LanguageModel, LMConfig
-from ..model.lm import check_mixer_outputs
+from ..model.lm import check_mixer_outputs, layers_without_cu_seqlens
 from ..errors import UserError
 from ..model.config import ConfigError, check_mixer_options
 from .checkpoints import collect_rng_states, set_rng_states
@@ -265,6 +265,11 @@ class LMModule(L.LightningModule):
         seq_len = getattr(dm, "seq_len", None)
         if seq_len is not None:
             self.model.check_seq_len(seq_len)
+        missing = layers_without_cu_seqlens(self.model) if getattr(dm, "document_mask", False) else []
+        if missing:
+            raise ConfigError(f"data.document_mask: {missing[0]} does not take cu_seqlens, so packed documents would "
+                              f"leak into each other; set data.document_mask: false or use a mixer that keeps "
+                              f"documents apart (forward(x, state=None, cu_seqlens=None), mixerzoo.protocol)")
         if not self.hparams.compile:  # a compiled block would recompile when the hook removes itself
             check_mixer_outputs(self.model)
         if self.hparams.compile:
@@ -328,15 +333,28 @@ class LMModule(L.LightningModule):
     def forward(self, input_ids: torch.Tensor, states: list | None = None):
         return self.model(input_ids, states)
 
+    @staticmethod
+    def logits_of(model: LanguageModel, batch: dict) -> torch.Tensor:
+        """``model``'s logits ``(B, T, V)`` for ``batch["input_ids"] (B, T)``; a batch with ``cu_seqlens``
+        (``data.document_mask``) runs as one packed sequence ``(1, B * T)`` whose documents stay apart."""
+        ids = batch["input_ids"]
+        if batch.get("cu_seqlens") is None:
+            return model(ids)[0]
+        return model(ids.reshape(1, -1), cu_seqlens=batch["cu_seqlens"])[0].view(*ids.shape, -1)
+
     def _loss(self, batch: dict, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The mean LM loss over the labelled tokens, the argmax predictions and the labels. Without ``logits`` (the
         distillation loss needs them whole) the loss is computed from the final hidden states in chunks of
-        tokens (:func:`~mixerzoo.model.loss.linear_cross_entropy`): the ``(B, T, V)`` logits are never held."""
+        tokens (:func:`~mixerzoo.model.loss.linear_cross_entropy`): the ``(B, T, V)`` logits are never held. A batch
+        with ``cu_seqlens`` (``data.document_mask``) runs as one packed sequence ``(1, B * T)``."""
         labels = batch["labels"]
         if logits is None:
-            loss, preds = self.model(batch["input_ids"], labels=labels,
+            ids, cu = batch["input_ids"], batch.get("cu_seqlens")
+            if cu is not None:
+                ids, labels = ids.reshape(1, -1), labels.reshape(1, -1)
+            loss, preds = self.model(ids, cu_seqlens=cu, labels=labels,
                                      loss_chunk_tokens=self.hparams.get("loss_chunk_tokens"))
-            return loss, preds, labels
+            return loss, preds.view_as(batch["labels"]), batch["labels"]
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
         return loss, logits.detach().argmax(-1), labels
 
@@ -345,9 +363,9 @@ class LMModule(L.LightningModule):
         teacher = self._teacher[0]
         if next(teacher.parameters()).device != self.device:
             teacher.to(self.device)
-        logits, _ = self.model(batch["input_ids"])
+        logits = self.logits_of(self.model, batch)
         with torch.no_grad():
-            teacher_logits, _ = teacher(batch["input_ids"])
+            teacher_logits = self.logits_of(teacher, batch)
         lm, preds, labels = self._loss(batch, logits)
         kd = distillation_loss(logits, teacher_logits, labels, self.hparams.distill_temperature,
                                self.model.config.vocab_size)
@@ -407,7 +425,7 @@ class LMModule(L.LightningModule):
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict:
         """Per-sequence mean loss and the greedy next-token predictions ``(B, T)``."""
-        logits, _ = self.model(batch["input_ids"])
+        logits = self.logits_of(self.model, batch)
         per_tok = F.cross_entropy(logits.transpose(1, 2).float(), batch["labels"], ignore_index=IGNORE_INDEX,
                                   reduction="none")
         mask = batch["labels"] != IGNORE_INDEX
