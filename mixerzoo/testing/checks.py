@@ -99,14 +99,44 @@ def _inputs(d_model: int, seq_len: int, batch: int, seed: int, dtype=torch.float
     return torch.randn(batch, seq_len, d_model, generator=g).to(device=device, dtype=dtype)
 
 
-def _compare(ref: torch.Tensor, out: torch.Tensor, atol: float, rtol: float) -> tuple[bool, float, int]:
-    """Return (ok, max abs diff, first bad time index) for ``(B, T, C)`` outputs."""
+def _first_step(bad: torch.Tensor, along_time: bool = True) -> int:
+    """The first time step where the boolean ``bad`` holds (``(B, T, ...)`` with ``along_time``: along axis 1;
+    otherwise the first element in flattened order), -1 if nowhere."""
+    per_step = bad.flatten(2).any(dim=2).any(dim=0) if along_time and bad.dim() >= 3 else bad.flatten()
+    return int(per_step.nonzero()[0, 0]) if bool(per_step.any()) else -1
+
+
+def _require_finite(check: str, what: str, t: torch.Tensor, along_time: bool = True) -> None:
+    """Raise :class:`ConformanceError` if ``t`` holds a NaN or an infinity, naming ``check``, the tensor ``what``
+    and the first time step (axis 1 of a ``(B, T, ...)`` tensor with ``along_time``, else the flattened index)
+    that holds one."""
+    if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+        return
+    first = _first_step(~torch.isfinite(t), along_time)
+    kind = "NaN" if bool(torch.isnan(t).any()) else "an infinity"
+    where = f"time step {first}" if along_time and t.dim() >= 3 else f"element {first} (flattened)"
+    raise ConformanceError(f"{check}: {what} holds {kind}, first at {where}; a mixer's outputs, states and "
+                           f"gradients must be finite (look for a division by zero, a log of 0, an overflowing exp "
+                           f"or an uninitialised tensor)")
+
+
+def _compare(check: str, ref: torch.Tensor, out: torch.Tensor, atol: float, rtol: float,
+             names: tuple[str, str] = ("the reference", "the output")) -> tuple[bool, float, int]:
+    """Return (ok, max abs diff, first bad time index) for ``(B, T, C)`` outputs (other shapes: flattened index).
+
+    Raises:
+        ConformanceError: the shapes differ, or ``ref`` or ``out`` (``names``) holds a NaN or an infinity, which no
+            tolerance compares (a NaN difference is never over it); the message names ``check``, the tensor and
+            its first non-finite time step.
+    """
     if ref.shape != out.shape:
-        raise ConformanceError(f"output shape {tuple(out.shape)} differs from the one-pass shape {tuple(ref.shape)}")
+        raise ConformanceError(f"{check}: {names[1]} has shape {tuple(out.shape)} where {names[0]} has "
+                               f"{tuple(ref.shape)}")
+    for what, t in zip(names, (ref, out)):
+        _require_finite(check, what, t)
     diff = (ref.float() - out.float()).abs()
     tol = atol + rtol * ref.float().abs().max().item()
-    bad_t = (diff > tol).any(dim=2).any(dim=0) if diff.dim() == 3 else (diff > tol).flatten()  # per time step
-    first = int(bad_t.nonzero()[0, 0]) if bool(bad_t.any()) else -1
+    first = _first_step(diff > tol)
     return first < 0, float(diff.max()), first
 
 
@@ -136,7 +166,7 @@ def _compare_given_decisions(check: str, what: str, ref: torch.Tensor, out: torc
                                f"reorders near ties only, so the bf16 pass decides by another rule")
     scale = ref.float().abs().max().item()
     tol = bf16_tolerance(scale, ref.numel(), roundings)
-    ok, err, first = _compare(ref, out, tol, 0.0)
+    ok, err, first = _compare(check, ref, out, tol, 0.0, ("the fp32 pass", what))
     if not ok:
         replayed = (f"; {seen.differ} of {seen.choices} choices in {seen.decisions} decisions replayed from the "
                     f"bf16 pass" if seen.decisions else "")
@@ -171,11 +201,13 @@ def check_causality(mixer: nn.Module, d_model: int, seq_len: int = 32, batch: in
     """Outputs before position ``p`` must not change when inputs at ``>= p`` change (for several ``p``)."""
     x = _inputs(d_model, seq_len, batch, seed)
     y, _ = _call(mixer, x)
+    _require_finite("causality", "the one pass", y)
     for p in sorted({1, seq_len // 3, seq_len // 2, seq_len - 1}):
         x2 = x.clone()
         x2[:, p:] = _inputs(d_model, seq_len - p, batch, seed + 1 + p)
         y2, _ = _call(mixer, x2)
-        ok, err, first = _compare(y[:, :p], y2[:, :p], atol, rtol)
+        ok, err, first = _compare("causality", y[:, :p], y2[:, :p], atol, rtol,
+                                  ("the one pass", f"the pass with inputs changed from position {p}"))
         if not ok:
             raise ConformanceError(f"causality: changing inputs from position {p} on changed the output at "
                                    f"position {first} < {p} (max abs diff {err:.3g}); a mask or a chunk-level "
@@ -196,7 +228,8 @@ def check_continuation(mixer: nn.Module, d_model: int, seq_len: int = 48, splits
             continue
         y1, s = _call(mixer, x[:, :a])
         y2, _ = _call(mixer, x[:, a:], s)
-        ok, err, first = _compare(y, torch.cat([y1, y2], dim=1), atol, rtol)
+        ok, err, first = _compare("continuation", y, torch.cat([y1, y2], dim=1), atol, rtol,
+                                  ("the one pass", f"the continuation at split {a}"))
         if not ok:
             where = "before" if first < a else "at or after"
             raise ConformanceError(
@@ -230,7 +263,8 @@ def check_decode(mixer: nn.Module, d_model: int, seq_len: int = 40, batch: int =
     x = _inputs(d_model, seq_len, batch, seed)
     y, _ = _call(mixer, x)
     stepped, _ = decode_stepwise(lambda xt, s: _call(mixer, xt, s), x, prefill)
-    ok, err, first = _compare(y, stepped, atol, rtol)
+    check = f"decode{'-after-prefill' if prefill else ''}"
+    ok, err, first = _compare(check, y, stepped, atol, rtol, ("the parallel pass", f"the decode (prefill {prefill})"))
     if not ok:
         raise ConformanceError(f"decode differs from the parallel pass at token {first} (prefill {prefill}): max "
                                f"abs diff {err:.3g}. Check what the state keeps at chunk boundaries and that "
@@ -261,6 +295,7 @@ def check_gradients(mixer: nn.Module, d_model: int, seq_len: int = 48, batch: in
             raise ConformanceError(f"gradients: parameter {name!r} got an all-zero gradient")
     if x.grad is None or x.grad.abs().max() == 0:
         raise ConformanceError("gradients: the input got no gradient")
+    _require_finite("gradients", "the input's gradient", x.grad)
 
 
 def check_recomputation(lean: nn.Module, keep: nn.Module, x: torch.Tensor, split: int, atol: float = 1e-5,
@@ -283,6 +318,9 @@ def check_recomputation(lean: nn.Module, keep: nn.Module, x: torch.Tensor, split
     if len(results[0]) != len(results[1]):
         raise ConformanceError("recomputation: the two mixers return states or parameters of different layouts")
     for (what, a), (_, b) in zip(*results):
+        for who, t in (("the recomputing mixer", a), ("the mixer keeping every tensor", b)):
+            if t is not None:
+                _require_finite("recomputation", f"the {what} of {who}", t)
         try:
             torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
         except AssertionError as err:
@@ -325,7 +363,8 @@ def check_activation_checkpointing(mixer: nn.Module, d_model: int, seq_len: int 
             raise ConformanceError(f"activation-checkpointing: the {what} exists in one run only")
         if a is None:
             continue
-        ok, diff, _ = _compare(a, b, atol, rtol)
+        ok, diff, _ = _compare("activation-checkpointing", a, b, atol, rtol,
+                               (f"the {what} of the plain run", f"the {what} of the run again in backward"))
         if not ok:
             raise ConformanceError(f"activation-checkpointing: the {what} differs when the forward is run again in "
                                    f"backward (max abs diff {diff:.2e}); does forward change a buffer, a cache or a "
@@ -443,11 +482,10 @@ def check_autocast_bf16(mixer: nn.Module, d_model: int, seq_len: int = 48, split
             stepped, _ = decode_stepwise(lambda xt, st: _call(mixer, xt, st), x)
     if against_fp32:
         _compare_given_decisions("autocast-bf16", "the bf16 pass", y32, y16, roundings, seen)
-    bad = [t for t in state_tensors(state) if t.is_floating_point() and not torch.isfinite(t).all()]
-    if bad:
-        raise ConformanceError("autocast-bf16: the state after a bf16 pass holds non-finite values")
+    for i, t in enumerate(state_tensors(state)):
+        _require_finite("autocast-bf16", f"state tensor {i} {tuple(t.shape)} after the bf16 pass", t, False)
     for name, out in (("continuation", torch.cat([y1, y2], dim=1)), ("decode", stepped)):
-        ok, err, first = _compare(y16, out, atol, rtol)
+        ok, err, first = _compare("autocast-bf16", y16, out, atol, rtol, ("the bf16 one pass", f"the bf16 {name}"))
         if not ok:
             raise ConformanceError(f"autocast-bf16: {name} differs from the bf16 one pass at position {first} "
                                    f"(max abs diff {err:.3g}); does the state change dtype between calls?")
@@ -498,8 +536,7 @@ def check_cuda_autocast_emulated(mixer: nn.Module, d_model: int, seq_len: int = 
         raise ConformanceError(f"cuda-autocast: {e}") from e
     finally:
         mixer.train(was_training)
-    if not torch.isfinite(y.float()).all():
-        raise ConformanceError("cuda-autocast: non-finite output under CUDA autocast's rules")
+    _require_finite("cuda-autocast", "the output under CUDA autocast's rules", y)
     _check_finite_gradients("cuda-autocast", mixer, "under CUDA autocast's rules")
     mixer.zero_grad(set_to_none=True)
 
@@ -533,11 +570,13 @@ def check_float64(mixer: nn.Module, d_model: int, seq_len: int = 48, split: int 
         if wrong:
             raise ConformanceError(f"float64: the state holds {', '.join(wrong)} tensors; keep states in the input's "
                                    f"dtype when it is float64")
-        ok, err, first = _compare(y, torch.cat([y1, y2], dim=1), atol, rtol)
+        ok, err, first = _compare("float64", y, torch.cat([y1, y2], dim=1), atol, rtol,
+                                  ("the float64 one pass", "the float64 continuation"))
         if not ok:
             raise ConformanceError(f"float64: continuation differs from the one pass at position {first} "
                                    f"(max abs diff {err:.3g})")
-        ok, err, first = _compare(y32.double(), y, atol, rtol) if against_fp32 else (True, 0.0, -1)
+        ok, err, first = (_compare("float64", y32.double(), y, atol, rtol, ("the fp32 pass", "the float64 pass"))
+                          if against_fp32 else (True, 0.0, -1))
         if not ok:
             raise ConformanceError(f"float64: the float64 pass differs from fp32 from position {first} on (max abs "
                                    f"diff {err:.3g}); a computation that drops to float32 loses precision there")
