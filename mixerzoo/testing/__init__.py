@@ -15,7 +15,7 @@ The pytest fixture ``mixer_conformance`` (:mod:`mixerzoo.pytest_plugin`) wraps `
 
 from .. import decisions
 from .checks import (AUTOCAST_BF16_ATOL, AUTOCAST_BF16_RTOL, BF16_ROUNDINGS, BF16_UNIT_ROUNDOFF,
-                     BF16_WEIGHTS_ROUNDINGS, FP32_ATOL, FP32_RTOL, ConformanceError, ConformanceReport,
+                     BF16_WEIGHTS_ROUNDINGS, FP32_ATOL, FP32_RTOL, LONG_POSITION, ConformanceError, ConformanceReport,
                      bf16_tolerance, check_activation_checkpointing, check_autocast_bf16, check_bf16_weights,
                      check_causality, check_continuation, check_cuda_autocast_emulated, check_cuda_bf16,
                      check_decode, check_float64, check_gradients, check_recomputation, check_state,
@@ -27,4 +27,4 @@ __all__ = ["ConformanceError", "ConformanceReport", "run_conformance", "check_ca
            "check_autocast_bf16", "check_cuda_autocast_emulated", "check_float64", "check_bf16_weights",
            "check_cuda_bf16", "decode_stepwise", "OperatorCalls", "bf16_tolerance",
            "FP32_ATOL", "FP32_RTOL", "AUTOCAST_BF16_ATOL", "AUTOCAST_BF16_RTOL", "BF16_UNIT_ROUNDOFF",
-           "BF16_ROUNDINGS", "BF16_WEIGHTS_ROUNDINGS", "decisions"]
+           "BF16_ROUNDINGS", "BF16_WEIGHTS_ROUNDINGS", "LONG_POSITION", "decisions"]

@@ -41,6 +41,17 @@ pass's decisions* (recorded, then replayed), and the two then differ by rounding
 choices fp32 would have made otherwise; rounding can only reorder near ties, so if more than half of them differ
 the bf16 pass is choosing by another rule and the check fails. The float64 check replays the fp32 pass's
 decisions likewise.
+
+Long positions. A rotary encoding whose frequencies are rounded to bf16 (a buffer that ``.to(torch.bfloat16)``
+casts) or whose angles are computed in bf16 (a matmul under autocast) turns by an error that grows with the position:
+invisible over the few dozen positions of the passes above, and over thousands too in a randomly initialised
+mixer, whose attention averages over its keys. So both bf16 checks also apply every
+:class:`~mixerzoo.positional.PositionalEncoding` inside the mixer that rotates channels (every strategy built by
+:func:`~mixerzoo.positional.build_positional`) to bf16 vectors at 16 positions from ``long_position / 8`` to
+``long_position`` (default :data:`LONG_POSITION`, 32,768), as the mixer holds it (cast to bf16, or under autocast),
+against the same encoding in fp32, within :func:`bf16_tolerance` of 8 roundings (cos, sin, two products and
+their sum round once each). A mixer that builds position tables of its own is not reached: build them with a
+positional strategy.
 """
 
 from __future__ import annotations
@@ -63,7 +74,7 @@ __all__ = ["ConformanceError", "ConformanceReport", "check_causality", "check_co
            "check_activation_checkpointing", "check_cuda_autocast_emulated", "check_float64", "check_bf16_weights",
            "run_conformance", "decode_stepwise", "bf16_tolerance",
            "FP32_ATOL", "FP32_RTOL", "AUTOCAST_BF16_ATOL", "AUTOCAST_BF16_RTOL", "BF16_UNIT_ROUNDOFF",
-           "BF16_ROUNDINGS", "BF16_WEIGHTS_ROUNDINGS"]
+           "BF16_ROUNDINGS", "BF16_WEIGHTS_ROUNDINGS", "LONG_POSITION"]
 
 FP32_ATOL = 1e-4
 FP32_RTOL = 1e-4
@@ -73,6 +84,8 @@ BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bf16 keeps 8 significant bits: round to neares
 BF16_ROUNDINGS = 16  # bf16 roundings on a mixer's path under autocast (module docstring, "bf16 against fp32")
 BF16_WEIGHTS_ROUNDINGS = 32  # with bf16 weights every op rounds (norms, elementwise ops, the state's reads too)
 BF16_MISS_PROBABILITY = 1e-6  # the chance the bf16 tolerance accepts of a correct mixer's error exceeding it
+LONG_POSITION = 32768  # the furthest position the bf16 checks rotate at (module docstring, "Long positions")
+_ROTATION_ROUNDINGS = 8  # a rotation in bf16 rounds cos, sin, two products and their sum: 5, with a margin
 
 
 def bf16_tolerance(scale: float, n_elements: int, roundings: int = BF16_ROUNDINGS) -> float:
@@ -175,6 +188,41 @@ def _compare_given_decisions(check: str, what: str, ref: torch.Tensor, out: torc
                                f"{tol:.3g} that {roundings} bf16 roundings explain{replayed}. Keep states and running "
                                f"statistics in fp32 (sums, counts, normalisers), and softmax/normalisation inputs in "
                                f"fp32")
+
+
+def _check_long_positions(check: str, low: nn.Module, ref: nn.Module, long_position: int,
+                          low_context: Callable[[], Any], seed: int) -> None:
+    """Every positional encoding of ``low`` that rotates channels, run in bf16 under ``low_context()``, against the
+    one of ``ref`` of the same name in fp32, at 16 positions from ``long_position // 8`` to ``long_position`` (module
+    docstring, "Long positions"). ``low``: the mixer in bf16, or in fp32 for autocast; ``ref``: in fp32."""
+    from ..positional import PositionalEncoding
+
+    ref_modules = dict(ref.named_modules())
+    positions = torch.linspace(long_position // 8, long_position, 16).round().long()
+    g = torch.Generator().manual_seed(seed)
+    for name, pe in low.named_modules():
+        if not isinstance(pe, PositionalEncoding) or not pe.rotary_dim:
+            continue
+        x = torch.randn(4, len(positions), getattr(pe, "head_dim", pe.rotary_dim), generator=g).bfloat16()
+        device = next((b.device for b in pe.buffers()), x.device)
+        ref_pe = ref_modules[name]
+        ref_device = next((b.device for b in ref_pe.buffers()), x.device)
+        with torch.no_grad():
+            with low_context():
+                out = pe.apply(x.to(device), positions.to(device)).cpu()
+            want = ref_pe.apply(x.float().to(ref_device), positions.to(ref_device)).cpu()
+        label = f"positional encoding {name or 'the mixer'!r} ({type(pe).__name__})"
+        scale = want.abs().max().item()
+        tol = bf16_tolerance(scale, want.numel(), _ROTATION_ROUNDINGS)
+        ok, err, first = _compare(check, want, out, tol, 0.0, (f"the {label} in fp32", f"the {label} in bf16"))
+        if not ok:
+            raise ConformanceError(
+                f"{check}: the {label} rotates bf16 vectors at position {int(positions[first])} away from fp32: "
+                f"max abs diff {err:.3g} = {err / (BF16_UNIT_ROUNDOFF * max(scale, 1e-30)):.1f} u * max|x|, over the "
+                f"{tol:.3g} that {_ROTATION_ROUNDINGS} bf16 roundings explain; the angle error grows with the "
+                f"position. Keep the frequencies in float32 whatever the module is cast to (mixerzoo.positional.RoPE "
+                f"keeps its buffer float32 in _apply), compute the angles in float32 with autocast off, and cast cos "
+                f"and sin to the activations' dtype last")
 
 
 def _check_finite_gradients(check: str, mixer: nn.Module, how: str) -> None:
@@ -391,10 +439,12 @@ def check_state(mixer: nn.Module, d_model: int, lengths: Iterable[int] = (8, 32)
 
 def check_bf16_weights(factory: Callable[[], nn.Module], d_model: int, seq_len: int = 64, batch: int = 2,
                        seed: int = 0, device: str = "cpu", against_fp32: bool = True,
-                       roundings: int = BF16_WEIGHTS_ROUNDINGS) -> None:
+                       roundings: int = BF16_WEIGHTS_ROUNDINGS, long_position: int | None = LONG_POSITION) -> None:
     """Weights and inputs in bf16 (Lightning's ``precision: bf16-true``): the one pass stays within
     :func:`bf16_tolerance` of ``roundings`` of the fp32 CPU pass given the bf16 pass's decisions (see
-    :func:`check_autocast_bf16`), and a backward gives finite gradients. On the CPU every op runs under the
+    :func:`check_autocast_bf16`), the mixer's positional encodings cast to bf16 rotate as in fp32 at positions up
+    to ``long_position`` (None skips it; module docstring, "Long positions"), and a backward gives finite
+    gradients. On the CPU every op runs under the
     mixed-dtype check of :mod:`mixerzoo.testing.cuda_autocast`, so an internal fp32 tensor meeting a bf16 weight in
     an op a CUDA kernel refuses (a convolution, a LayerNorm) fails here as it would on a GPU. ``against_fp32=False``
     skips the comparison with fp32 (for a mixer whose decisions do not go through
@@ -417,6 +467,8 @@ def check_bf16_weights(factory: Callable[[], nn.Module], d_model: int, seq_len: 
                 (y, _), (y_ref, _), seen = _given_same_decisions(
                     lambda: _call(low, x.to(device=device, dtype=torch.bfloat16)), lambda: _call(cpu, x),
                     "bf16-weights")
+            if long_position:
+                _check_long_positions("bf16-weights", low, cpu, long_position, contextlib.nullcontext, seed)
             low.train()
             out, _ = _call(low, x.to(device=device, dtype=torch.bfloat16).requires_grad_(True))
             out.float().sum().backward()
@@ -428,18 +480,20 @@ def check_bf16_weights(factory: Callable[[], nn.Module], d_model: int, seq_len: 
 
 
 def check_cuda_bf16(factory: Callable[[], nn.Module], d_model: int, seq_len: int = 64, batch: int = 2,
-                    seed: int = 0, roundings: int = BF16_WEIGHTS_ROUNDINGS) -> bool:
+                    seed: int = 0, roundings: int = BF16_WEIGHTS_ROUNDINGS,
+                    long_position: int | None = LONG_POSITION) -> bool:
     """:func:`check_bf16_weights` on CUDA. Returns False (skipped) without CUDA."""
     if not torch.cuda.is_available():
         return False
-    check_bf16_weights(factory, d_model, seq_len, batch, seed, device="cuda", roundings=roundings)
+    check_bf16_weights(factory, d_model, seq_len, batch, seed, device="cuda", roundings=roundings,
+                       long_position=long_position)
     return True
 
 
 def check_autocast_bf16(mixer: nn.Module, d_model: int, seq_len: int = 48, split: int | None = None,
                         batch: int = 2, seed: int = 0, device: str = "cpu", atol: float = AUTOCAST_BF16_ATOL,
                         rtol: float = AUTOCAST_BF16_RTOL, against_fp32: bool = True,
-                        roundings: int = BF16_ROUNDINGS) -> None:
+                        roundings: int = BF16_ROUNDINGS, long_position: int | None = LONG_POSITION) -> None:
     """The protocol under bf16 autocast (mixed precision as Lightning's ``precision: bf16-mixed`` runs it).
 
     1. One pass under autocast equals the fp32 pass *given the bf16 pass's decisions* within
@@ -450,7 +504,9 @@ def check_autocast_bf16(mixer: nn.Module, d_model: int, seq_len: int = 48, split
        :func:`mixerzoo.decisions.decision`, and the fp32 pass here replays the bf16 pass's choices, so the
        difference is rounding alone (module docstring, "bf16 against fp32").
     2. Continuation at ``split`` and token-by-token decode under autocast equal the autocast one pass.
-    3. The state after the autocast pass has only finite tensors, and training under autocast gives finite
+    3. The mixer's positional encodings rotate bf16 vectors under autocast as in fp32 at positions up to
+       ``long_position`` (None skips it; module docstring, "Long positions").
+    4. The state after the autocast pass has only finite tensors, and training under autocast gives finite
        gradients to every parameter that gets one.
 
     Args:
@@ -460,6 +516,7 @@ def check_autocast_bf16(mixer: nn.Module, d_model: int, seq_len: int = 48, split
             :func:`~mixerzoo.decisions.decision`; every bundled mixer does step 1).
         roundings: ``k`` of the error model, the bf16 roundings on the mixer's path (default
             :data:`BF16_ROUNDINGS`).
+        long_position: the furthest position of step 3 (default :data:`LONG_POSITION`).
 
     Raises:
         ConformanceError: names the step, the first position and the difference.
@@ -482,6 +539,8 @@ def check_autocast_bf16(mixer: nn.Module, d_model: int, seq_len: int = 48, split
             stepped, _ = decode_stepwise(lambda xt, st: _call(mixer, xt, st), x)
     if against_fp32:
         _compare_given_decisions("autocast-bf16", "the bf16 pass", y32, y16, roundings, seen)
+    if long_position:
+        _check_long_positions("autocast-bf16", mixer, mixer, long_position, autocast, seed)
     for i, t in enumerate(state_tensors(state)):
         _require_finite("autocast-bf16", f"state tensor {i} {tuple(t.shape)} after the bf16 pass", t, False)
     for name, out in (("continuation", torch.cat([y1, y2], dim=1)), ("decode", stepped)):
