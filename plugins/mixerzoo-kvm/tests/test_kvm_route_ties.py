@@ -25,20 +25,12 @@ from mixerzoo_kvm.chunk import route_folds  # noqa: E402
 from mixerzoo_kvm.ops import FoldRouting, state_budget  # noqa: E402
 from mixerzoo_kvm.recurrent import fold  # noqa: E402
 
+from test_kvm_decode_triton import _ln  # noqa: E402
 from test_kvm_equivalence import make  # noqa: E402
 
 TILE = 32  # the kernels' BLOCK_R: rows searched per tile
 B, H, D = 2, 2, 32
 TOL = dict(atol=2e-5, rtol=1e-4)  # test_kvm_equivalence's forward tolerance
-
-
-def _ln(seed: int) -> torch.nn.LayerNorm:
-    ln = torch.nn.LayerNorm(D)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        ln.weight.add_(0.2 * torch.randn(D, generator=g))
-        ln.bias.add_(0.2 * torch.randn(D, generator=g))
-    return ln
 
 
 def _rows_repeated_a_tile_later(m: int, g: torch.Generator) -> torch.Tensor:
@@ -77,7 +69,7 @@ def test_training_routing_kernel_breaks_ties_across_tiles_as_the_pytorch_fold(ga
     kbar[:, :, 0, 5] = kbar[:, :, 0, 5 + TILE] = 0.01 * v
     kbar[:, :, 0, 10:14] = 3 * (v[:, :, None] + 0.1 * torch.randn(B, H, 4, D, generator=g))
     gate = 1 + torch.nn.functional.elu(torch.randn(B, H, n_folds, C, generator=g)) if gated else None
-    ln = _ln(1)
+    ln = _ln(D)
     params = layer.params._replace(ln_s=ln)
     sizes = [m0]
     for f in range(n_folds):
@@ -114,7 +106,7 @@ def test_decode_fold_kernel_breaks_ties_across_tiles_as_the_pytorch_fold(schedul
     v = torch.randn(B, H, C, D, generator=g)
     gate = 1 + torch.rand(B, H, C, generator=g)
     spec = dataclasses.replace(layer.spec, rotary_dim=D // 4)
-    params = layer.params._replace(ln_s=_ln(2))
+    params = layer.params._replace(ln_s=_ln(D))
     args = (s_k, s_v, rho, count, k, v, gate)
     want = fold(spec, params, *args, 9 * C)
     got = decode_fold(spec, params, *args, 9 * C)
