@@ -109,13 +109,27 @@ class RoPE(PositionalEncoding):
             inv_freq = (1 / theta) ** torch.linspace(0.0, 1.0, steps=rotary_dim // 2, dtype=torch.float32)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """``Module._apply`` (``.to``, ``.cuda``, ``.half``, ``.bfloat16``, ``load_model(dtype=...)``), with
+        :attr:`inv_freq` kept in float32 whatever dtype the module is cast to: only its device follows. Rounded
+        to bf16 a frequency of 0.26827 becomes 0.2676 and the angle ``p * inv_freq`` drifts with the position ``p``
+        (1.27 rad at 2,047); transformers keeps ``inv_freq`` in float32 too."""
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != inv_freq.dtype:
+            self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of the angles, shape ``(time, rotary_dim // 2)``, for absolute ``positions`` ``(time,)``:
         channel pair ``j`` turns by ``direction * positions * inv_freq[j]`` (Llama's tables repeat these
-        halves; computing them once halves the trigonometry, bit for bit the same values). With ``table_dtype``
-        the tables are rounded to it before they are cast to ``dtype``."""
-        angles = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos(), angles.sin()
+        halves; computing them once halves the trigonometry, bit for bit the same values). The angles and their
+        ``cos, sin`` are computed in float32 with autocast off, whatever ``dtype`` and the autocast state (as
+        transformers does); with ``table_dtype`` the tables are then rounded to it, and last cast to ``dtype``."""
+        device = self.inv_freq.device
+        with torch.autocast(device.type if device.type in ("cuda", "cpu", "xpu") else "cpu", enabled=False):
+            angles = positions.to(device, torch.float32)[:, None] * self.inv_freq.float()[None, :]
+            cos, sin = angles.cos(), angles.sin()
         if self.table_dtype is not None:
             table = self.TABLE_DTYPES[self.table_dtype]
             cos, sin = cos.to(table), sin.to(table)

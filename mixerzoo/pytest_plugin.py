@@ -39,12 +39,14 @@ CHECKS: dict[str, tuple[str, str]] = {
     "activation-checkpointing": ("check_activation_checkpointing", "the forward run again in backward (a model "
                                  "trained with activation_checkpointing) must give the same output and gradients"),
     "autocast-bf16": ("check_autocast_bf16", "under bf16 autocast the mixer must stay causal, continue and decode "
-                                             "like one pass, and stay close to fp32, with finite gradients"),
+                                             "like one pass, and stay close to fp32 (its positional encodings too, at "
+                                             "positions up to 32,768), with finite gradients"),
     "cuda-autocast": ("check_cuda_autocast_emulated", "under CUDA autocast's dtype rules (emulated on the CPU) no op "
                                                       "may mix floating dtypes where a CUDA kernel refuses them"),
     "float64": ("check_float64", "in float64 the outputs, state and gradients must stay float64 and equal fp32"),
     "bf16-weights": ("check_bf16_weights", "with bf16 weights and inputs the mixer must run, stay close to fp32 "
-                                           "and give finite gradients"),
+                                           "(its positional encodings too, at positions up to 32,768) and give "
+                                           "finite gradients"),
     "cuda-bf16": ("check_cuda_bf16", "bf16 on CUDA must stay close to fp32 on CPU"),
     "documents": ("check_documents", "documents packed with cu_seqlens must give each document's output, input "
                                      "gradient and final state as if run alone (fp32 and float64)"),

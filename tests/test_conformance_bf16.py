@@ -1,4 +1,5 @@
-"""The bf16 autocast conformance check catches what it is for: a running statistic kept in bf16."""
+"""The bf16 conformance checks catch what they are for: a running statistic kept in bf16, and a rotary encoding
+whose frequencies or angles are rounded to bf16 (seen only at long positions)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from mixerzoo.mixers.attention import Attention
+from mixerzoo.positional import RoPE
 from mixerzoo.protocol import MixerState, packed_offsets, run_separately
-from mixerzoo.testing import ConformanceError, check_autocast_bf16, run_conformance
+from mixerzoo.testing import ConformanceError, check_autocast_bf16, check_bf16_weights, run_conformance
 
 
 @dataclasses.dataclass
@@ -65,3 +68,45 @@ def test_bf16_running_statistic_is_caught():
         mixer.u.bias.fill_(3.0)  # large values: bf16 sums lose their low bits quickly
     with pytest.raises(ConformanceError, match="autocast-bf16: the bf16 pass differs from fp32"):
         check_autocast_bf16(mixer, 16, seq_len=256)
+
+
+class BF16Frequencies(RoPE):
+    """RoPE whose frequency buffer follows the module's dtype (a plain floating buffer that ``Module._apply``
+    casts): with the mixer cast to bf16, a frequency of 0.01 becomes 0.010009765625."""
+
+    def _apply(self, fn, recurse=True):
+        return nn.Module._apply(self, fn, recurse)
+
+
+class AnglesByMatmul(RoPE):
+    """RoPE whose angles are a matmul (``positions @ inv_freq``), which autocast runs in bf16."""
+
+    def cos_sin(self, positions, dtype):
+        angles = positions.float()[:, None] @ self.inv_freq[None, :]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope_attention(rope: type[RoPE], **options):
+    """A factory of attention layers, each with its own positional encoding."""
+    return lambda: Attention(16, n_heads=2, positional=rope(head_dim=8, **options))
+
+
+def test_rope_at_long_positions_passes_both_bf16_checks():
+    check_bf16_weights(rope_attention(RoPE, rotary_fraction=0.5), 16, seq_len=24)
+    check_autocast_bf16(rope_attention(RoPE, rotary_fraction=0.5)(), 16, seq_len=24)
+
+
+def test_rope_frequencies_cast_to_bf16_are_caught_by_the_bf16_weights_check():
+    """Half RoPE on 8-channel heads: frequencies 1 and 0.01, of which bf16 moves only the second, and by 1e-3."""
+    with pytest.raises(ConformanceError, match=r"^bf16-weights: the positional encoding 'qkv.pos' \(BF16Frequencies\) "
+                                               r"rotates bf16 vectors at position \d+ away from fp32"):
+        check_bf16_weights(rope_attention(BF16Frequencies, rotary_fraction=0.5), 16, seq_len=24)
+    check_bf16_weights(rope_attention(BF16Frequencies, rotary_fraction=0.5), 16, seq_len=24,
+                       long_position=None)  # the passes over 24 positions alone do not see it
+
+
+def test_rope_angles_computed_in_bf16_under_autocast_are_caught():
+    with pytest.raises(ConformanceError, match=r"^autocast-bf16: the positional encoding 'qkv.pos' \(AnglesByMatmul\) "
+                                               r"rotates bf16 vectors at position \d+ away from fp32"):
+        check_autocast_bf16(rope_attention(AnglesByMatmul)(), 16, seq_len=24)
+    check_autocast_bf16(rope_attention(AnglesByMatmul)(), 16, seq_len=24, long_position=None)

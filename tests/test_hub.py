@@ -502,3 +502,91 @@ except ImportError as e:
     assert line, out.stdout + out.stderr
     assert f"mixerzoo {mixerzoo.__version__}" in line[0]
     assert f"pip install 'mixerzoo=={mixerzoo.__version__}'" in line[0]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# every bundled mixer through both writers (export and save_pretrained)
+# ------------------------------------------------------------------------------------------------------------
+GROW = {"name": "power_law", "coef": 2.0, "exponent": 0.5, "min_size": 4}
+# per mixer: options off their defaults (kvm's fixed temperatures are persistent buffers, not parameters), the
+# backbone's options (tied or separate head) and the dtype of the export
+ROUND_TRIP = {
+    "attention": ({"n_kv_heads": 1, "qk_norm": "rms", "token_shift": True, "value_residual": True, "bias": True,
+                   "positional": {"name": "rope", "rotary_fraction": 0.5}}, {"tie_embeddings": False}, "float32"),
+    "bswa": ({"chunk_len": 4, "n_bswa_chunks": 1, "qk_norm": "layernorm"}, {}, "bfloat16"),
+    "gdn": ({"use_gate": False, "expand_v": 1.0, "chunk_len": 8}, {"tie_embeddings": False}, "bfloat16"),
+    "gsa": ({"num_slots": 8, "use_short_conv": True, "chunk_len": 8}, {}, "float32"),
+    "kvm": ({"chunk_len": 4, "learned_temperatures": False, "schedule": GROW, "token_shift": True,
+             "value_residual": True}, {"tie_embeddings": False}, "float32"),
+    "ovq": ({"chunk_len": 8, "max_size": 12, "renormalize": True, "token_shift": True}, {}, "bfloat16"),
+    "swa": ({"window": 4, "sink_len": 1, "positional": "nope"}, {"channel_mixer": "relu2"}, "float32"),
+    "tova": ({"multi_state": 8, "n_kv_heads": 1, "qk_norm": "rms"}, {"tie_embeddings": False}, "float32"),
+    "trellis": ({"num_slots": 8, "chunk_len": 4, "short_conv": False, "qk_norm": "rms"}, {}, "float32"),
+    "vq": ({"chunk_len": 8, "codebook_size": 16, "bias": True}, {"tie_embeddings": False}, "bfloat16"),
+}
+ROUND_TRIP["kvm_bf16"] = ({**ROUND_TRIP["kvm"][0], "mixer": "kvm"}, {}, "bfloat16")  # buffers, tied, bf16
+
+
+def _tiny_trained(name: str):
+    """A 2-layer model of ``name``'s case in :data:`ROUND_TRIP`, every floating tensor of its state (parameters
+    and persistent buffers) moved off its init, as the :class:`TrainedModel` an export takes."""
+    from mixerzoo.hub.checkpoint import TrainedModel, id_tokenizer
+    from mixerzoo.model import LanguageModel, LMConfig
+
+    options, backbone, _ = ROUND_TRIP[name]
+    config = LMConfig(**{"vocab_size": 48, "d_model": 32, "n_layers": 2, "n_heads": 2, "layer_types": [name],
+                         "mixers": {name: options}, **backbone})
+    torch.manual_seed(0)
+    model = LanguageModel(config).eval()
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.add_(0.1 * torch.randn(t.shape))
+    trained = TrainedModel(config=config, state_dict=model.state_dict(), tokenizer=id_tokenizer(48),
+                           tokenizer_source="synthetic", eos_id=None, recipe={"model": config.to_dict()},
+                           global_step=0, batches=0, training_tokens=None, metrics={}, source=f"tiny {name}")
+    return model, trained
+
+
+def _assert_written_whole(folder: Path, model, tie: bool) -> None:
+    """model.safetensors holds every tensor of the state dict (parameters and persistent buffers) but the tied
+    head, which its metadata names."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        keys, tied = set(f.keys()), json.loads(f.metadata()["mixerzoo_tied"])
+    assert tied == ({"head.weight": "embed.weight"} if tie else {})
+    assert keys == set(model.state_dict()) - set(tied)
+
+
+@pytest.mark.parametrize("name", sorted(ROUND_TRIP))
+def test_every_bundled_mixer_round_trips_through_export_and_save_pretrained(name, tmp_path):
+    from mixerzoo import registry
+    from mixerzoo.hf.modeling import MixerzooForCausalLM
+    from mixerzoo.hub import export_trained
+
+    bundled = {n for n, e in registry.entries("mixer").items() if str(e.distribution).startswith("mixerzoo")}
+    assert bundled <= set(ROUND_TRIP)  # every bundled mixer has a case (not those other tests register)
+    model, trained = _tiny_trained(name)
+    dtype = getattr(torch, ROUND_TRIP[name][2])
+    tie = trained.config.tie_embeddings
+    buffers = set(model.state_dict()) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    assert bool(buffers) == name.startswith("kvm")  # kvm's fixed temperatures: the persistent buffers
+    ids = torch.randint(0, 48, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model.to(dtype)(ids)[0]
+
+    folder = export_trained(trained, tmp_path / "export", dtype=dtype)
+    _assert_written_whole(folder, model, tie)
+    loaded = from_pretrained(folder)
+    assert loaded.embed.weight.dtype == dtype and (loaded.head.weight is loaded.embed.weight) == tie
+    with torch.no_grad():
+        assert torch.equal(loaded(ids)[0], want)
+
+    hf = MixerzooForCausalLM.from_pretrained(str(folder))
+    hf.save_pretrained(tmp_path / "saved")
+    _assert_written_whole(tmp_path / "saved", model, tie)
+    again = from_pretrained(tmp_path / "saved")
+    assert again.embed.weight.dtype == dtype and (again.head.weight is again.embed.weight) == tie
+    with torch.no_grad():
+        assert torch.equal(again(ids)[0], want)

@@ -65,15 +65,19 @@ def test_fit_learns_and_resumes(tmp_path):
     assert not glob.glob(str(tmp_path / "ck" / ".tmp-*"))
     state = load_checkpoint(str(ckpt))
     assert state["global_step"] == 6 and state["hyper_parameters"]["vocab_size"] == 64
-    # resume: the step counter continues and training goes on from the saved weights and optimizer state (a
-    # resume that drops either would still give a plausible val/loss, so the tensors themselves are compared)
+    # resume: the step counter continues and training goes on from the saved weights, optimizer state and LR
+    # schedule (a resume that drops any would still give a plausible val/loss, so the states themselves are compared)
     module2 = LMModule(lr=3e-3, **TINY)
-    seen = {}
+    seen = {"lr": {}}
 
     class AtStart(L.Callback):
         def on_train_start(self, trainer, pl_module):
             seen["weights"] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
             seen["optimizer"] = copy.deepcopy(trainer.optimizers[0].state_dict())
+            seen["schedule_step"] = trainer.lr_scheduler_configs[0].scheduler.last_epoch
+
+        def on_train_batch_start(self, trainer, *args):
+            seen["lr"][trainer.global_step] = [g["lr"] for g in trainer.optimizers[0].param_groups]
 
     t2 = trainer(tmp_path, max_steps=12, callbacks=[AtStart()])
     t2.fit(module2, tiny_data(), ckpt_path=str(ckpt))
@@ -86,6 +90,14 @@ def test_fit_learns_and_resumes(tmp_path):
     moments = [s["exp_avg"] for s in seen["optimizer"]["state"].values()]
     assert len(moments) == len(saved_moments) > 0
     assert all(torch.equal(a, b) for a, b in zip(moments, saved_moments))
+    # the schedule goes on from step 6: the first resumed step at the saved learning rate, the next at the
+    # schedule's value for step 7 of the resumed run's 12 (a schedule restarted at 0 would be in its warmup)
+    assert seen["schedule_step"] == state["lr_schedulers"][0]["last_epoch"] == 6
+    assert seen["lr"][6] == [g["lr"] for g in state["optimizer_states"][0]["param_groups"]]
+    hp = module2.hparams
+    want = 3e-3 * lr_lambda(7, hp.warmup_steps, 12, hp.lr_schedule, hp.min_lr_ratio)
+    assert seen["lr"][7] == pytest.approx([want] * len(seen["lr"][7]), rel=1e-12)
+    assert want < 3e-3 * lr_lambda(1, hp.warmup_steps, 12, hp.lr_schedule, hp.min_lr_ratio)
     assert not torch.equal(module2.model.embed.weight, saved["model.embed.weight"])  # and training went on
     assert t2.callback_metrics["val/loss"].item() < first + 0.5
     # loading for inference

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..protocol import run_separately, takes_cu_seqlens
+from .checks import FP32_ATOL, FP32_RTOL, ConformanceError
 
 __all__ = ["check_documents", "document_lengths", "SPAN_ATTRIBUTES", "FLOAT64_RTOL"]
 
@@ -70,7 +71,6 @@ def _where(offsets: list[int], t: int) -> str:
 
 def _one_precision(mixer: nn.Module, d_model: int, lengths: list[int], dtype: torch.dtype, seed: int,
                    atol: float, rtol: float, what: str) -> None:
-    from . import ConformanceError
 
     cu = _offsets(lengths)
     offsets = cu.tolist()
@@ -127,7 +127,6 @@ def check_documents(mixer: nn.Module, d_model: int, lengths: Iterable[int] | Non
         ConformanceError: the mixer takes no ``cu_seqlens``, a comparison fails (naming the position, the document
             and the quantity), or a state with ``cu_seqlens`` is accepted.
     """
-    from . import FP32_ATOL, FP32_RTOL, ConformanceError
 
     if not takes_cu_seqlens(mixer):
         raise ConformanceError(
