@@ -55,7 +55,7 @@ def print_plugin(name: str, stream=None) -> int:
     import inspect
 
     from . import registry
-    from .scaffold.recipe_reference import MIXER_EXTRA, _clean, _value, parse_args_section
+    from .scaffold.docstrings import MIXER_EXTRA, cell_text, parse_args_section, value_text
 
     stream = stream or sys.stdout
     kind = next((k for k in registry.GROUPS if name in registry.entries(k, refresh=True)), "mixer")
@@ -75,13 +75,13 @@ def print_plugin(name: str, stream=None) -> int:
                 params.setdefault(p.name, p.default)
         if not any(p.kind is p.VAR_KEYWORD for p in sig):
             break
-    summary = _clean(inspect.cleandoc(factory.__doc__ or "").split("\n\n")[0], limit=400)
+    summary = cell_text(inspect.cleandoc(factory.__doc__ or "").split("\n\n")[0], limit=400)
     print(f"{kind} {name}: {entry.value} from {entry.distribution} {entry.version}", file=stream)
     if summary:
         print(f"  {summary}", file=stream)
     set_by_lm = {"d_model": "model.d_model", "n_heads": "model.n_heads", "layer_idx": "the layer's index",
                  "n_layers": "model.n_layers"}
-    rows = [(n, "from " + set_by_lm[n] if n in set_by_lm else _value(d),
+    rows = [(n, "from " + set_by_lm[n] if n in set_by_lm else value_text(d),
              docs.get(n) or MIXER_EXTRA.get(n, "")) for n, d in params.items()]
     if rows:
         width = [max(len(r[i]) for r in rows + [("option", "default")]) for i in range(2)]

@@ -30,7 +30,8 @@ from ..errors import ConfigError, UserError
 from .card import model_card
 from .checkpoint import TrainedModel, read_checkpoint, tokenizer_json
 from .remote_code import ARCHITECTURE, AUTO_MAP, remote_code
-from .load import CONFIG_NAME, GENERATION_CONFIG_NAME, TOKENIZER_NAME, WEIGHTS_NAME, _dtype, plugin_metadata
+from .load import CONFIG_NAME, GENERATION_CONFIG_NAME, TOKENIZER_NAME, WEIGHTS_NAME, _dtype
+from .plugins import plugin_metadata
 
 __all__ = ["export_checkpoint", "export_trained", "write_folder_atomic", "push_to_hub", "HubPushError",
            "safetensors_weights"]

@@ -399,7 +399,7 @@ class LMModule(L.LightningModule):
         the same random numbers and keeps counting bad steps as the interrupted one would have; and
         ``checkpoint["mixerzoo_plugins"]``, the distribution and version of every mixer, positional encoding and
         schedule the model uses (as an export records them), so that a loader lacking one names what to install."""
-        from ..hub.load import plugin_metadata
+        from ..hub.plugins import plugin_metadata
 
         checkpoint["rng_states"] = collect_rng_states()
         checkpoint["mixerzoo_bad_steps"] = self._bad_steps
