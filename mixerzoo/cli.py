@@ -18,7 +18,7 @@ import os
 import sys
 import warnings
 
-__all__ = ["main", "MixerzooCLI", "print_plugins", "print_plugin"]
+__all__ = ["main", "print_plugins", "print_plugin"]
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 SUBCOMMANDS = {"evaluate": "evaluate", "export": "export", "generate": "generate", "import": "import_pretrained",
@@ -372,21 +372,53 @@ def _safe_yaml(path: str):
         return None
 
 
-def _lightning_cli(args: list[str] | None):
+# The one private LightningCLI member mixerzoo overrides, and the one it reads. LightningCLI has no public hook
+# between "the trainer's config is final" and "the Trainer is built" that sees the callbacks from the parser
+# (checkpoint.*, throughput.*), and a Trainer refuses a ModelCheckpoint when enable_checkpointing is false;
+# `_subcommand_parsers` holds each subcommand's parser (its keys make a "did you mean"). Both are pinned by
+# tests/test_cli_flags.py::test_lightning_private_members_are_still_there, which names them when Lightning changes.
+LIGHTNING_PRIVATE = {"_instantiate_trainer": ("self", "config", "callbacks"), "_subcommand_parsers": None}
+
+
+def _default_callbacks(config: dict, callbacks: list) -> list:
+    """``callbacks`` (from the parser: checkpoint, throughput) with mixerzoo's defaults added, given the trainer's
+    ``config`` (its ``callbacks`` are the user's): the step progress bar unless progress bars are off or the
+    recipe brings one; learning rates logged when there is a logger; Lightning's ``Timer`` (training wall time,
+    summed over resumes, kept in every checkpoint for reports and model cards). No ModelCheckpoint when
+    ``enable_checkpointing`` is false (the Trainer would refuse it)."""
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, Timer
+
+    from .training.callbacks import StepProgressBar
+
+    given = list(callbacks) + list(config.get("callbacks") or [])
+    if config.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in given):
+        callbacks = [*callbacks, StepProgressBar()]
+    if config.get("enable_checkpointing") is False:
+        callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+    if config.get("logger") is not False and not any(isinstance(c, LearningRateMonitor) for c in given):
+        callbacks = [*callbacks, LearningRateMonitor(logging_interval="step")]
+    if not any(isinstance(c, Timer) for c in given):
+        callbacks = [*callbacks, Timer(verbose=False)]
+    return callbacks
+
+
+def _lightning_cli(args: list[str] | None):
     from lightning.pytorch.cli import LightningCLI
 
     from .data import LMDataModule
     from .errors import ConfigError
     from .model.config import apply_mixer_overrides, split_mixer_overrides
     from .training import LMModule, ThroughputLogger
-    from .training.module import explicit_fields
     from .training.checkpoints import AtomicCheckpointIO, LastCheckpoint, check_ckpt_path
+    from .training.module import explicit_fields
+    from .training.runs import RunFolder
 
     # Lightning 2.6 deprecation noise about torch's pytree internals, printed on every run; nothing a user can act on.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     from_shell = args is None
-    args, mixer_overrides, print_config = split_mixer_overrides(list(sys.argv[1:] if from_shell else args))
+    command = list(sys.argv[1:] if from_shell else args)
+    args, mixer_overrides, print_config = split_mixer_overrides(command)
+    run_folder = RunFolder(command)  # what a fit writes, kept outside the CLI object so that a failure can tidy it
 
     class MixerzooCLI(LightningCLI):
         """LightningCLI with mixerzoo's defaults: a last.ckpt checkpoint, throughput logging, CSV logs."""
@@ -407,9 +439,42 @@ def _lightning_cli(args: list[str] | None):
                 super().parse_arguments(parser, args)
             except ArgumentError as e:
                 argv = list(sys.argv[1:] if args is None else args)
-                sub = argv[0] if argv else None
-                subparser = getattr(self, "_subcommand_parsers", {}).get(sub, parser)
+                subparser = getattr(self, "_subcommand_parsers", {}).get(argv[0] if argv else None, parser)
                 raise ConfigError(parser_error_message(str(e), argv, subparser)) from None
+            sub = self.config.get("subcommand")
+            if not sub:
+                return
+            # Before LightningCLI reads hyper-parameters from --ckpt_path: resolve `last`, and check the file, so
+            # a truncated or foreign file gets a clear message instead of an unpickling traceback.
+            config = self.config[sub]
+            _follow_default_root_dir(config)
+            if config.get("ckpt_path") == "last":
+                config.ckpt_path = _find_last_checkpoint(config)
+            check_ckpt_path(config.get("ckpt_path"))
+            if sub == "fit":
+                _resume_in_run_folder(config)
+            # Model fields the user set (differing from LMModule's defaults) win over the checkpoint's, so e.g.
+            # `validate --ckpt_path X --model.mixers '{attention: {mixer: tova, multi_state: 256}}'` switches
+            # layers without retraining; an incompatible change is refused when the weights are loaded.
+            self._explicit_model = explicit_fields(config.get("model") or {})
+
+        def before_instantiate_classes(self) -> None:
+            # LightningCLI has merged the checkpoint's hyper-parameters into the config: put back what was given.
+            sub = self.config.get("subcommand")
+            if not sub:
+                return
+            for k, v in getattr(self, "_explicit_model", {}).items():
+                self.config[sub].model[k] = v
+            if mixer_overrides:
+                self.config[sub].model.mixers = apply_mixer_overrides(self.config[sub].model.get("mixers"),
+                                                                       mixer_overrides)
+            if print_config:
+                # --print_config was held back so that it shows the merged mixers: print the subcommand's config
+                import yaml
+
+                full = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_none=False))
+                print(yaml.safe_dump(full[sub], sort_keys=False), end="")
+                sys.exit(0)
 
         def instantiate_classes(self) -> None:
             try:
@@ -424,110 +489,20 @@ def _lightning_cli(args: list[str] | None):
                     raise ConfigError(missing) from None
                 raise
 
+        def _instantiate_trainer(self, config, callbacks):  # private: see LIGHTNING_PRIVATE
+            return super()._instantiate_trainer(config, _default_callbacks(config, callbacks))
+
         def before_fit(self) -> None:
             # The run folder as it was before this fit: a resumed run keeps the folder's metrics.csv (Lightning's
             # CSV writer would delete it) and config.yaml (this run's config goes beside it); a run that fails
             # before its first step removes the folder it created.
-            from lightning.pytorch.cli import SaveConfigCallback
-            from lightning.pytorch.loggers import CSVLogger
-
-            from .training.runs import KeepEarlierMetrics, open_csv_experiment
-
-            trainer = self.trainer
-            self._run_folder = None
-            for cb in trainer.checkpoint_callbacks:
+            for cb in self.trainer.checkpoint_callbacks:
                 if isinstance(cb, LastCheckpoint):
                     cb.resume_from = self.config[self.subcommand].get("ckpt_path")
-            if trainer.logger is None or not trainer.is_global_zero:
-                return
-            log_dir = trainer.log_dir
-            self._run_folder = (log_dir, os.path.isdir(log_dir))
-            if not os.path.isdir(log_dir):
-                return
-            if isinstance(trainer.logger, CSVLogger):
-                rows = open_csv_experiment(trainer.logger)
-                if self.config[self.subcommand].get("ckpt_path"):
-                    trainer.callbacks.append(KeepEarlierMetrics(rows))
-            for cb in trainer.callbacks:
-                if isinstance(cb, SaveConfigCallback) and os.path.isfile(os.path.join(log_dir, cb.config_filename)):
-                    stem, ext = os.path.splitext(cb.config_filename)
-                    k = 1
-                    while os.path.exists(os.path.join(log_dir, f"{stem}.resumed{k}{ext}")):
-                        k += 1
-                    cb.config_filename = f"{stem}.resumed{k}{ext}"
+            run_folder.open(self.trainer, self.config[self.subcommand].get("ckpt_path"))
 
         def after_fit(self) -> None:
-            # The loss curve of the finished run, drawn from the metrics the CSV logger wrote into its folder.
-            from lightning.pytorch.loggers import CSVLogger
-
-            from .training.runs import write_loss_curve
-
-            trainer = self.trainer
-            if isinstance(trainer.logger, CSVLogger) and trainer.is_global_zero:
-                path, why = write_loss_curve(trainer.logger.log_dir)
-                print(f"mixerzoo: loss curve: {path}" if path else f"mixerzoo: {why}", file=sys.stderr)
-
-        def _run_subcommand(self, subcommand: str) -> None:
-            try:
-                super()._run_subcommand(subcommand)
-            except BaseException:
-                folder = getattr(self, "_run_folder", None)
-                if subcommand == "fit" and folder is not None and not folder[1] and self.trainer.global_step == 0:
-                    from .training.runs import remove_failed_run_folder
-
-                    remove_failed_run_folder(folder[0])
-                raise
-
-        def _instantiate_trainer(self, config, callbacks):
-            # Rich progress bar by default, unless the recipe turns progress bars off or brings its own.
-            wants_bar = config.get("enable_progress_bar", True) is not False
-            given = list(callbacks) + list(config.get("callbacks") or [])
-            if wants_bar and not any(isinstance(c, ProgressBar) for c in given):
-                from .training.callbacks import StepProgressBar
-
-                callbacks = [*callbacks, StepProgressBar()]
-            # Our default callbacks must not turn a valid trainer setting into a Lightning error.
-            if config.get("enable_checkpointing") is False:
-                callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
-            # Learning rates are logged by default, unless there is no logger (Lightning refuses the monitor then).
-            if config.get("logger") is not False and not any(isinstance(c, LearningRateMonitor) for c in given):
-                callbacks = [*callbacks, LearningRateMonitor(logging_interval="step")]
-            # Training wall time is kept in every checkpoint (Timer's state, summed over resumes): reports and model
-            # cards state what a model cost to train.
-            if not any(isinstance(c, Timer) for c in given):
-                callbacks = [*callbacks, Timer(verbose=False)]
-            return super()._instantiate_trainer(config, callbacks)
-
-        def _parse_ckpt_path(self) -> None:
-            # LightningCLI reads hyper-parameters from --ckpt_path before anything else: check the file first,
-            # so a truncated or foreign file gets a clear message instead of an unpickling traceback.
-            sub = self.config.get("subcommand")
-            if not sub:
-                return
-            _follow_default_root_dir(self.config[sub])
-            if self.config[sub].get("ckpt_path") == "last":
-                self.config[sub].ckpt_path = _find_last_checkpoint(self.config[sub])
-            check_ckpt_path(self.config[sub].get("ckpt_path"))
-            if sub == "fit":
-                _resume_in_run_folder(self.config[sub])
-            # Model fields the user set (differing from LMModule's defaults) win over the checkpoint's, so e.g.
-            # `validate --ckpt_path X --model.mixers '{attention: {mixer: tova, multi_state: 256}}'` switches
-            # layers without retraining; an incompatible change is refused when the weights are loaded.
-            given = self.config[sub].get("model")
-            explicit = explicit_fields(given or {})
-            super()._parse_ckpt_path()
-            for k, v in explicit.items():
-                self.config[sub].model[k] = v
-            if mixer_overrides:
-                self.config[sub].model.mixers = apply_mixer_overrides(self.config[sub].model.get("mixers"),
-                                                                       mixer_overrides)
-            if print_config:
-                # --print_config was held back so that it shows the merged mixers: print the subcommand's config
-                import yaml
-
-                full = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_none=False))
-                print(yaml.safe_dump(full[sub], sort_keys=False), end="")
-                sys.exit(0)
+            run_folder.finish(self.trainer)
 
     trainer_defaults = {
         "default_root_dir": DEFAULT_ROOT_DIR,
@@ -536,10 +511,17 @@ def _lightning_cli(args: list[str] | None):
         # a class_path (not an instance) so that jsonargparse can write it into the run's config.yaml
         "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__qualname__}"}],
     }
+
     def run(cli_args: list[str] | None):
-        return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
-                           save_config_kwargs={"overwrite": True}, args=cli_args, auto_configure_optimizers=False,
-                           parser_kwargs=PARSER_KWARGS)
+        try:
+            return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
+                               save_config_kwargs={"overwrite": True}, args=cli_args,
+                               auto_configure_optimizers=False, parser_kwargs=PARSER_KWARGS)
+        except BaseException as e:
+            status = run_folder.failed(e)
+            if status is None:
+                raise
+            sys.exit(status)
 
     if not from_shell:
         return run(args)

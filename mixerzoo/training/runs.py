@@ -1,24 +1,35 @@
 """A run's folder (``runs/mixerzoo/version_N/``: ``config.yaml``, ``hparams.yaml``, ``metrics.csv``,
-``checkpoints/``): finding the one a checkpoint belongs to, keeping its metrics when a run resumes there, removing
-the folder of a run that failed before its first step, and drawing its loss curve.
+``checkpoints/``): finding the one a checkpoint belongs to, keeping its metrics when a run resumes there, locking
+it while a fit writes to it, removing the folder of a run that failed before its first step, saying how to resume
+an interrupted run, and drawing its loss curve (:class:`RunFolder` is what ``mixerzoo fit`` does with them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import json
 import math
 import os
 import re
+import shlex
+import socket
+import sys
+import time
 import warnings
 
 import lightning as L
 
+from ..errors import UserError
+
 __all__ = ["run_folder_of", "KeepEarlierMetrics", "open_csv_experiment", "remove_failed_run_folder",
-           "write_loss_curve", "SETUP_FILES", "LOSS_CURVE"]
+           "write_loss_curve", "RunFolder", "RunLock", "RunLockedError", "resume_command", "SETUP_FILES", "LOSS_CURVE",
+           "LOCK_NAME"]
 
 # What Lightning and LightningCLI write into a run folder before the first training step.
 SETUP_FILES = ("config.yaml", "hparams.yaml", "metrics.csv")
 LOSS_CURVE = "loss_curve.png"
+LOCK_NAME = "fit.lock"  # in a run folder while a fit writes to it: {"pid", "host", "started"}
 
 
 def run_folder_of(ckpt_path: str) -> tuple[str, str, int | str] | None:
@@ -158,3 +169,174 @@ def write_loss_curve(log_dir: str) -> tuple[str | None, str | None]:
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out, None
+
+
+class RunLockedError(UserError):
+    """Another fit is writing to the run folder this fit would write to."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+class RunLock:
+    """``LOCK_NAME`` in a run folder, created exclusively (``O_EXCL``) by the fit that writes the folder and
+    removed when it ends, so that a second fit resuming the same run (two ``--ckpt_path last`` at once) stops
+    before it writes a row or a checkpoint. A lock left by a process of this host that no longer runs (a killed
+    fit) is taken over; one held by a live process, or by another host (whose processes cannot be seen from here),
+    is refused with :class:`RunLockedError` naming the pid and host."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.path = os.path.join(folder, LOCK_NAME)
+        self.held = False
+
+    def acquire(self) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None or (holder.get("host") == me["host"] and isinstance(holder.get("pid"), int)
+                                      and not _pid_alive(holder["pid"])):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(self.path)  # stale: its fit is gone
+                    continue
+                raise RunLockedError(
+                    f"{self.folder} is being written by another fit (pid {holder.get('pid')} on "
+                    f"{holder.get('host')}, since {holder.get('started')}); wait for it to end, or give this fit "
+                    f"another run (--trainer.logger.init_args.version NEW); if no such fit runs, delete "
+                    f"{self.path}") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise RunLockedError(f"could not lock {self.folder}: {self.path} keeps reappearing; another fit is "
+                             f"starting there")
+
+    def _holder(self) -> dict | None:
+        try:
+            with open(self.path) as f:
+                holder = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return holder if isinstance(holder, dict) else None
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            holder = self._holder()
+            if holder is None or holder.get("pid") == os.getpid():
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that resumes the run ``argv`` (``fit --config X ...``) started: the same arguments with
+    ``--ckpt_path last``."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--ckpt_path":
+            skip = True
+            continue
+        if not a.startswith("--ckpt_path="):
+            out.append(a)
+    return "mixerzoo " + " ".join(shlex.quote(a) for a in [*out, "--ckpt_path", "last"])
+
+
+class RunFolder:
+    """What ``mixerzoo fit`` does with its run folder around Lightning's ``Trainer.fit``.
+
+    :meth:`open` (before the fit, on the main process): lock the folder (:class:`RunLock`); for a run that
+    continues in an existing folder keep its ``metrics.csv`` (Lightning's CSV writer would delete it) and write
+    this run's config beside the earlier one (``config.resumed1.yaml``). :meth:`finish`: draw the loss curve,
+    unlock. :meth:`failed` (the fit raised): unlock; remove the folder when this fit created it and failed
+    before its first step; after Ctrl-C or SIGTERM, print where the last checkpoint is and the resume command.
+    """
+
+    def __init__(self, argv: list[str] | None = None) -> None:
+        self.argv = argv
+        self.log_dir: str | None = None
+        self.existed = True
+        self.trainer = None
+        self.lock: RunLock | None = None
+
+    def open(self, trainer, ckpt_path: str | None) -> None:
+        from lightning.pytorch.cli import SaveConfigCallback
+        from lightning.pytorch.loggers import CSVLogger
+
+        self.trainer = trainer
+        if trainer.logger is None or not trainer.is_global_zero:
+            return
+        log_dir = trainer.log_dir
+        self.log_dir, self.existed = log_dir, os.path.isdir(log_dir)
+        self.lock = RunLock(log_dir)
+        self.lock.acquire()
+        if not self.existed:
+            return
+        if isinstance(trainer.logger, CSVLogger):
+            rows = open_csv_experiment(trainer.logger)
+            if ckpt_path:
+                trainer.callbacks.append(KeepEarlierMetrics(rows))
+        for cb in trainer.callbacks:
+            if isinstance(cb, SaveConfigCallback) and os.path.isfile(os.path.join(log_dir, cb.config_filename)):
+                stem, ext = os.path.splitext(cb.config_filename)
+                k = 1
+                while os.path.exists(os.path.join(log_dir, f"{stem}.resumed{k}{ext}")):
+                    k += 1
+                cb.config_filename = f"{stem}.resumed{k}{ext}"
+
+    def finish(self, trainer) -> None:
+        """After a fit that ended: the loss curve of the run from its ``metrics.csv``; the lock released."""
+        from lightning.pytorch.loggers import CSVLogger
+
+        if self.lock is not None:
+            self.lock.release()
+        if isinstance(trainer.logger, CSVLogger) and trainer.is_global_zero:
+            path, why = write_loss_curve(trainer.logger.log_dir)
+            print(f"mixerzoo: loss curve: {path}" if path else f"mixerzoo: {why}", file=sys.stderr)
+
+    def failed(self, error: BaseException) -> int | None:
+        """After a fit (or its setup) raised ``error``. Returns the exit status for an interrupted fit (130 for
+        Ctrl-C, 143 for SIGTERM) after printing how to resume it, else None (the caller re-raises)."""
+        if self.lock is not None:
+            self.lock.release()
+        trainer = self.trainer
+        if trainer is None:
+            return None
+        if self.log_dir is not None and not self.existed and trainer.global_step == 0:
+            remove_failed_run_folder(self.log_dir)
+        signal_name = interrupt_signal(error)
+        if signal_name is None or not trainer.is_global_zero:
+            return None
+        ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
+        saved = (f"the last checkpoint is {ckpt}" if ckpt and os.path.isfile(ckpt)
+                 else "no checkpoint was written (interrupted before the first)")
+        how = f"; resume with: {resume_command(self.argv)}" if self.argv and ckpt else ""
+        print(f"mixerzoo: fit stopped by {signal_name} at step {trainer.global_step}; {saved}{how}",
+              file=sys.stderr)
+        return 130 if signal_name == "Ctrl-C" else 143
+
+
+def interrupt_signal(error: BaseException) -> str | None:
+    """``"Ctrl-C"`` or ``"SIGTERM"`` when ``error`` is how Lightning ends a fit on that signal
+    (``KeyboardInterrupt``, which Lightning turns into ``SystemExit(1)``; ``SIGTERMException``), else None."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    if isinstance(error, SIGTERMException):
+        return "SIGTERM"
+    if isinstance(error, KeyboardInterrupt) or (isinstance(error, SystemExit)
+                                               and isinstance(error.__context__, KeyboardInterrupt)):
+        return "Ctrl-C"
+    return None
