@@ -571,3 +571,57 @@ def test_corrupt_checkpoint_message_names_the_argument_used_and_torchs_whole_rea
                      r"checkpoint\n\Z", err), err[-2000:]
     assert "weights_only" not in err and "Traceback" not in err, err[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def _tiny_export(folder):
+    """An exported model (swa + attention, 64 ids) written without training."""
+    from mixerzoo.data.tokenizers import id_tokenizer
+    from mixerzoo.hub.checkpoint import TrainedModel
+    from mixerzoo.hub.export import export_trained
+    from mixerzoo.model import LanguageModel, LMConfig
+
+    config = LMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, layer_types=["swa", "attention"],
+                      mixers={"swa": {"window": 8}, "attention": {}})
+    trained = TrainedModel(config=config, state_dict=LanguageModel(config).state_dict(), tokenizer=id_tokenizer(64),
+                           tokenizer_source="ids", eos_id=None, recipe={}, global_step=0, batches=0,
+                           training_tokens=None, metrics={}, source="test")
+    return export_trained(trained, folder)
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("command", ["generate", "evaluate", "import-transformers"])
+def test_truncated_safetensors_is_one_line(command, tmp_path, monkeypatch, capsys):
+    """An interrupted download or copy of model.safetensors: one line naming the file and the fix."""
+    import re
+
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    if command == "import-transformers":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        source = tmp_path / "llama"
+        LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2)).save_pretrained(source)
+        _truncate(source / "model.safetensors")
+        argv = ["import", str(source), str(tmp_path / "out")]
+        match = (r"transformers cannot read the weights of '.*llama': a safetensors file is truncated or corrupt "
+                 r"\(.*\); download or save the model again")
+    else:
+        source = _tiny_export(tmp_path / "exp")
+        _truncate(source / "model.safetensors")
+        (tmp_path / "docs").mkdir()
+        (tmp_path / "docs" / "a.txt").write_text("1 2 3 4 5 6 7 8 " * 20)
+        argv = (["generate", str(source), "--prompt", "1 2"] if command == "generate" else
+                ["evaluate", "--ckpt", str(source), "--out", str(tmp_path / "out"), "--tasks", "loss", "--data",
+                 str(tmp_path / "docs")])
+        match = (re.escape(str(source / "model.safetensors")) + r" cannot be read as safetensors \(truncated or "
+                 r"corrupt: .*\); download, export or save it again")
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err[-2000:]
+    assert re.search(r"(?m)^mixerzoo: error: " + match + r"\n\Z", err), err[-2000:]
+    assert not (tmp_path / "out").exists()

@@ -195,16 +195,16 @@ def _read_yaml_configs(paths) -> dict:
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from .load import read_safetensors
 
     index = folder / "model.safetensors.index.json"
     if (folder / "model.safetensors").is_file():
-        return load_file(str(folder / "model.safetensors"))
+        return read_safetensors(folder / "model.safetensors")
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         out: dict[str, torch.Tensor] = {}
         for f in files:
-            out.update(load_file(str(folder / f)))
+            out.update(read_safetensors(folder / f))
         return out
     if (folder / "pytorch_model.bin").is_file():
         return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)

@@ -113,14 +113,33 @@ def saved_dtype(folder: Path) -> str | None:
         return None
 
 
-def load_folder_weights(folder: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """The tensors of ``model.safetensors`` (a ``model.`` prefix, as ``transformers`` saves them, is removed)."""
+def read_safetensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file.
+
+    Raises:
+        ConfigError: the file is truncated or corrupt (safetensors' reason, and the fix: fetch or write it again).
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    try:
+        return load_file(os.fspath(path), device=str(device))
+    except (SafetensorError, OSError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(f"{os.fspath(path)} cannot be read as safetensors (truncated or corrupt: {reason}); "
+                          f"download, export or save it again") from None
+
+
+def load_folder_weights(folder: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of ``model.safetensors`` (a ``model.`` prefix, as ``transformers`` saves them, is removed).
+
+    Raises:
+        FileNotFoundError: no model.safetensors. ConfigError: a truncated or corrupt one.
+    """
     path = folder / WEIGHTS_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no {WEIGHTS_NAME}; re-export the checkpoint with `mixerzoo export`")
-    weights = load_file(str(path), device=str(device))
+    weights = read_safetensors(path, device)
     if weights and all(k.startswith("model.") for k in weights):
         weights = {k[len("model."):]: v for k, v in weights.items()}
     return weights

@@ -276,6 +276,7 @@ def read_transformers(source: str | os.PathLike, *, gguf_file: str | None = None
             :data:`SUPPORTED_ARCHITECTURES` (checked on the config before any weight is read). ConfigError: a file
             transformers cannot read (e.g. a GGUF quantization it does not de-quantize), with its reason.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..progress import show_progress
@@ -295,6 +296,9 @@ def read_transformers(source: str | os.PathLike, *, gguf_file: str | None = None
         tokenizer = AutoTokenizer.from_pretrained(folder, revision=revision, **kwargs)
     except struct.error as e:
         raise ConfigError(_truncated_gguf(s, gguf_file, e)) from e
+    except SafetensorError as e:  # a model.safetensors cut short (an interrupted download or copy)
+        raise ConfigError(f"transformers cannot read the weights of {s!r}: a safetensors file is truncated or "
+                          f"corrupt ({_first_line(e)}); download or save the model again") from None
     except (OSError, ValueError, KeyError, RuntimeError, NotImplementedError) as e:
         raise ConfigError(f"transformers cannot read {s!r}{f' ({gguf_file})' if gguf_file else ''}: "
                           f"{_first_line(e)}") from e
