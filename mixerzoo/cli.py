@@ -380,6 +380,27 @@ def _safe_yaml(path: str):
 LIGHTNING_PRIVATE = {"_instantiate_trainer": ("self", "config", "callbacks"), "_subcommand_parsers": None}
 
 
+def _check_strategy(trainer) -> None:
+    """Refuse a trainer setting Lightning would refuse with a traceback: FSDP without a GPU.
+
+    Raises:
+        ConfigError: ``strategy`` is FSDP (by name or class) and the accelerator is the CPU (or ``auto`` on a
+            machine without CUDA).
+    """
+    import torch
+
+    from .errors import ConfigError
+
+    strategy, accelerator = trainer.get("strategy"), trainer.get("accelerator")
+    name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", None) or type(strategy).__name__
+    if not (isinstance(name, str) and (name.startswith("fsdp") or name.endswith("FSDPStrategy"))):
+        return
+    if accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available()):
+        raise ConfigError(f"--trainer.strategy {strategy if isinstance(strategy, str) else name} needs GPUs "
+                          f"(FSDP shards the model over CUDA devices) and the accelerator is the CPU; on CPU use "
+                          f"--trainer.strategy ddp")
+
+
 def _default_callbacks(config: dict, callbacks: list) -> list:
     """``callbacks`` (from the parser: checkpoint, throughput) with mixerzoo's defaults added, given the trainer's
     ``config`` (its ``callbacks`` are the user's): the step progress bar unless progress bars are off or the
@@ -463,6 +484,7 @@ def _lightning_cli(args: list[str] | None):
             sub = self.config.get("subcommand")
             if not sub:
                 return
+            _check_strategy(self.config[sub].get("trainer") or {})
             for k, v in getattr(self, "_explicit_model", {}).items():
                 self.config[sub].model[k] = v
             if mixer_overrides:

@@ -95,6 +95,13 @@ CASES = {
     "batch_size_negative": (FIT + ["--data.init_args.batch_size", "-4"], r"data\.batch_size must be an integer >= 1"),
     "lr_negative": (FIT + ["--model.lr", "-1"], r"model\.lr must be > 0"),
     "max_bad_steps_zero": (FIT + ["--model.max_bad_steps", "0"], r"model\.max_bad_steps must be an integer >= 1"),
+    "vocab_smaller_than_tokenizer": (FIT + ["--model.vocab_size", "32"],
+                                     r"(?m)^mixerzoo: error: the tokenizer has 64 tokens but model\.vocab_size=32; "
+                                     r"raise model\.vocab_size to at least 64 \(or leave it unset to take the "
+                                     r"tokenizer's\)\n\Z"),
+    "fsdp_on_cpu": (FIT + ["--trainer.strategy", "fsdp", "--trainer.accelerator", "cpu"],
+                    r"(?m)^mixerzoo: error: --trainer\.strategy fsdp needs GPUs \(FSDP shards the model over CUDA "
+                    r"devices\) and the accelerator is the CPU; on CPU use --trainer\.strategy ddp\n\Z"),
     "too_many_kv_pairs": (FIT + ["--data.init_args.num_kv_pairs", "40"], r"data\.num_kv_pairs=40 is too many"),
     "batch_larger_than_data": (FIT + ["--data.init_args.batch_size", "128"], r"fewer than one global batch"),
     "d_model_huge": (FIT + ["--model.d_model", "99999999999"], r"out of memory: tried to allocate [\d,.]+ GiB.*model\.d_model"),
@@ -625,3 +632,61 @@ def test_truncated_safetensors_is_one_line(command, tmp_path, monkeypatch, capsy
     assert "Traceback" not in err and err.count("\n") == 1, err[-2000:]
     assert re.search(r"(?m)^mixerzoo: error: " + match + r"\n\Z", err), err[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif("torch.cuda.is_available()")
+def test_generate_on_a_device_this_machine_lacks_is_one_line(tmp_path, monkeypatch, capsys):
+    import re
+
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    folder = str(_tiny_export(tmp_path / "exp"))
+    for device, match in (("cuda", r"--device cuda: this machine has no CUDA device \(torch .* sees none\); use "
+                                   r"--device cpu, or leave --device out"),
+                          ("gpu", r"--device 'gpu' is not a device; use cpu, cuda or cuda:N")):
+        capsys.readouterr()
+        assert main(["generate", folder, "--prompt", "1 2", "--device", device]) == 2
+        err = capsys.readouterr().err
+        assert re.search(r"(?m)\Amixerzoo: error: " + match + r"\n\Z", err), err[-2000:]
+
+
+class DecodeBreaks(torch.nn.Module):
+    """A plugin mixer whose whole-sequence form works and whose one-token decode step raises."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x, state=None):
+        if state is not None:
+            raise ValueError("no one-token path")
+        return self.proj(x), x[:, -1:]
+
+
+def test_generate_names_the_layer_whose_mixer_raises_in_decode(tmp_path, monkeypatch, capsys):
+    """As fit names the layer whose first forward breaks the protocol: the layer, the mixer, its distribution,
+    that it was decoding, and the mixer's own error."""
+    from mixerzoo import registry
+    from mixerzoo.data.tokenizers import id_tokenizer
+    from mixerzoo.hub.checkpoint import TrainedModel
+    from mixerzoo.hub.export import export_trained
+    from mixerzoo.model import LanguageModel, LMConfig
+
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    registry.register("decode_breaks", DecodeBreaks)
+    try:
+        config = LMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, layer_types=["swa", "odd"],
+                          mixers={"swa": {"window": 8}, "odd": {"mixer": "decode_breaks"}})
+        export_trained(TrainedModel(config=config, state_dict=LanguageModel(config).state_dict(),
+                                    tokenizer=id_tokenizer(64), tokenizer_source="ids", eos_id=None, recipe={},
+                                    global_step=0, batches=0, training_tokens=None, metrics={}, source="test"),
+                       tmp_path / "exp")
+        capsys.readouterr()
+        assert main(["generate", str(tmp_path / "exp"), "--prompt", "1 2", "--max_new_tokens", "3"]) == 2
+    finally:
+        registry._manual["mixer"].pop("decode_breaks", None)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-2000:]
+    assert err.endswith(
+        "mixerzoo: error: layer 1 (odd: mixer 'decode_breaks' (distribution (registered in process) -)) raised "
+        "ValueError: no one-token path while decoding one step with its state; fix that mixer "
+        "(mixerzoo.testing.run_conformance's decode check finds such bugs)\n"), err[-2000:]

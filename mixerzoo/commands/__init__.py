@@ -12,7 +12,7 @@ import argparse
 
 from ..errors import user_errors
 
-__all__ = ["user_errors", "add_option", "RENAMED_FLAGS"]
+__all__ = ["user_errors", "add_option", "resolve_device", "RENAMED_FLAGS"]
 
 # Every flag of every subcommand is spelt as LightningCLI spells its own (``--ckpt_path``, ``--max_steps``):
 # words joined by underscores. The spellings with hyphens these flags had earlier are still accepted (hidden
@@ -31,3 +31,33 @@ def add_option(parser: argparse.ArgumentParser, flag: str, **kwargs) -> argparse
         parser.add_argument(old, dest=action.dest, help=argparse.SUPPRESS, default=argparse.SUPPRESS,
                             **({"metavar": kwargs["metavar"]} if "metavar" in kwargs else {}), **hidden)
     return action
+
+
+def resolve_device(given: str | None) -> str:
+    """The device a command runs on: ``given`` (``--device``) when this machine has it, else CUDA when available,
+    else the CPU.
+
+    Raises:
+        ConfigError: ``given`` is not a device name, or names a CUDA (or MPS) device this machine does not have.
+    """
+    import torch
+
+    from ..errors import ConfigError
+
+    if given is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(given)
+    except RuntimeError:
+        raise ConfigError(f"--device {given!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"--device {given}: this machine has no CUDA device (torch {torch.__version__} sees "
+                              f"none); use --device cpu, or leave --device out")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"--device {given}: this machine has {count} CUDA device(s), cuda:0 to "
+                              f"cuda:{count - 1}")
+    if device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ConfigError(f"--device {given}: MPS is not available here; use --device cpu")
+    return given

@@ -14,9 +14,7 @@ import shlex
 import sys
 from typing import IO
 
-import torch
-
-from . import user_errors
+from . import resolve_device, user_errors
 
 __all__ = ["main", "build_parser"]
 
@@ -142,7 +140,7 @@ def main(argv: list[str], out: IO[str] | None = None) -> int:
             mqar_format=args.mqar_format, icr_vocab=args.icr_vocab,
             icr_key_len=args.icr_key_len, icr_value_len=args.icr_value_len)
         settings.check()
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = resolve_device(args.device)
         models, used = [], set()
         for i, (path, tok, mix) in enumerate(zip(args.ckpt, toks, mixers)):
             name = args.names[i] if args.names else None

@@ -15,7 +15,7 @@ from typing import IO
 
 import torch
 
-from . import add_option, user_errors
+from . import add_option, resolve_device, user_errors
 
 __all__ = ["main", "build_parser", "load_for_generation", "stream_text", "layer_summary"]
 
@@ -169,7 +169,7 @@ def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None
             raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
         if args.top_p is not None and not 0 < args.top_p <= 1:
             raise ConfigError(f"--top_p must be in (0, 1], got {args.top_p}")
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = resolve_device(args.device)
         t0 = time.perf_counter()
         from ..hub.source import load_model
 
@@ -192,8 +192,11 @@ def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None
         warn_if_beyond_context(loaded.trained, len(prompt_ids) + args.max_new_tokens, "prompt + --max_new_tokens")
         if prompt and not args.no_echo:
             out.write(tok.decode(prompt_ids, skip_special_tokens=False))
-        new, t = stream_text(model, tok, prompt_ids, out, args.max_new_tokens, args.temperature, args.top_k,
-                             args.top_p, eos_id, args.seed)
+        from ..model.lm import mixer_errors_named
+
+        with mixer_errors_named(model):
+            new, t = stream_text(model, tok, prompt_ids, out, args.max_new_tokens, args.temperature, args.top_k,
+                                 args.top_p, eos_id, args.seed)
         out.write("\n")
         out.flush()
         state = getattr(model, "_last_state_bytes", None)

@@ -195,20 +195,22 @@ class LMModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Build the LM once the vocabulary is known (from ``vocab_size`` or the datamodule's tokenizer)."""
-        if self.model is not None:
-            return
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         data_vocab = getattr(dm, "vocab_size", None)
         vocab = self.hparams.vocab_size
+        # A model built in __init__ (vocab_size given) meets the datamodule here, before its first batch: a
+        # token id past the embedding would be an IndexError deep inside the forward.
+        if vocab is not None and data_vocab is not None and data_vocab > vocab:
+            raise ConfigError(f"the tokenizer has {data_vocab} tokens but model.vocab_size={vocab}; raise "
+                              f"model.vocab_size to at least {data_vocab} (or leave it unset to take the "
+                              f"tokenizer's)")
+        if self.model is not None:
+            return
         if vocab is None:
             if data_vocab is None:
                 raise ConfigError("model.vocab_size is not set and the datamodule has no vocab_size; set "
                                   "--model.vocab_size or use a mixerzoo datamodule")
             vocab = data_vocab
-        elif data_vocab is not None and data_vocab > vocab:
-            raise ConfigError(f"the tokenizer has {data_vocab} tokens but model.vocab_size={vocab}; raise "
-                              f"model.vocab_size to at least {data_vocab} (or leave it unset to take the "
-                              f"tokenizer's)")
         self.hparams.vocab_size = vocab
         # Lightning logs (and checks against the datamodule's) the *initial* hparams: record the resolved value.
         if getattr(self, "_hparams_initial", None) is not None:

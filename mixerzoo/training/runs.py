@@ -282,9 +282,12 @@ class RunFolder:
         log_dir = trainer.log_dir
         self.log_dir, self.existed = log_dir, os.path.isdir(log_dir)
         self.lock = RunLock(log_dir)
-        self.lock.acquire()
         if not self.existed:
+            if isinstance(trainer.logger, CSVLogger):
+                trainer.logger.experiment  # noqa: B018 - creates the folder, which must be empty at that moment
+            self.lock.acquire()
             return
+        self.lock.acquire()
         if isinstance(trainer.logger, CSVLogger):
             rows = open_csv_experiment(trainer.logger)
             if ckpt_path:
