@@ -178,6 +178,36 @@ def _follow_default_root_dir(config) -> None:
         init_args["save_dir"] = root
 
 
+def _check_writable(config) -> None:
+    """Refuse a fit whose run folders cannot be written (``trainer.default_root_dir``, the logger's ``save_dir``,
+    ``checkpoint.dirpath``) before anything runs, naming the option and the path; creates the folders (a fit
+    would).
+
+    Raises:
+        ConfigError: a folder that cannot be created or written.
+    """
+    from .errors import ConfigError
+
+    trainer = config.get("trainer") or {}
+    logger = trainer.get("logger")
+    folders = [("--trainer.default_root_dir", trainer.get("default_root_dir")),
+               ("--checkpoint.dirpath", (config.get("checkpoint") or {}).get("dirpath"))]
+    if hasattr(logger, "get"):
+        folders.append(("--trainer.logger.init_args.save_dir", (logger.get("init_args") or {}).get("save_dir")))
+    for option, folder in folders:
+        if not isinstance(folder, (str, os.PathLike)) or "://" in os.fspath(folder):
+            continue  # unset, or a remote file system (fsspec): Lightning's to check
+        try:
+            os.makedirs(folder, exist_ok=True)
+            writable = os.access(folder, os.W_OK | os.X_OK)
+            reason = "permission denied"
+        except OSError as e:
+            writable, reason = False, e.strerror or type(e).__name__
+        if not writable:
+            raise ConfigError(f"{option} {os.fspath(folder)!r} cannot be written ({reason}); give a folder you can "
+                              f"write to")
+
+
 def _reraise_data_error(data) -> None:
     """Instantiate the configured data module again, outside jsonargparse, so that the error it raises reaches
     :func:`~mixerzoo.errors.user_errors` as itself. Returns when that does not raise (or ``data`` is not a
@@ -291,6 +321,10 @@ def parser_error_message(message: str, argv: list[str], parser=None) -> str:
     help_hint = f"`mixerzoo {sub} --help` lists every option"
     keys = _parser_keys(parser) if parser is not None else []
     configs = _config_files(argv)
+    m = re.search(r"arguments are required: (\S+?)\.data\b", message)
+    if m and not configs:
+        return (f"mixerzoo {m.group(1)} needs a recipe: --config RECIPE.yaml (e.g. recipes/quickstart.yaml), or at "
+                f"least --data CLASS (e.g. --data mixerzoo.data.RecallDataModule) ({help_hint})")
     m = re.search(r"unrecognized arguments: (\S+)", message)
     if m:
         given = m.group(1).split("=", 1)[0]
@@ -473,6 +507,7 @@ def _lightning_cli(args: list[str] | None):
                 config.ckpt_path = _find_last_checkpoint(config)
             check_ckpt_path(config.get("ckpt_path"))
             if sub == "fit":
+                _check_writable(config)
                 _resume_in_run_folder(config)
             # Model fields the user set (differing from LMModule's defaults) win over the checkpoint's, so e.g.
             # `validate --ckpt_path X --model.mixers '{attention: {mixer: tova, multi_state: 256}}'` switches

@@ -85,7 +85,15 @@ CASES = {
     "lr_text": (FIT + ["--model.lr", "fast"], r"model\.lr"),
     "max_steps_text": (FIT + ["--trainer.max_steps", "abc"], r"trainer\.max_steps"),
     "layer_types_not_a_list": (FIT + ["--model.layer_types", "{a: 1}"], r"model\.layer_types"),
-    "window_text": (FIT + ["--model.mixers", "{swa: {window: big}, attention: {}}"], r"model\.mixers\.swa.*window='big' \(declared int\)"),
+    "window_text": (FIT + ["--model.mixers", "{swa: {window: big}, attention: {}}"],
+                    r"(?m)^mixerzoo: error: model\.mixers\.swa\.window: expected int, got 'big' \(an option of mixer "
+                    r"'swa'\)\n\Z"),
+    "mixer_typo": (FIT + ["--model.mixers", "{swa: {mixer: kvmm}, attention: {}}"],
+                   r"(?m)^mixerzoo: error: unknown mixer 'kvmm'; did you mean 'kvm'\? Installed mixers: "),
+    "layer_types_typo": (FIT + ["--model.layer_types", "[swa, atention]"],
+                         r"(?m)^mixerzoo: error: model\.layer_types\[1\]='atention' is not a layer of model\.mixers "
+                         r"\(which has \['attention', 'swa'\]\); did you mean 'attention'\? Fix the spelling in "
+                         r"model\.layer_types\n\Z"),
     # impossible sizes
     "n_layers_negative": (FIT + ["--model.n_layers", "-1"], r"model\.n_layers must be a positive integer"),
     "d_model_zero": (FIT + ["--model.d_model", "0"], r"model\.d_model must be a positive integer"),
@@ -102,6 +110,11 @@ CASES = {
     "fsdp_on_cpu": (FIT + ["--trainer.strategy", "fsdp", "--trainer.accelerator", "cpu"],
                     r"(?m)^mixerzoo: error: --trainer\.strategy fsdp needs GPUs \(FSDP shards the model over CUDA "
                     r"devices\) and the accelerator is the CPU; on CPU use --trainer\.strategy ddp\n\Z"),
+    "fit_without_config": (["fit"], r"(?m)\Amixerzoo: error: mixerzoo fit needs a recipe: --config RECIPE\.yaml "
+                                    r"\(e\.g\. recipes/quickstart\.yaml\), or at least --data CLASS"),
+    "root_dir_not_writable": (FIT + ["--trainer.default_root_dir", "ok.yaml/runs"],
+                              r"(?m)^mixerzoo: error: --trainer\.default_root_dir 'ok\.yaml/runs' cannot be written "
+                              r"\(Not a directory\); give a folder you can write to\n\Z"),
     "too_many_kv_pairs": (FIT + ["--data.init_args.num_kv_pairs", "40"], r"data\.num_kv_pairs=40 is too many"),
     "batch_larger_than_data": (FIT + ["--data.init_args.batch_size", "128"], r"fewer than one global batch"),
     "d_model_huge": (FIT + ["--model.d_model", "99999999999"], r"out of memory: tried to allocate [\d,.]+ GiB.*model\.d_model"),
@@ -416,7 +429,8 @@ def test_plugins_name_shows_the_options_with_defaults_and_meanings(capsys):
     assert any(line.split()[:3] == ["n_heads", "from", "model.n_heads"] for line in lines), out
     assert any(line.split()[:2] == ["positional", "rope"] for line in lines), out
     assert main(["plugins", "swaa"]) == 2
-    assert capsys.readouterr().err.startswith("mixerzoo: error: unknown mixer 'swaa'. Installed mixers: ")
+    assert capsys.readouterr().err.startswith("mixerzoo: error: unknown mixer 'swaa'; did you mean 'swa'? Installed "
+                                              "mixers: ")
 
 
 def test_non_utf8_text_is_read_with_a_warning(tmp_path, monkeypatch, capsys, caplog):
@@ -690,3 +704,19 @@ def test_generate_names_the_layer_whose_mixer_raises_in_decode(tmp_path, monkeyp
         "mixerzoo: error: layer 1 (odd: mixer 'decode_breaks' (distribution (registered in process) -)) raised "
         "ValueError: no one-token path while decoding one step with its state; fix that mixer "
         "(mixerzoo.testing.run_conformance's decode check finds such bugs)\n"), err[-2000:]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "M", "--prompt", "1", "--max_new_token", "3"],
+     r"--max_new_token: no such option; did you mean --max_new_tokens\? \(`mixerzoo generate --help` lists every "
+     r"option\)"),
+    (["generate"], r"the following arguments are required: source \(`mixerzoo generate --help` lists every option\)"),
+    (["export", "C", "O", "--repoid", "me/x"], r"--repoid: no such option; did you mean --repo_id\?"),
+    (["evaluate", "--ckpt", "C", "--out", "O", "--taks", "cost"], r"--taks: no such option; did you mean --tasks\?"),
+])
+def test_subcommand_flag_mistakes_are_one_line_with_did_you_mean(argv, match, capsys):
+    import re
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "usage:" not in err and re.search(r"(?m)\Amixerzoo: error: " + match + r".*\n\Z", err), err[-2000:]

@@ -12,13 +12,39 @@ import argparse
 
 from ..errors import user_errors
 
-__all__ = ["user_errors", "add_option", "resolve_device", "RENAMED_FLAGS"]
+__all__ = ["user_errors", "add_option", "resolve_device", "CommandParser", "RENAMED_FLAGS"]
 
 # Every flag of every subcommand is spelt as LightningCLI spells its own (``--ckpt_path``, ``--max_steps``):
 # words joined by underscores. The spellings with hyphens these flags had earlier are still accepted (hidden
 # from --help), so scripts written for them keep working.
 RENAMED_FLAGS = {"--max-new-tokens": "--max_new_tokens", "--top-k": "--top_k", "--top-p": "--top_p",
                  "--no-echo": "--no_echo", "--repo-id": "--repo_id", "--gguf-file": "--gguf_file"}
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of a subcommand: no abbreviated options (``--max_new_token`` is not ``--max_new_tokens``), and a
+    mistake raised as one :class:`~mixerzoo.errors.ConfigError` line (the option at fault, the closest valid one,
+    where the full list is) instead of argparse's usage dump; ``--help`` prints and exits as usual."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        import re
+
+        from ..errors import ConfigError, closest
+
+        hint = f"`{self.prog} --help` lists every option"
+        m = re.search(r"unrecognized arguments: (\S+)", message)
+        if m and m.group(1).startswith("-"):
+            flag = m.group(1).split("=", 1)[0]
+            options = [o for a in self._actions if a.help != argparse.SUPPRESS for o in a.option_strings
+                       if o.startswith("--")]
+            close = closest(flag, options)
+            raise ConfigError(f"{flag}: no such option" + (f"; did you mean {close}?" if close else "") +
+                              f" ({hint})")
+        raise ConfigError(f"{message} ({hint})")
 
 
 def add_option(parser: argparse.ArgumentParser, flag: str, **kwargs) -> argparse.Action:

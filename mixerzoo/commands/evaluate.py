@@ -14,7 +14,7 @@ import shlex
 import sys
 from typing import IO
 
-from . import resolve_device, user_errors
+from . import CommandParser, resolve_device, user_errors
 
 __all__ = ["main", "build_parser"]
 
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ..evaluation.runner import TASK_GROUPS, TASKS, EvalSettings
 
     d = EvalSettings()  # the defaults
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="mixerzoo evaluate", allow_abbrev=False,
         description="Evaluate checkpoints of any mixer pattern: per-position loss on long documents, recall sweeps "
                     "(MQAR, ICR, needle in a haystack) and measured cost at each context length; writes report.md, "
@@ -106,9 +106,9 @@ def _yaml_mapping(text: str, field: str) -> dict:
 
 def main(argv: list[str], out: IO[str] | None = None) -> int:
     """Run ``mixerzoo evaluate``; returns the exit status (2 for user errors, printed as one line)."""
-    args = build_parser().parse_args(argv)
     status = [0]
     with user_errors(status):
+        args = build_parser().parse_args(argv)
         from rich.console import Console
 
         from ..evaluation.models import load_eval_model

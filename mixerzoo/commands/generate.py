@@ -15,7 +15,7 @@ from typing import IO
 
 import torch
 
-from . import add_option, resolve_device, user_errors
+from . import CommandParser, add_option, resolve_device, user_errors
 
 __all__ = ["main", "build_parser", "load_for_generation", "stream_text", "layer_summary"]
 
@@ -100,7 +100,7 @@ def stream_text(model, tokenizer, prompt_ids: list[int], out: IO[str], max_new_t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="mixerzoo generate", allow_abbrev=False,
         description="Generate text from a checkpoint, an exported folder or a Hub repository id, streaming tokens "
                     "to stdout (each step reuses the mixers' states) and reporting tokens/s on stderr.")
