@@ -93,14 +93,20 @@ def print_plugin(name: str, stream=None) -> int:
     return 0
 
 
-def _find_last_checkpoint(config) -> str | None:
-    """Resolve ``--ckpt_path last`` to the newest ``last*.ckpt`` of earlier runs: under ``checkpoint.dirpath``
-    when set, else anywhere below the logger's ``save_dir`` and ``trainer.default_root_dir`` (by default
-    ``runs/mixerzoo/version_*/checkpoints/last.ckpt``), or a newer ``hpc_ckpt_*.ckpt`` (saved by Lightning
-    before a SLURM requeue) directly in one of those folders. Lightning alone only looks in the new run's own
-    (empty) checkpoint folder. None (train from scratch, with a note on stderr) when there is none, so a job
-    script can always pass ``--ckpt_path last``."""
+def _find_last_checkpoint(config, recipe: dict | None = None) -> str | None:
+    """Resolve ``--ckpt_path last`` to the newest ``last*.ckpt`` of earlier runs of this recipe: under
+    ``checkpoint.dirpath`` when set, else anywhere below the logger's ``save_dir`` and ``trainer.default_root_dir``
+    (by default ``runs/mixerzoo/version_*/checkpoints/last.ckpt``), or a newer ``hpc_ckpt_*.ckpt`` (saved by
+    Lightning before a SLURM requeue) directly in one of those folders. Lightning alone only looks in the new
+    run's own (empty) checkpoint folder.
+
+    ``recipe``: this fit's ``{"model": ..., "data": ...}``; a checkpoint in a run folder whose ``config.yaml``
+    has another model or data (a run of another recipe under the same root) is passed over, with a note on stderr
+    naming it and the first field that differs. None (train from scratch, with a note on stderr) when no
+    checkpoint is left, so a job script can always pass ``--ckpt_path last``."""
     import glob
+
+    from .training.runs import recipe_difference
 
     trainer = config.get("trainer") or {}
     dirpath = (config.get("checkpoint") or {}).get("dirpath")
@@ -118,9 +124,17 @@ def _find_last_checkpoint(config) -> str | None:
     found = {p for root in roots for p in glob.glob(os.path.join(root, pattern), recursive=True) if os.path.isfile(p)}
     # what Lightning saves before a SLURM requeue (SIGUSR1) is the newest state of all when present
     found |= {p for root in roots for p in glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt")) if os.path.isfile(p)}
+    if recipe is not None:
+        for path in sorted(found, key=os.path.getmtime, reverse=True):
+            differs = recipe_difference(path, recipe)
+            if differs is None:
+                break
+            print(f"mixerzoo: --ckpt_path last: passing over {path}, a run of another recipe ({differs}); give "
+                  f"its path to --ckpt_path to resume it", file=sys.stderr)
+            found.discard(path)
     if not found:
-        print(f"mixerzoo: --ckpt_path last: no last*.ckpt under {sorted(set(roots))}; training from scratch",
-              file=sys.stderr)
+        print(f"mixerzoo: --ckpt_path last: no last*.ckpt of this recipe under {sorted(set(roots))}; training "
+              f"from scratch", file=sys.stderr)
         return None
     return max(found, key=os.path.getmtime)
 
@@ -504,7 +518,7 @@ def _lightning_cli(args: list[str] | None):
             config = self.config[sub]
             _follow_default_root_dir(config)
             if config.get("ckpt_path") == "last":
-                config.ckpt_path = _find_last_checkpoint(config)
+                config.ckpt_path = _find_last_checkpoint(config, self._recipe(sub))
             check_ckpt_path(config.get("ckpt_path"))
             if sub == "fit":
                 _check_writable(config)
@@ -513,6 +527,16 @@ def _lightning_cli(args: list[str] | None):
             # `validate --ckpt_path X --model.mixers '{attention: {mixer: tova, multi_state: 256}}'` switches
             # layers without retraining; an incompatible change is refused when the weights are loaded.
             self._explicit_model = explicit_fields(config.get("model") or {})
+
+        def _recipe(self, sub: str) -> dict | None:
+            """This run's model and data sections as config.yaml would hold them (None if they cannot be dumped)."""
+            import yaml
+
+            try:
+                full = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_none=False))
+            except Exception:  # noqa: BLE001 - then `last` is not narrowed to this recipe's runs
+                return None
+            return {k: full[sub].get(k) for k in ("model", "data")}
 
         def before_instantiate_classes(self) -> None:
             # LightningCLI has merged the checkpoint's hyper-parameters into the config: put back what was given.

@@ -244,3 +244,24 @@ def test_an_interrupted_fit_saves_and_says_how_to_resume(signal_name, status, sa
             f"--config r.yaml --trainer.max_steps 8") in err, err[-2000:]
     assert err.rstrip().endswith("--ckpt_path last"), err[-2000:]
     assert torch.load(in_tmp / last, weights_only=False)["global_step"] == 3  # saved on the signal, not at step 2
+
+
+def test_ckpt_path_last_resumes_a_run_of_this_recipe(in_tmp, capsys):
+    """A newer run of another recipe under the same root is passed over (with a note naming it and why), and
+    nothing is written into it."""
+    (in_tmp / "r.yaml").write_text(RECIPE)
+    (in_tmp / "other.yaml").write_text(RECIPE.replace("d_model: 32", "d_model: 16"))
+    assert _fit()[0] == 0
+    assert main(["fit", "--config", "other.yaml"]) == 0
+    other = in_tmp / "runs" / "mixerzoo" / "version_1"
+    before = sorted(p.name for p in other.iterdir())
+    capsys.readouterr()
+    assert _fit("--ckpt_path", "last", "--trainer.max_steps", "4")[0] == 0
+    err = capsys.readouterr().err
+    skipped = Path("runs/mixerzoo/version_1/checkpoints/last.ckpt")
+    assert (f"mixerzoo: --ckpt_path last: passing over {skipped}, a run of another recipe (model.d_model: 16 there, "
+            f"32 here); give its path to --ckpt_path to resume it") in err, err[-2000:]
+    assert sorted(p.name for p in other.iterdir()) == before  # no config.resumed1.yaml in the other run
+    mine = in_tmp / "runs" / "mixerzoo" / "version_0"
+    assert (mine / "config.resumed1.yaml").is_file()
+    assert torch.load(mine / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4

@@ -22,7 +22,7 @@ import lightning as L
 
 from ..errors import UserError
 
-__all__ = ["run_folder_of", "KeepEarlierMetrics", "open_csv_experiment", "remove_failed_run_folder",
+__all__ = ["run_folder_of", "recipe_difference", "KeepEarlierMetrics", "open_csv_experiment", "remove_failed_run_folder",
            "write_loss_curve", "RunFolder", "RunLock", "RunLockedError", "resume_command", "SETUP_FILES", "LOSS_CURVE",
            "LOCK_NAME"]
 
@@ -32,23 +32,61 @@ LOSS_CURVE = "loss_curve.png"
 LOCK_NAME = "fit.lock"  # in a run folder while a fit writes to it: {"pid", "host", "started"}
 
 
+def _run_dir_of(ckpt_path: str) -> str | None:
+    """The run folder ``ckpt_path`` lies in: the nearest folder above it (up to three) holding ``config.yaml``."""
+    folder = os.path.dirname(os.path.normpath(ckpt_path))
+    for _ in range(3):  # the checkpoint's folder, its parent, or the one above (checkpoints/sub/)
+        if folder and os.path.isfile(os.path.join(folder, "config.yaml")):
+            return folder
+        if not folder or folder == os.path.dirname(folder):
+            return None
+        folder = os.path.dirname(folder)
+    return None
+
+
+def recipe_difference(ckpt_path: str, recipe: dict) -> str | None:
+    """How the run ``ckpt_path`` belongs to differs from ``recipe`` (``{"model": ..., "data": ...}``, as a
+    config.yaml holds them): the first differing field (``"model.d_model: 64 there, 32 here"``), or None when
+    they agree or the run's config cannot be read (a checkpoint outside a run folder is not passed over)."""
+    import yaml
+
+    folder = _run_dir_of(ckpt_path)
+    if folder is None:
+        return None
+    try:
+        with open(os.path.join(folder, "config.yaml"), encoding="utf-8") as f:
+            saved = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+
+    def first_difference(a, b, key: str) -> str | None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b), key=str):
+                d = first_difference(a.get(k), b.get(k), f"{key}.{k}")
+                if d is not None:
+                    return d
+            return None
+        return None if a == b else f"{key}: {a!r} there, {b!r} here"
+
+    for section in ("model", "data"):
+        d = first_difference(saved.get(section), recipe.get(section), section)
+        if d is not None:
+            return d
+    return None
+
+
 def run_folder_of(ckpt_path: str) -> tuple[str, str, int | str] | None:
     """``(save_dir, name, version)`` of the run folder ``ckpt_path`` lies in, the logger arguments that make a
     new run log there again; None when it lies in none. A run folder is the nearest folder above the checkpoint
     holding the ``config.yaml`` LightningCLI writes (``runs/mixerzoo/version_3/checkpoints/last.ckpt`` ->
     ``("runs", "mixerzoo", 3)``; a folder not named ``version_<N>`` gives its name as a string version). The paths
     keep the form given (relative stays relative), as Lightning compares checkpoint folders as strings."""
-    folder = os.path.dirname(os.path.normpath(ckpt_path))
-    for _ in range(3):  # the checkpoint's folder, its parent, or the one above (checkpoints/sub/)
-        if folder and os.path.isfile(os.path.join(folder, "config.yaml")):
-            parent = os.path.dirname(folder)
-            base = os.path.basename(folder)
-            m = re.fullmatch(r"version_(\d+)", base)
-            return os.path.dirname(parent) or ".", os.path.basename(parent), int(m.group(1)) if m else base
-        if not folder or folder == os.path.dirname(folder):
-            return None
-        folder = os.path.dirname(folder)
-    return None
+    folder = _run_dir_of(ckpt_path)
+    if folder is None:
+        return None
+    parent, base = os.path.dirname(folder), os.path.basename(folder)
+    m = re.fullmatch(r"version_(\d+)", base)
+    return os.path.dirname(parent) or ".", os.path.basename(parent), int(m.group(1)) if m else base
 
 
 def _read_rows(path: str) -> list[dict[str, float]]:
