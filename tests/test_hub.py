@@ -502,3 +502,25 @@ except ImportError as e:
     assert line, out.stdout + out.stderr
     assert f"mixerzoo {mixerzoo.__version__}" in line[0]
     assert f"pip install 'mixerzoo=={mixerzoo.__version__}'" in line[0]
+
+
+def test_export_again_keeps_the_users_files_and_refuses_over_their_edits(tmp_path):
+    """Exporting over an earlier export: a file the user added (NOTES.md, a folder) is carried over; a file the
+    export writes that the user edited since (README.md) stops the export, named, with nothing changed."""
+    from test_hostile_input import _tiny_export
+
+    out = _tiny_export(tmp_path / "exp")
+    assert set(json.loads((out / "config.json").read_text())["mixerzoo_files"]) == EXPORT_FILES - {"config.json"}
+    (out / "NOTES.md").write_text("my notes")
+    (out / "eval").mkdir()
+    (out / "eval" / "a.json").write_text("{}")
+    _tiny_export(out)
+    assert (out / "NOTES.md").read_text() == "my notes" and (out / "eval" / "a.json").read_text() == "{}"
+    assert {p.name for p in out.iterdir()} == EXPORT_FILES | {"NOTES.md", "eval"}
+    (out / "README.md").write_text((out / "README.md").read_text() + "\nMy own section.\n")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(FileExistsError, match=r"exp: README\.md changed since the export wrote them; exporting again "
+                                              r"would replace the changes: move them out of"):
+        _tiny_export(out)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not list(tmp_path.glob(".exp.*"))
