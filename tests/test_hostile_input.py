@@ -720,3 +720,20 @@ def test_subcommand_flag_mistakes_are_one_line_with_did_you_mean(argv, match, ca
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "usage:" not in err and re.search(r"(?m)\Amixerzoo: error: " + match + r".*\n\Z", err), err[-2000:]
+
+
+@pytest.mark.parametrize("where", ["file", "below_a_file"])
+def test_evaluate_out_that_cannot_be_written_is_refused_before_evaluating(where, tmp_path, monkeypatch, capsys):
+    import re
+
+    import mixerzoo.evaluation.models as models
+
+    monkeypatch.setattr(models, "load_eval_model", lambda *a, **k: pytest.fail("evaluation started"))
+    (tmp_path / "report.md").write_text("mine")
+    out = tmp_path / "report.md" if where == "file" else tmp_path / "report.md" / "eval"
+    assert main(["evaluate", "--ckpt", "C", "--out", str(out), "--tasks", "cost"]) == 2
+    err = capsys.readouterr().err
+    match = (r"is a file; give a folder \(evaluate writes report\.md, results\.json and figures into it\)"
+             if where == "file" else r"cannot be written \(.*report\.md is a file\); give a folder you can write to")
+    assert re.search(r"(?m)\Amixerzoo: error: --out '" + re.escape(str(out)) + "' " + match + r"\n\Z", err), err
+    assert (tmp_path / "report.md").read_text() == "mine"

@@ -104,6 +104,29 @@ def _yaml_mapping(text: str, field: str) -> dict:
     return value
 
 
+def _check_out(out: str) -> None:
+    """Refuse ``--out`` before any evaluation runs when the report could not be written there: a file, or a
+    folder below a file or in a place that cannot be written. Creates nothing.
+
+    Raises:
+        ConfigError: names the path and the fix.
+    """
+    import os
+
+    from ..errors import ConfigError
+
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out {out!r} is a file; give a folder (evaluate writes report.md, results.json and "
+                          f"figures into it)")
+    parent = os.path.abspath(out)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out!r} cannot be written ({parent} is "
+                          f"{'a file' if not os.path.isdir(parent) else 'not writable'}); give a folder you can "
+                          f"write to")
+
+
 def main(argv: list[str], out: IO[str] | None = None) -> int:
     """Run ``mixerzoo evaluate``; returns the exit status (2 for user errors, printed as one line)."""
     status = [0]
@@ -115,6 +138,7 @@ def main(argv: list[str], out: IO[str] | None = None) -> int:
         from ..evaluation.runner import EvalSettings, parse_tasks, run_evaluation, write_outputs
         from ..model.config import ConfigError
 
+        _check_out(args.out)
         if args.names is not None and len(args.names) != len(args.ckpt):
             raise ConfigError(f"--names has {len(args.names)} label(s) for {len(args.ckpt)} checkpoint(s); give one "
                               f"per --ckpt or none")
