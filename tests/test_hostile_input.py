@@ -737,3 +737,14 @@ def test_evaluate_out_that_cannot_be_written_is_refused_before_evaluating(where,
              if where == "file" else r"cannot be written \(.*report\.md is a file\); give a folder you can write to")
     assert re.search(r"(?m)\Amixerzoo: error: --out '" + re.escape(str(out)) + "' " + match + r"\n\Z", err), err
     assert (tmp_path / "report.md").read_text() == "mine"
+
+
+def test_generate_refuses_prompt_words_outside_a_synthetic_vocabulary(tmp_path, capsys):
+    """A recall model's tokenizer knows the numbers 0..V-1; any other word would silently be read as token 0."""
+    folder = str(_tiny_export(tmp_path / "exp"))
+    assert main(["generate", folder, "--prompt", "3 key 17 val key", "--max_new_tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("mixerzoo: error: --prompt: 'key', 'val' are not in the tokenizer's vocabulary of 64 tokens "
+                        "and would be read as the unknown token '0'; use only its tokens (this one's are the numbers "
+                        "0 to 63, space-separated)\n"), err[-2000:]
+    assert main(["generate", folder, "--prompt", "3 0 17", "--max_new_tokens", "1"]) == 0  # "0" itself is a token

@@ -154,6 +154,25 @@ def chat_prompt(template: str | None, prompt: str, bos_token: str | None = None)
                                        add_generation_prompt=True)
 
 
+def unknown_words(tokenizer, text: str, encoding) -> list[str]:
+    """The words of ``text`` that ``tokenizer`` (a ``tokenizers.Tokenizer``) maps to its unknown token, in order,
+    once each: a synthetic task's tokenizer (numbers ``0 .. V-1``) reads any other word as ``0``. [] for a
+    tokenizer without an unknown token (byte-level BPE reads every text)."""
+    unk = getattr(getattr(tokenizer, "model", None), "unk_token", None)
+    unk_id = tokenizer.token_to_id(unk) if unk else None
+    if unk_id is None:
+        return []
+    words = [text[a:b] for i, (a, b) in zip(encoding.ids, encoding.offsets) if i == unk_id and text[a:b] != unk]
+    return list(dict.fromkeys(words))
+
+
+def _vocabulary_hint(tokenizer) -> str:
+    vocab = tokenizer.get_vocab()
+    if vocab and all(t.isdigit() for t in vocab):
+        return f" (this one's are the numbers 0 to {len(vocab) - 1}, space-separated)"
+    return ""
+
+
 def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     """Run ``mixerzoo generate``; returns the exit status (2 for user errors)."""
     out, err = out or sys.stdout, err or sys.stderr
@@ -181,7 +200,15 @@ def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None
         prompt = args.prompt
         if args.chat:
             prompt = chat_prompt(loaded.chat_template, prompt, loaded.trained.tokenizer_settings.get("bos_token"))
-        prompt_ids = tok.encode(prompt).ids if prompt else []
+        encoding = tok.encode(prompt) if prompt else None
+        prompt_ids = encoding.ids if encoding is not None else []
+        unknown = unknown_words(tok, prompt, encoding) if encoding is not None else []
+        if unknown:
+            unk = tok.model.unk_token
+            raise ConfigError(f"--prompt: {', '.join(repr(w) for w in unknown[:5])} "
+                              f"{'is' if len(unknown) == 1 else 'are'} not in the tokenizer's vocabulary of "
+                              f"{tok.get_vocab_size()} tokens and would be read as the unknown token {unk!r}; "
+                              f"use only its tokens{_vocabulary_hint(tok)}")
         if not prompt_ids:
             if eos_id is None:
                 raise ConfigError("--prompt is empty and the tokenizer has no end-of-text token to start from; give "
