@@ -524,3 +524,22 @@ def test_export_again_keeps_the_users_files_and_refuses_over_their_edits(tmp_pat
         _tiny_export(out)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert not list(tmp_path.glob(".exp.*"))
+
+
+def test_remote_code_shows_the_real_import_error_when_mixerzoo_is_shadowed(tmp_path):
+    """A folder named mixerzoo in the working directory hides the installed package: the shim says what failed
+    and where mixerzoo was found, not "install mixerzoo"."""
+    import subprocess
+
+    from mixerzoo.hub.remote_code import remote_code
+
+    (tmp_path / "configuration_mixerzoo.py").write_text(remote_code(mixerzoo.__version__)["configuration_mixerzoo.py"])
+    (tmp_path / "mixerzoo").mkdir()  # e.g. an old copy of the package's source
+    (tmp_path / "mixerzoo" / "__init__.py").write_text("")
+    script = "import runpy\ntry:\n    runpy.run_path('configuration_mixerzoo.py')\nexcept ImportError as e:\n" \
+             "    print('IMPORT-ERROR:', e)\n"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("IMPORT-ERROR:")]
+    assert line, out.stdout + out.stderr
+    assert str(tmp_path / "mixerzoo") in line[0] and "from 'mixerzoo'" in line[0], line[0]  # the real error
+    assert "shadows the installed package" in line[0] and "pip install" not in line[0], line[0]
