@@ -232,6 +232,9 @@ def read_hf_config(source: str | os.PathLike, *, gguf_file: str | None = None, r
     s = os.path.expanduser(os.fspath(source))
     p = Path(s)
     if p.is_file():
+        if p.suffix in (".pt", ".pth"):
+            raise ConfigError(f"{s!r} is a training checkpoint: a KVM paper authors' .pt imports with their training "
+                              f"config, `mixerzoo import {s} OUT_DIR --config their.yaml`")
         if p.suffix != ".gguf":
             raise ConfigError(f"{s!r} is a file but not a .gguf; give a transformers folder, a .gguf file or a Hub id")
         folder, gguf_file = str(p.parent), p.name
