@@ -222,9 +222,11 @@ PLUGIN_PACKAGES = sorted(p for p in (REPO / "plugins").glob("*/src/*") if (p / "
 ROLES = ("naive", "chunk", "recurrent", "layer", "state")
 # what each role may import from its own package: naive (the paper's equations, the reference every other form
 # is tested against) shares nothing with the forms it checks, so a bug in shared logic fails the equivalence
-# tests; the forms never import the reference or the layer; state imports nothing
+# tests; the forms never import the reference or the layer, the layer never the reference (tests run it); state
+# imports nothing
 ALLOWED = {"naive": {"state"}, "state": set(), "ops": {"state"}}
-FORBIDDEN = {"chunk": {"naive", "layer"}, "recurrent": {"naive", "layer"}, "ops": {"naive", "layer"}}
+FORBIDDEN = {"chunk": {"naive", "layer"}, "recurrent": {"naive", "layer"}, "ops": {"naive", "layer"},
+             "layer": {"naive"}}
 # core modules the reference may not lean on: the shared fast-path helpers
 NAIVE_CORE_FORBIDDEN = {"ops"}
 
@@ -312,6 +314,7 @@ def test_plugin_layout_check_can_fail(tmp_path):
     assert layout_problems(pkg) == []
     (pkg / "naive.py").write_text("from .ops import fold\nfrom mixerzoo.ops import max_last\n")
     (pkg / "chunk.py").write_text("from . import naive\n")
+    (pkg / "layer.py").write_text("from .naive import reference\n")
     (pkg / "backends" / "cpu" / "lean.py").write_text("from ...layer import X\n")
     (pkg / "shared").mkdir()
     for role in ROLES:
@@ -321,7 +324,7 @@ def test_plugin_layout_check_can_fail(tmp_path):
     (pkg / "state.py").write_text("use_reference = True\n")
     problems = "\n".join(layout_problems(pkg))
     for expected in ("missing recurrent.py", "naive.py imports ['ops']", "chunk.py imports ['naive']",
-                     "naive.py imports mixerzoo.ops", "lean.py imports naive or layer", "wide.py imports naive or layer",
+                     "layer.py imports ['naive']", "naive.py imports mixerzoo.ops", "lean.py imports naive or layer", "wide.py imports naive or layer",
                      "use_reference"):
         assert expected in problems, problems
 
