@@ -324,7 +324,8 @@ def test_plugin_layout_check_can_fail(tmp_path):
     (pkg / "state.py").write_text("use_reference = True\n")
     problems = "\n".join(layout_problems(pkg))
     for expected in ("missing recurrent.py", "naive.py imports ['ops']", "chunk.py imports ['naive']",
-                     "layer.py imports ['naive']", "naive.py imports mixerzoo.ops", "lean.py imports naive or layer", "wide.py imports naive or layer",
+                     "layer.py imports ['naive']", "naive.py imports mixerzoo.ops", "lean.py imports naive or layer",
+                     "wide.py imports naive or layer",
                      "use_reference"):
         assert expected in problems, problems
 

@@ -133,7 +133,8 @@ def sections() -> dict[str, str]:
     out["trainer"] = _table(rows)
 
     cdocs = parse_args_section(ModelCheckpoint.__doc__)
-    out["checkpoint"] = _table([(f"checkpoint.{n}", format_type(p.annotation), value_text(cfg["checkpoint"].get(n, p.default)),
+    out["checkpoint"] = _table([(f"checkpoint.{n}", format_type(p.annotation),
+                                 value_text(cfg["checkpoint"].get(n, p.default)),
                                  cdocs.get(n, "")) for n, p in _params(ModelCheckpoint.__init__).items()])
     out["throughput"] = _table([(f"throughput.{n}", "int", value_text(cfg["throughput"][n]), THROUGHPUT[n])
                                 for n in cfg["throughput"]])

@@ -22,9 +22,9 @@ import lightning as L
 
 from ..errors import UserError
 
-__all__ = ["run_folder_of", "recipe_difference", "KeepEarlierMetrics", "open_csv_experiment", "remove_failed_run_folder",
-           "write_loss_curve", "RunFolder", "RunLock", "RunLockedError", "resume_command", "SETUP_FILES", "LOSS_CURVE",
-           "LOCK_NAME"]
+__all__ = ["run_folder_of", "recipe_difference", "KeepEarlierMetrics", "open_csv_experiment",
+           "remove_failed_run_folder", "write_loss_curve", "RunFolder", "RunLock", "RunLockedError",
+           "interrupt_signal", "resume_command", "SETUP_FILES", "LOSS_CURVE", "LOCK_NAME"]
 
 # What Lightning and LightningCLI write into a run folder before the first training step.
 SETUP_FILES = ("config.yaml", "hparams.yaml", "metrics.csv")
