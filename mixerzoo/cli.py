@@ -521,7 +521,8 @@ def _lightning_cli(args: list[str] | None):
                 config.ckpt_path = _find_last_checkpoint(config, self._recipe(sub))
             check_ckpt_path(config.get("ckpt_path"))
             if sub == "fit":
-                _check_writable(config)
+                if not print_config:
+                    _check_writable(config)
                 _resume_in_run_folder(config)
             # Model fields the user set (differing from LMModule's defaults) win over the checkpoint's, so e.g.
             # `validate --ckpt_path X --model.mixers '{attention: {mixer: tova, multi_state: 256}}'` switches
