@@ -18,7 +18,7 @@ import os
 import sys
 import warnings
 
-__all__ = ["main", "MixerzooCLI", "print_plugins", "print_plugin"]
+__all__ = ["main", "print_plugins", "print_plugin"]
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 SUBCOMMANDS = {"evaluate": "evaluate", "export": "export", "generate": "generate", "import": "import_pretrained",
@@ -55,7 +55,7 @@ def print_plugin(name: str, stream=None) -> int:
     import inspect
 
     from . import registry
-    from .scaffold.recipe_reference import MIXER_EXTRA, _clean, _value, parse_args_section
+    from .scaffold.docstrings import MIXER_EXTRA, cell_text, parse_args_section, value_text
 
     stream = stream or sys.stdout
     kind = next((k for k in registry.GROUPS if name in registry.entries(k, refresh=True)), "mixer")
@@ -75,13 +75,13 @@ def print_plugin(name: str, stream=None) -> int:
                 params.setdefault(p.name, p.default)
         if not any(p.kind is p.VAR_KEYWORD for p in sig):
             break
-    summary = _clean(inspect.cleandoc(factory.__doc__ or "").split("\n\n")[0], limit=400)
+    summary = cell_text(inspect.cleandoc(factory.__doc__ or "").split("\n\n")[0], limit=400)
     print(f"{kind} {name}: {entry.value} from {entry.distribution} {entry.version}", file=stream)
     if summary:
         print(f"  {summary}", file=stream)
     set_by_lm = {"d_model": "model.d_model", "n_heads": "model.n_heads", "layer_idx": "the layer's index",
                  "n_layers": "model.n_layers"}
-    rows = [(n, "from " + set_by_lm[n] if n in set_by_lm else _value(d),
+    rows = [(n, "from " + set_by_lm[n] if n in set_by_lm else value_text(d),
              docs.get(n) or MIXER_EXTRA.get(n, "")) for n, d in params.items()]
     if rows:
         width = [max(len(r[i]) for r in rows + [("option", "default")]) for i in range(2)]
@@ -93,14 +93,20 @@ def print_plugin(name: str, stream=None) -> int:
     return 0
 
 
-def _find_last_checkpoint(config) -> str | None:
-    """Resolve ``--ckpt_path last`` to the newest ``last*.ckpt`` of earlier runs: under ``checkpoint.dirpath``
-    when set, else anywhere below the logger's ``save_dir`` and ``trainer.default_root_dir`` (by default
-    ``runs/mixerzoo/version_*/checkpoints/last.ckpt``), or a newer ``hpc_ckpt_*.ckpt`` (saved by Lightning
-    before a SLURM requeue) directly in one of those folders. Lightning alone only looks in the new run's own
-    (empty) checkpoint folder. None (train from scratch, with a note on stderr) when there is none, so a job
-    script can always pass ``--ckpt_path last``."""
+def _find_last_checkpoint(config, recipe: dict | None = None) -> str | None:
+    """Resolve ``--ckpt_path last`` to the newest ``last*.ckpt`` of earlier runs of this recipe: under
+    ``checkpoint.dirpath`` when set, else anywhere below the logger's ``save_dir`` and ``trainer.default_root_dir``
+    (by default ``runs/mixerzoo/version_*/checkpoints/last.ckpt``), or a newer ``hpc_ckpt_*.ckpt`` (saved by
+    Lightning before a SLURM requeue) directly in one of those folders. Lightning alone only looks in the new
+    run's own (empty) checkpoint folder.
+
+    ``recipe``: this fit's ``{"model": ..., "data": ...}``; a checkpoint in a run folder whose ``config.yaml``
+    has another model or data (a run of another recipe under the same root) is passed over, with a note on stderr
+    naming it and the first field that differs. None (train from scratch, with a note on stderr) when no
+    checkpoint is left, so a job script can always pass ``--ckpt_path last``."""
     import glob
+
+    from .training.runs import recipe_difference
 
     trainer = config.get("trainer") or {}
     dirpath = (config.get("checkpoint") or {}).get("dirpath")
@@ -118,9 +124,17 @@ def _find_last_checkpoint(config) -> str | None:
     found = {p for root in roots for p in glob.glob(os.path.join(root, pattern), recursive=True) if os.path.isfile(p)}
     # what Lightning saves before a SLURM requeue (SIGUSR1) is the newest state of all when present
     found |= {p for root in roots for p in glob.glob(os.path.join(root, "hpc_ckpt_*.ckpt")) if os.path.isfile(p)}
+    if recipe is not None:
+        for path in sorted(found, key=os.path.getmtime, reverse=True):
+            differs = recipe_difference(path, recipe)
+            if differs is None:
+                break
+            print(f"mixerzoo: --ckpt_path last: passing over {path}, a run of another recipe ({differs}); give "
+                  f"its path to --ckpt_path to resume it", file=sys.stderr)
+            found.discard(path)
     if not found:
-        print(f"mixerzoo: --ckpt_path last: no last*.ckpt under {sorted(set(roots))}; training from scratch",
-              file=sys.stderr)
+        print(f"mixerzoo: --ckpt_path last: no last*.ckpt of this recipe under {sorted(set(roots))}; training "
+              f"from scratch", file=sys.stderr)
         return None
     return max(found, key=os.path.getmtime)
 
@@ -176,6 +190,36 @@ def _follow_default_root_dir(config) -> None:
     if (logger.get("class_path") == "lightning.pytorch.loggers.CSVLogger" and init_args is not None
             and init_args.get("save_dir") == DEFAULT_ROOT_DIR):
         init_args["save_dir"] = root
+
+
+def _check_writable(config) -> None:
+    """Refuse a fit whose run folders cannot be written (``trainer.default_root_dir``, the logger's ``save_dir``,
+    ``checkpoint.dirpath``) before anything runs, naming the option and the path; creates the folders (a fit
+    would).
+
+    Raises:
+        ConfigError: a folder that cannot be created or written.
+    """
+    from .errors import ConfigError
+
+    trainer = config.get("trainer") or {}
+    logger = trainer.get("logger")
+    folders = [("--trainer.default_root_dir", trainer.get("default_root_dir")),
+               ("--checkpoint.dirpath", (config.get("checkpoint") or {}).get("dirpath"))]
+    if hasattr(logger, "get"):
+        folders.append(("--trainer.logger.init_args.save_dir", (logger.get("init_args") or {}).get("save_dir")))
+    for option, folder in folders:
+        if not isinstance(folder, (str, os.PathLike)) or "://" in os.fspath(folder):
+            continue  # unset, or a remote file system (fsspec): Lightning's to check
+        try:
+            os.makedirs(folder, exist_ok=True)
+            writable = os.access(folder, os.W_OK | os.X_OK)
+            reason = "permission denied"
+        except OSError as e:
+            writable, reason = False, e.strerror or type(e).__name__
+        if not writable:
+            raise ConfigError(f"{option} {os.fspath(folder)!r} cannot be written ({reason}); give a folder you can "
+                              f"write to")
 
 
 def _reraise_data_error(data) -> None:
@@ -291,6 +335,10 @@ def parser_error_message(message: str, argv: list[str], parser=None) -> str:
     help_hint = f"`mixerzoo {sub} --help` lists every option"
     keys = _parser_keys(parser) if parser is not None else []
     configs = _config_files(argv)
+    m = re.search(r"arguments are required: (\S+?)\.data\b", message)
+    if m and not configs:
+        return (f"mixerzoo {m.group(1)} needs a recipe: --config RECIPE.yaml (e.g. recipes/quickstart.yaml), or at "
+                f"least --data CLASS (e.g. --data mixerzoo.data.RecallDataModule) ({help_hint})")
     m = re.search(r"unrecognized arguments: (\S+)", message)
     if m:
         given = m.group(1).split("=", 1)[0]
@@ -372,22 +420,75 @@ def _safe_yaml(path: str):
         return None
 
 
-def _lightning_cli(args: list[str] | None):
+# The one private LightningCLI member mixerzoo overrides, and the one it reads. LightningCLI has no public hook
+# between "the trainer's config is final" and "the Trainer is built" that sees the callbacks from the parser
+# (checkpoint.*, throughput.*), and a Trainer refuses a ModelCheckpoint when enable_checkpointing is false;
+# `_subcommand_parsers` holds each subcommand's parser (its keys make a "did you mean"). Both are pinned by
+# tests/test_cli_flags.py::test_lightning_private_members_are_still_there, which names them when Lightning changes.
+LIGHTNING_PRIVATE = {"_instantiate_trainer": ("self", "config", "callbacks"), "_subcommand_parsers": None}
+
+
+def _check_strategy(trainer) -> None:
+    """Refuse a trainer setting Lightning would refuse with a traceback: FSDP without a GPU.
+
+    Raises:
+        ConfigError: ``strategy`` is FSDP (by name or class) and the accelerator is the CPU (or ``auto`` on a
+            machine without CUDA).
+    """
+    import torch
+
+    from .errors import ConfigError
+
+    strategy, accelerator = trainer.get("strategy"), trainer.get("accelerator")
+    name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", None) or type(strategy).__name__
+    if not (isinstance(name, str) and (name.startswith("fsdp") or name.endswith("FSDPStrategy"))):
+        return
+    if accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available()):
+        raise ConfigError(f"--trainer.strategy {strategy if isinstance(strategy, str) else name} needs GPUs "
+                          f"(FSDP shards the model over CUDA devices) and the accelerator is the CPU; on CPU use "
+                          f"--trainer.strategy ddp")
+
+
+def _default_callbacks(config: dict, callbacks: list) -> list:
+    """``callbacks`` (from the parser: checkpoint, throughput) with mixerzoo's defaults added, given the trainer's
+    ``config`` (its ``callbacks`` are the user's): the step progress bar unless progress bars are off or the
+    recipe brings one; learning rates logged when there is a logger; Lightning's ``Timer`` (training wall time,
+    summed over resumes, kept in every checkpoint for reports and model cards). No ModelCheckpoint when
+    ``enable_checkpointing`` is false (the Trainer would refuse it)."""
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, Timer
+
+    from .training.callbacks import StepProgressBar
+
+    given = list(callbacks) + list(config.get("callbacks") or [])
+    if config.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in given):
+        callbacks = [*callbacks, StepProgressBar()]
+    if config.get("enable_checkpointing") is False:
+        callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+    if config.get("logger") is not False and not any(isinstance(c, LearningRateMonitor) for c in given):
+        callbacks = [*callbacks, LearningRateMonitor(logging_interval="step")]
+    if not any(isinstance(c, Timer) for c in given):
+        callbacks = [*callbacks, Timer(verbose=False)]
+    return callbacks
+
+
+def _lightning_cli(args: list[str] | None):
     from lightning.pytorch.cli import LightningCLI
 
     from .data import LMDataModule
     from .errors import ConfigError
     from .model.config import apply_mixer_overrides, split_mixer_overrides
     from .training import LMModule, ThroughputLogger
+    from .training.checkpoints import AtomicCheckpointIO, LastCheckpoint, check_ckpt_path
     from .model import LMConfig
     from .training.module import explicit_fields, merged_fields
-    from .training.checkpoints import AtomicCheckpointIO, LastCheckpoint, check_ckpt_path
+    from .training.runs import RunFolder
 
     # Lightning 2.6 deprecation noise about torch's pytree internals, printed on every run; nothing a user can act on.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     from_shell = args is None
-    args, mixer_overrides, print_config = split_mixer_overrides(list(sys.argv[1:] if from_shell else args))
+    command = list(sys.argv[1:] if from_shell else args)
+    args, mixer_overrides, print_config = split_mixer_overrides(command)
+    run_folder = RunFolder(command)  # what a fit writes, kept outside the CLI object so that a failure can tidy it
 
     class MixerzooCLI(LightningCLI):
         """LightningCLI with mixerzoo's defaults: a last.ckpt checkpoint, throughput logging, CSV logs."""
@@ -408,9 +509,64 @@ def _lightning_cli(args: list[str] | None):
                 super().parse_arguments(parser, args)
             except ArgumentError as e:
                 argv = list(sys.argv[1:] if args is None else args)
-                sub = argv[0] if argv else None
-                subparser = getattr(self, "_subcommand_parsers", {}).get(sub, parser)
+                subparser = getattr(self, "_subcommand_parsers", {}).get(argv[0] if argv else None, parser)
                 raise ConfigError(parser_error_message(str(e), argv, subparser)) from None
+            sub = self.config.get("subcommand")
+            if not sub:
+                return
+            # Before LightningCLI reads hyper-parameters from --ckpt_path: resolve `last`, and check the file, so
+            # a truncated or foreign file gets a clear message instead of an unpickling traceback.
+            config = self.config[sub]
+            _follow_default_root_dir(config)
+            if config.get("ckpt_path") == "last":
+                config.ckpt_path = _find_last_checkpoint(config, self._recipe(sub))
+            check_ckpt_path(config.get("ckpt_path"))
+            if sub == "fit":
+                if not print_config:
+                    _check_writable(config)
+                _resume_in_run_folder(config)
+            # Model fields the user set (differing from LMModule's defaults) win over the checkpoint's, and the
+            # mixers given are merged into the checkpoint's key by key (merged_fields: the merge of evaluate
+            # --mixers and generate), so `validate --ckpt_path X --model.mixers.attention.mixer tova` switches
+            # layers without retraining; an incompatible change is refused when the weights are loaded.
+            given = config.get("model") or {}
+            given = given.as_dict() if hasattr(given, "as_dict") else dict(given)
+            explicit = explicit_fields(given)
+            if mixer_overrides:
+                explicit["mixers"] = apply_mixer_overrides(given.get("mixers"), mixer_overrides)
+            self._given_model, self._explicit_model = given, explicit
+
+        def _recipe(self, sub: str) -> dict | None:
+            """This run's model and data sections as config.yaml would hold them (None if they cannot be dumped)."""
+            import yaml
+
+            try:
+                full = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_none=False))
+            except Exception:  # noqa: BLE001 - then `last` is not narrowed to this recipe's runs
+                return None
+            return {k: full[sub].get(k) for k in ("model", "data")}
+
+        def before_instantiate_classes(self) -> None:
+            # LightningCLI has merged the checkpoint's hyper-parameters into the config: put back what was given.
+            sub = self.config.get("subcommand")
+            if not sub:
+                return
+            _check_strategy(self.config[sub].get("trainer") or {})
+            explicit = dict(getattr(self, "_explicit_model", {}))
+            ckpt_path, model = self.config[sub].get("ckpt_path"), self.config[sub].model
+            if ckpt_path and os.path.isfile(ckpt_path):  # the checkpoint's fields were read into `model`
+                saved = model.as_dict() if hasattr(model, "as_dict") else dict(model)
+                saved = LMConfig(**{k: saved[k] for k in LMConfig.__dataclass_fields__ if k in saved})
+                explicit.update(merged_fields(saved, {**getattr(self, "_given_model", {}), **explicit}))
+            for k, v in explicit.items():
+                self.config[sub].model[k] = v
+            if print_config:
+                # --print_config was held back so that it shows the merged mixers: print the subcommand's config
+                import yaml
+
+                full = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_none=False))
+                print(yaml.safe_dump(full[sub], sort_keys=False), end="")
+                sys.exit(0)
 
         def instantiate_classes(self) -> None:
             try:
@@ -425,116 +581,20 @@ def _lightning_cli(args: list[str] | None):
                     raise ConfigError(missing) from None
                 raise
 
+        def _instantiate_trainer(self, config, callbacks):  # private: see LIGHTNING_PRIVATE
+            return super()._instantiate_trainer(config, _default_callbacks(config, callbacks))
+
         def before_fit(self) -> None:
             # The run folder as it was before this fit: a resumed run keeps the folder's metrics.csv (Lightning's
             # CSV writer would delete it) and config.yaml (this run's config goes beside it); a run that fails
             # before its first step removes the folder it created.
-            from lightning.pytorch.cli import SaveConfigCallback
-            from lightning.pytorch.loggers import CSVLogger
-
-            from .training.runs import KeepEarlierMetrics, open_csv_experiment
-
-            trainer = self.trainer
-            self._run_folder = None
-            for cb in trainer.checkpoint_callbacks:
+            for cb in self.trainer.checkpoint_callbacks:
                 if isinstance(cb, LastCheckpoint):
                     cb.resume_from = self.config[self.subcommand].get("ckpt_path")
-            if trainer.logger is None or not trainer.is_global_zero:
-                return
-            log_dir = trainer.log_dir
-            self._run_folder = (log_dir, os.path.isdir(log_dir))
-            if not os.path.isdir(log_dir):
-                return
-            if isinstance(trainer.logger, CSVLogger):
-                rows = open_csv_experiment(trainer.logger)
-                if self.config[self.subcommand].get("ckpt_path"):
-                    trainer.callbacks.append(KeepEarlierMetrics(rows))
-            for cb in trainer.callbacks:
-                if isinstance(cb, SaveConfigCallback) and os.path.isfile(os.path.join(log_dir, cb.config_filename)):
-                    stem, ext = os.path.splitext(cb.config_filename)
-                    k = 1
-                    while os.path.exists(os.path.join(log_dir, f"{stem}.resumed{k}{ext}")):
-                        k += 1
-                    cb.config_filename = f"{stem}.resumed{k}{ext}"
+            run_folder.open(self.trainer, self.config[self.subcommand].get("ckpt_path"))
 
         def after_fit(self) -> None:
-            # The loss curve of the finished run, drawn from the metrics the CSV logger wrote into its folder.
-            from lightning.pytorch.loggers import CSVLogger
-
-            from .training.runs import write_loss_curve
-
-            trainer = self.trainer
-            if isinstance(trainer.logger, CSVLogger) and trainer.is_global_zero:
-                path, why = write_loss_curve(trainer.logger.log_dir)
-                print(f"mixerzoo: loss curve: {path}" if path else f"mixerzoo: {why}", file=sys.stderr)
-
-        def _run_subcommand(self, subcommand: str) -> None:
-            try:
-                super()._run_subcommand(subcommand)
-            except BaseException:
-                folder = getattr(self, "_run_folder", None)
-                if subcommand == "fit" and folder is not None and not folder[1] and self.trainer.global_step == 0:
-                    from .training.runs import remove_failed_run_folder
-
-                    remove_failed_run_folder(folder[0])
-                raise
-
-        def _instantiate_trainer(self, config, callbacks):
-            # Rich progress bar by default, unless the recipe turns progress bars off or brings its own.
-            wants_bar = config.get("enable_progress_bar", True) is not False
-            given = list(callbacks) + list(config.get("callbacks") or [])
-            if wants_bar and not any(isinstance(c, ProgressBar) for c in given):
-                from .training.callbacks import StepProgressBar
-
-                callbacks = [*callbacks, StepProgressBar()]
-            # Our default callbacks must not turn a valid trainer setting into a Lightning error.
-            if config.get("enable_checkpointing") is False:
-                callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
-            # Learning rates are logged by default, unless there is no logger (Lightning refuses the monitor then).
-            if config.get("logger") is not False and not any(isinstance(c, LearningRateMonitor) for c in given):
-                callbacks = [*callbacks, LearningRateMonitor(logging_interval="step")]
-            # Training wall time is kept in every checkpoint (Timer's state, summed over resumes): reports and model
-            # cards state what a model cost to train.
-            if not any(isinstance(c, Timer) for c in given):
-                callbacks = [*callbacks, Timer(verbose=False)]
-            return super()._instantiate_trainer(config, callbacks)
-
-        def _parse_ckpt_path(self) -> None:
-            # LightningCLI reads hyper-parameters from --ckpt_path before anything else: check the file first,
-            # so a truncated or foreign file gets a clear message instead of an unpickling traceback.
-            sub = self.config.get("subcommand")
-            if not sub:
-                return
-            _follow_default_root_dir(self.config[sub])
-            if self.config[sub].get("ckpt_path") == "last":
-                self.config[sub].ckpt_path = _find_last_checkpoint(self.config[sub])
-            check_ckpt_path(self.config[sub].get("ckpt_path"))
-            if sub == "fit":
-                _resume_in_run_folder(self.config[sub])
-            # Model fields the user set (differing from LMModule's defaults) win over the checkpoint's, and the
-            # mixers given are merged into the checkpoint's key by key (merged_fields: the merge of evaluate
-            # --mixers and generate), so `validate --ckpt_path X --model.mixers.attention.mixer tova` switches
-            # layers without retraining; an incompatible change is refused when the weights are loaded.
-            given = self.config[sub].get("model") or {}
-            explicit = explicit_fields(given)
-            if mixer_overrides:
-                explicit["mixers"] = apply_mixer_overrides(given.get("mixers"), mixer_overrides)
-            ckpt_path = self.config[sub].get("ckpt_path")
-            super()._parse_ckpt_path()
-            model = self.config[sub].model
-            if ckpt_path and os.path.isfile(ckpt_path):  # the checkpoint's fields were read into `model`
-                saved = model.as_dict() if hasattr(model, "as_dict") else dict(model)
-                saved = LMConfig(**{k: saved[k] for k in LMConfig.__dataclass_fields__ if k in saved})
-                explicit.update(merged_fields(saved, {**given, **explicit}))
-            for k, v in explicit.items():
-                self.config[sub].model[k] = v
-            if print_config:
-                # --print_config was held back so that it shows the merged mixers: print the subcommand's config
-                import yaml
-
-                full = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_none=False))
-                print(yaml.safe_dump(full[sub], sort_keys=False), end="")
-                sys.exit(0)
+            run_folder.finish(self.trainer)
 
     trainer_defaults = {
         "default_root_dir": DEFAULT_ROOT_DIR,
@@ -543,10 +603,17 @@ def _lightning_cli(args: list[str] | None):
         # a class_path (not an instance) so that jsonargparse can write it into the run's config.yaml
         "plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.{AtomicCheckpointIO.__qualname__}"}],
     }
+
     def run(cli_args: list[str] | None):
-        return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
-                           save_config_kwargs={"overwrite": True}, args=cli_args, auto_configure_optimizers=False,
-                           parser_kwargs=PARSER_KWARGS)
+        try:
+            return MixerzooCLI(LMModule, LMDataModule, subclass_mode_data=True, trainer_defaults=trainer_defaults,
+                               save_config_kwargs={"overwrite": True}, args=cli_args,
+                               auto_configure_optimizers=False, parser_kwargs=PARSER_KWARGS)
+        except BaseException as e:
+            status = run_folder.failed(e)
+            if status is None:
+                raise
+            sys.exit(status)
 
     if not from_shell:
         return run(args)

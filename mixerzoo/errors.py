@@ -17,12 +17,12 @@ __all__ = ["UserError", "ConfigError", "user_errors", "friendly_errors", "user_e
            "out_of_memory_message", "closest"]
 
 
-def closest(name: str, choices) -> str | None:
-    """The choice closest to a misspelt ``name`` (difflib, similarity >= 0.6), for a "did you mean"; None when no
-    choice is close."""
+def closest(name: str, choices, cutoff: float = 0.6) -> str | None:
+    """The choice closest to a misspelt ``name`` (difflib, similarity >= ``cutoff``), for a "did you mean"; None
+    when no choice is close."""
     import difflib
 
-    close = difflib.get_close_matches(name, [str(c) for c in choices], n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, [str(c) for c in choices], n=1, cutoff=cutoff)
     return close[0] if close else None
 
 

@@ -1,17 +1,22 @@
 """Progress bars with an ETA for every long-running command (evaluate sweeps, import, export, decode
 evaluations), one style everywhere, built on ``rich.progress`` (what Lightning's Rich bar uses too).
 
-A bar is shown only on a terminal and never with ``--quiet``: in logs and CI the commands print their results
-and nothing else.
+A bar is drawn only on a terminal and never with ``--quiet``. In logs and CI a job that runs longer than
+:data:`LOG_INTERVAL_S` prints one plain line on stderr every :data:`LOG_INTERVAL_S` (done/total, elapsed, estimated
+time left), so a long sweep (``evaluate --tasks mqar`` at 32k) is never silent for minutes; shorter ones print
+their results and nothing else.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from typing import Iterator
 
-__all__ = ["progress_bar", "show_progress", "stages"]
+__all__ = ["progress_bar", "show_progress", "stages", "LOG_INTERVAL_S"]
+
+LOG_INTERVAL_S = 30.0  # seconds between the plain progress lines of a job off a terminal
 
 
 def show_progress(quiet: bool = False, stream=None) -> bool:
@@ -34,9 +39,37 @@ def progress_bar(console=None, quiet: bool = False):
                                TimeRemainingColumn)
 
     console = console if console is not None else Console(stderr=True)
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False,
-                    disable=quiet or not console.is_terminal)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("eta"), TimeRemainingColumn())
+    if not quiet and not console.is_terminal:
+        return _logged_progress(Progress)(*columns, console=console, transient=False, disable=True)
+    return Progress(*columns, console=console, transient=False, disable=quiet)
+
+
+def _logged_progress(progress_class):
+    """A ``rich.progress.Progress`` subclass that draws nothing but prints ``description: done/total, elapsed,
+    eta`` on stderr every :data:`LOG_INTERVAL_S` of a task (Rich keeps counting and estimating when disabled)."""
+
+    class LoggedProgress(progress_class):
+        def advance(self, task_id, advance: float = 1) -> None:
+            super().advance(task_id, advance)
+            now = time.monotonic()
+            last = self.__dict__.setdefault("_logged_at", {}).setdefault(task_id, now)
+            if now - last < LOG_INTERVAL_S:
+                return
+            self._logged_at[task_id] = now
+            task = self._tasks[task_id]
+            left = task.time_remaining
+            eta = "?" if left is None else _clock(left)
+            print(f"{task.description}: {task.completed:,.0f}/{task.total:,.0f}, {_clock(task.elapsed or 0)} "
+                  f"elapsed, eta {eta}", file=sys.stderr, flush=True)
+
+    return LoggedProgress
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 @contextlib.contextmanager

@@ -121,8 +121,12 @@ def get(name: str, kind: str = "mixer") -> Callable[..., Any]:
     if name not in all_entries:
         all_entries = entries(kind, refresh=True)
     if name not in all_entries:
+        from .errors import closest
+
+        close = closest(name, all_entries)
         raise UnknownNameError(
-            f"unknown {kind} {name!r}. Installed {kind}s: {', '.join(sorted(all_entries)) or '(none)'}. "
+            f"unknown {kind} {name!r}" + (f"; did you mean {close!r}?" if close else ".") +
+            f" Installed {kind}s: {', '.join(sorted(all_entries)) or '(none)'}. "
             f"Install the plugin that provides it (e.g. `pip install -e plugins/mixerzoo-<name>`) "
             f"or check the spelling; `mixerzoo plugins` lists what is installed."
         )

@@ -2,8 +2,8 @@
 
 Each top-level module or subpackage of mixerzoo has a layer; a module may import only from its own unit or from
 lower layers, so the import graph between units has no cycle, the library never imports the CLI, and ``hub/``
-(the one loader and writer) never imports ``hf/`` (the transformers adapter built on it). Imports inside
-functions count too: a lazy import is still a dependency.
+(the one loader and writer) never imports ``hf/`` (the transformers adapter built on it); within a unit, no two
+modules import each other round a circle. Imports inside functions count too: a lazy import is still a dependency.
 """
 
 from __future__ import annotations
@@ -104,13 +104,126 @@ def test_the_check_can_fail(tmp_path):
         unit_of(tmp_path / "y.py")
 
 
+def module_name(path: Path, root: Path = REPO) -> str:
+    """``mixerzoo.hub.load`` for ``mixerzoo/hub/load.py`` (a package's ``__init__.py`` is the package)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph(package: Path = PACKAGE, root: Path = REPO) -> dict[str, set[str]]:
+    """``{module: the package's modules it imports}``, imports inside functions included (a lazy import is still
+    a dependency, and a circle of lazy imports is still a circle). ``from .x import name`` points at the module
+    ``x.name`` when that is a module, else at ``x``. The package's own ``__init__`` (its public face, which
+    re-exports from every layer) is left out, as in :func:`edges`."""
+    modules = {module_name(p, root): p for p in package.rglob("*.py") if "templates" not in p.parts}
+    modules.pop(module_name(package / "__init__.py", root), None)
+
+    def resolve(dotted: str) -> str | None:
+        parts = dotted.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        return ".".join(parts) or None
+
+    graph = {}
+    for name, path in modules.items():
+        pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = pkg[: len(pkg) - node.level + 1] if node.level else []
+                module = ".".join(base + (node.module.split(".") if node.module else []))
+                targets = [f"{module}.{a.name}" for a in node.names]
+            else:
+                continue
+            found |= {t for t in map(resolve, targets) if t and t != name}
+        graph[name] = found
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph``: its strongly connected components of more than one module (Tarjan), each as
+    one path ``a -> b -> ... -> a`` through it."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(_circle_through(min(component), component, graph))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _circle_through(start: str, component: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """A shortest path from ``start`` back to itself inside ``component`` (breadth first)."""
+    paths, seen = [[start]], {start}
+    while paths:
+        path = paths.pop(0)
+        for w in sorted(graph[path[-1]] & component):
+            if w == start:
+                return path + [start]
+            if w not in seen:
+                seen.add(w)
+                paths.append(path + [w])
+    return [start]
+
+
+def test_no_import_circle_between_modules():
+    """No two modules of mixerzoo import each other, directly or round a circle, at the top or inside a function:
+    a piece two modules share lives in a module below both."""
+    circles = import_cycles(module_graph())
+    assert not circles, "import circles (give the shared piece one home below both):\n" + "\n".join(
+        " -> ".join(c) for c in circles)
+
+
+def test_the_circle_check_can_fail(tmp_path):
+    """A circle closed by a lazy import inside a function, a relative ``from . import`` and a package ``__init__``
+    is found; a one-way chain is not."""
+    pkg = tmp_path / "mixerzoo"
+    (pkg / "hub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .hub import load\n")  # the public face does not count
+    (pkg / "cli.py").write_text("from .hub.load import f\n")
+    (pkg / "hub" / "__init__.py").write_text("")
+    (pkg / "hub" / "load.py").write_text("from .checkpoint import g\n")
+    (pkg / "hub" / "checkpoint.py").write_text("def g():\n    from . import load\n")
+    graph = module_graph(pkg, tmp_path)
+    assert graph["mixerzoo.hub.checkpoint"] == {"mixerzoo.hub.load"}
+    assert import_cycles(graph) == [["mixerzoo.hub.checkpoint", "mixerzoo.hub.load", "mixerzoo.hub.checkpoint"]]
+    (pkg / "hub" / "checkpoint.py").write_text("def g():\n    import mixerzoo.cli\n")
+    assert import_cycles(module_graph(pkg, tmp_path)) == [
+        ["mixerzoo.cli", "mixerzoo.hub.load", "mixerzoo.hub.checkpoint", "mixerzoo.cli"]]
+    (pkg / "hub" / "checkpoint.py").write_text("def g():\n    pass\n")
+    assert import_cycles(module_graph(pkg, tmp_path)) == []
+
+
 PLUGIN_PACKAGES = sorted(p for p in (REPO / "plugins").glob("*/src/*") if (p / "__init__.py").is_file())
 # One layout for every mechanism, as fla lays out an op (docs/plugin-tutorial.md): a mechanism package (a folder
 # holding layer.py; a plugin with several mechanisms has one sub-package each) has these five roles.
 ROLES = ("naive", "chunk", "recurrent", "layer", "state")
 # what each role may import from its own package: naive (the paper's equations, the reference every other form
 # is tested against) shares nothing with the forms it checks, so a bug in shared logic fails the equivalence
-# tests; the forms never import the reference or the layer; state imports nothing
+# tests; the forms never import the reference or the layer; the layer may, only to offer it as the forced
+# `backend: naive` form of its Forms table (never picked by auto); state imports nothing
 ALLOWED = {"naive": {"state"}, "state": set(), "ops": {"state"}}
 FORBIDDEN = {"chunk": {"naive", "layer"}, "recurrent": {"naive", "layer"}, "ops": {"naive", "layer"}}
 # core modules the reference may not lean on: the shared fast-path helpers
@@ -200,16 +313,18 @@ def test_plugin_layout_check_can_fail(tmp_path):
     assert layout_problems(pkg) == []
     (pkg / "naive.py").write_text("from .ops import fold\nfrom mixerzoo.ops import max_last\n")
     (pkg / "chunk.py").write_text("from . import naive\n")
+    (pkg / "recurrent.py").write_text("from .layer import Mixer\n")
     (pkg / "backends" / "cpu" / "lean.py").write_text("from ...layer import X\n")
     (pkg / "shared").mkdir()
     for role in ROLES:
         (pkg / "shared" / f"{role}.py").write_text("")
     (pkg / "backends" / "wide.py").write_text("from ..shared.naive import f\n")
-    (pkg / "recurrent.py").unlink()
+    (pkg / "shared" / "recurrent.py").unlink()
     (pkg / "state.py").write_text("use_reference = True\n")
     problems = "\n".join(layout_problems(pkg))
     for expected in ("missing recurrent.py", "naive.py imports ['ops']", "chunk.py imports ['naive']",
-                     "naive.py imports mixerzoo.ops", "lean.py imports naive or layer", "wide.py imports naive or layer",
+                     "recurrent.py imports ['layer']", "naive.py imports mixerzoo.ops", "lean.py imports naive or layer",
+                     "wide.py imports naive or layer",
                      "use_reference"):
         assert expected in problems, problems
 

@@ -54,3 +54,44 @@ def test_old_spellings_are_still_accepted(old):
     rest = [a for a in argv if a not in (old, str(value))]
     default = next(a.default for a in parser._actions if RENAMED_FLAGS[old] in a.option_strings)
     assert getattr(parser.parse_args(rest), dest) == default
+
+
+def test_lightning_private_members_are_still_there():
+    """mixerzoo's LightningCLI subclass uses LightningCLI's public hooks, and two private members
+    (``mixerzoo.cli.LIGHTNING_PRIVATE``): fail naming the one a Lightning upgrade removed or changed."""
+    import inspect
+
+    from lightning.pytorch.cli import LightningCLI
+
+    from mixerzoo.cli import LIGHTNING_PRIVATE
+
+    for name, params in LIGHTNING_PRIVATE.items():
+        if params is None:  # an attribute LightningCLI sets while it builds the subcommand parsers
+            assert f"self.{name}" in inspect.getsource(LightningCLI), (
+                f"LightningCLI no longer sets the private {name!r} that mixerzoo.cli reads: update the CLI")
+            continue
+        member = getattr(LightningCLI, name, None)
+        assert callable(member), f"LightningCLI has no private {name!r} any more: mixerzoo.cli overrides it"
+        assert tuple(inspect.signature(member).parameters) == params, (
+            f"LightningCLI.{name} changed its signature to {inspect.signature(member)}: mixerzoo.cli overrides it")
+    # instantiate_trainer (public) still builds the Trainer through the overridden private hook
+    assert "self._instantiate_trainer(" in inspect.getsource(LightningCLI.instantiate_trainer), (
+        "LightningCLI.instantiate_trainer no longer calls _instantiate_trainer: mixerzoo's default callbacks "
+        "would be lost")
+
+
+def test_the_cli_overrides_no_other_private_member():
+    """Every other LightningCLI member the CLI class overrides is public (a private one breaks silently)."""
+    import ast
+    import inspect
+
+    import mixerzoo.cli as cli
+    from mixerzoo.cli import LIGHTNING_PRIVATE
+
+    tree = ast.parse(inspect.getsource(cli))
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "MixerzooCLI")
+    from lightning.pytorch.cli import LightningCLI
+
+    private = {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and f.name.startswith("_")
+               and not f.name.startswith("__") and hasattr(LightningCLI, f.name)}  # overrides, not own helpers
+    assert private <= set(LIGHTNING_PRIVATE), f"private LightningCLI hooks overridden: {sorted(private)}"

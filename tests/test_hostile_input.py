@@ -85,7 +85,15 @@ CASES = {
     "lr_text": (FIT + ["--model.lr", "fast"], r"model\.lr"),
     "max_steps_text": (FIT + ["--trainer.max_steps", "abc"], r"trainer\.max_steps"),
     "layer_types_not_a_list": (FIT + ["--model.layer_types", "{a: 1}"], r"model\.layer_types"),
-    "window_text": (FIT + ["--model.mixers", "{swa: {window: big}, attention: {}}"], r"model\.mixers\.swa.*window='big' \(declared int\)"),
+    "window_text": (FIT + ["--model.mixers", "{swa: {window: big}, attention: {}}"],
+                    r"(?m)^mixerzoo: error: model\.mixers\.swa\.window: expected int, got 'big' \(an option of mixer "
+                    r"'swa'\)\n\Z"),
+    "mixer_typo": (FIT + ["--model.mixers", "{swa: {mixer: kvmm}, attention: {}}"],
+                   r"(?m)^mixerzoo: error: unknown mixer 'kvmm'; did you mean 'kvm'\? Installed mixers: "),
+    "layer_types_typo": (FIT + ["--model.layer_types", "[swa, atention]"],
+                         r"(?m)^mixerzoo: error: model\.layer_types\[1\]='atention' is not a layer of model\.mixers "
+                         r"\(which has \['attention', 'swa'\]\); did you mean 'attention'\? Fix the spelling in "
+                         r"model\.layer_types\n\Z"),
     # impossible sizes
     "n_layers_negative": (FIT + ["--model.n_layers", "-1"], r"model\.n_layers must be a positive integer"),
     "d_model_zero": (FIT + ["--model.d_model", "0"], r"model\.d_model must be a positive integer"),
@@ -95,6 +103,18 @@ CASES = {
     "batch_size_negative": (FIT + ["--data.init_args.batch_size", "-4"], r"data\.batch_size must be an integer >= 1"),
     "lr_negative": (FIT + ["--model.lr", "-1"], r"model\.lr must be > 0"),
     "max_bad_steps_zero": (FIT + ["--model.max_bad_steps", "0"], r"model\.max_bad_steps must be an integer >= 1"),
+    "vocab_smaller_than_tokenizer": (FIT + ["--model.vocab_size", "32"],
+                                     r"(?m)^mixerzoo: error: the tokenizer has 64 tokens but model\.vocab_size=32; "
+                                     r"raise model\.vocab_size to at least 64 \(or leave it unset to take the "
+                                     r"tokenizer's\)\n\Z"),
+    "fsdp_on_cpu": (FIT + ["--trainer.strategy", "fsdp", "--trainer.accelerator", "cpu"],
+                    r"(?m)^mixerzoo: error: --trainer\.strategy fsdp needs GPUs \(FSDP shards the model over CUDA "
+                    r"devices\) and the accelerator is the CPU; on CPU use --trainer\.strategy ddp\n\Z"),
+    "fit_without_config": (["fit"], r"(?m)\Amixerzoo: error: mixerzoo fit needs a recipe: --config RECIPE\.yaml "
+                                    r"\(e\.g\. recipes/quickstart\.yaml\), or at least --data CLASS"),
+    "root_dir_not_writable": (FIT + ["--trainer.default_root_dir", "ok.yaml/runs"],
+                              r"(?m)^mixerzoo: error: --trainer\.default_root_dir 'ok\.yaml/runs' cannot be written "
+                              r"\(Not a directory\); give a folder you can write to\n\Z"),
     "too_many_kv_pairs": (FIT + ["--data.init_args.num_kv_pairs", "40"], r"data\.num_kv_pairs=40 is too many"),
     "batch_larger_than_data": (FIT + ["--data.init_args.batch_size", "128"], r"fewer than one global batch"),
     "d_model_huge": (FIT + ["--model.d_model", "99999999999"], r"out of memory: tried to allocate [\d,.]+ GiB.*model\.d_model"),
@@ -409,7 +429,8 @@ def test_plugins_name_shows_the_options_with_defaults_and_meanings(capsys):
     assert any(line.split()[:3] == ["n_heads", "from", "model.n_heads"] for line in lines), out
     assert any(line.split()[:2] == ["positional", "rope"] for line in lines), out
     assert main(["plugins", "swaa"]) == 2
-    assert capsys.readouterr().err.startswith("mixerzoo: error: unknown mixer 'swaa'. Installed mixers: ")
+    assert capsys.readouterr().err.startswith("mixerzoo: error: unknown mixer 'swaa'; did you mean 'swa'? Installed "
+                                              "mixers: ")
 
 
 def test_non_utf8_text_is_read_with_a_warning(tmp_path, monkeypatch, capsys, caplog):
@@ -571,3 +592,159 @@ def test_corrupt_checkpoint_message_names_the_argument_used_and_torchs_whole_rea
                      r"checkpoint\n\Z", err), err[-2000:]
     assert "weights_only" not in err and "Traceback" not in err, err[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def _tiny_export(folder):
+    """An exported model (swa + attention, 64 ids) written without training."""
+    from mixerzoo.data.tokenizers import id_tokenizer
+    from mixerzoo.hub.checkpoint import TrainedModel
+    from mixerzoo.hub.export import export_trained
+    from mixerzoo.model import LanguageModel, LMConfig
+
+    config = LMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, layer_types=["swa", "attention"],
+                      mixers={"swa": {"window": 8}, "attention": {}})
+    trained = TrainedModel(config=config, state_dict=LanguageModel(config).state_dict(), tokenizer=id_tokenizer(64),
+                           tokenizer_source="ids", eos_id=None, recipe={}, global_step=0, batches=0,
+                           training_tokens=None, metrics={}, source="test")
+    return export_trained(trained, folder)
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("command", ["generate", "evaluate", "import-transformers"])
+def test_truncated_safetensors_is_one_line(command, tmp_path, monkeypatch, capsys):
+    """An interrupted download or copy of model.safetensors: one line naming the file and the fix."""
+    import re
+
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    if command == "import-transformers":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        source = tmp_path / "llama"
+        LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2)).save_pretrained(source)
+        _truncate(source / "model.safetensors")
+        argv = ["import", str(source), str(tmp_path / "out")]
+        match = (r"transformers cannot read the weights of '.*llama': a safetensors file is truncated or corrupt "
+                 r"\(.*\); download or save the model again")
+    else:
+        source = _tiny_export(tmp_path / "exp")
+        _truncate(source / "model.safetensors")
+        (tmp_path / "docs").mkdir()
+        (tmp_path / "docs" / "a.txt").write_text("1 2 3 4 5 6 7 8 " * 20)
+        argv = (["generate", str(source), "--prompt", "1 2"] if command == "generate" else
+                ["evaluate", "--ckpt", str(source), "--out", str(tmp_path / "out"), "--tasks", "loss", "--data",
+                 str(tmp_path / "docs")])
+        match = (re.escape(str(source / "model.safetensors")) + r" cannot be read as safetensors \(truncated or "
+                 r"corrupt: .*\); download, export or save it again")
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err[-2000:]
+    assert re.search(r"(?m)^mixerzoo: error: " + match + r"\n\Z", err), err[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif("torch.cuda.is_available()")
+def test_generate_on_a_device_this_machine_lacks_is_one_line(tmp_path, monkeypatch, capsys):
+    import re
+
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    folder = str(_tiny_export(tmp_path / "exp"))
+    for device, match in (("cuda", r"--device cuda: this machine has no CUDA device \(torch .* sees none\); use "
+                                   r"--device cpu, or leave --device out"),
+                          ("gpu", r"--device 'gpu' is not a device; use cpu, cuda or cuda:N")):
+        capsys.readouterr()
+        assert main(["generate", folder, "--prompt", "1 2", "--device", device]) == 2
+        err = capsys.readouterr().err
+        assert re.search(r"(?m)\Amixerzoo: error: " + match + r"\n\Z", err), err[-2000:]
+
+
+class DecodeBreaks(torch.nn.Module):
+    """A plugin mixer whose whole-sequence form works and whose one-token decode step raises."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x, state=None):
+        if state is not None:
+            raise ValueError("no one-token path")
+        return self.proj(x), x[:, -1:]
+
+
+def test_generate_names_the_layer_whose_mixer_raises_in_decode(tmp_path, monkeypatch, capsys):
+    """As fit names the layer whose first forward breaks the protocol: the layer, the mixer, its distribution,
+    that it was decoding, and the mixer's own error."""
+    from mixerzoo import registry
+    from mixerzoo.data.tokenizers import id_tokenizer
+    from mixerzoo.hub.checkpoint import TrainedModel
+    from mixerzoo.hub.export import export_trained
+    from mixerzoo.model import LanguageModel, LMConfig
+
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    registry.register("decode_breaks", DecodeBreaks)
+    try:
+        config = LMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, layer_types=["swa", "odd"],
+                          mixers={"swa": {"window": 8}, "odd": {"mixer": "decode_breaks"}})
+        export_trained(TrainedModel(config=config, state_dict=LanguageModel(config).state_dict(),
+                                    tokenizer=id_tokenizer(64), tokenizer_source="ids", eos_id=None, recipe={},
+                                    global_step=0, batches=0, training_tokens=None, metrics={}, source="test"),
+                       tmp_path / "exp")
+        capsys.readouterr()
+        assert main(["generate", str(tmp_path / "exp"), "--prompt", "1 2", "--max_new_tokens", "3"]) == 2
+    finally:
+        registry._manual["mixer"].pop("decode_breaks", None)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-2000:]
+    assert err.endswith(
+        "mixerzoo: error: layer 1 (odd: mixer 'decode_breaks' (distribution (registered in process) -)) raised "
+        "ValueError: no one-token path while decoding one step with its state; fix that mixer "
+        "(mixerzoo.testing.run_conformance's decode check finds such bugs)\n"), err[-2000:]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "M", "--prompt", "1", "--max_new_token", "3"],
+     r"--max_new_token: no such option; did you mean --max_new_tokens\? \(`mixerzoo generate --help` lists every "
+     r"option\)"),
+    (["generate"], r"the following arguments are required: source \(`mixerzoo generate --help` lists every option\)"),
+    (["export", "C", "O", "--repoid", "me/x"], r"--repoid: no such option; did you mean --repo_id\?"),
+    (["evaluate", "--ckpt", "C", "--out", "O", "--taks", "cost"], r"--taks: no such option; did you mean --tasks\?"),
+])
+def test_subcommand_flag_mistakes_are_one_line_with_did_you_mean(argv, match, capsys):
+    import re
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "usage:" not in err and re.search(r"(?m)\Amixerzoo: error: " + match + r".*\n\Z", err), err[-2000:]
+
+
+@pytest.mark.parametrize("where", ["file", "below_a_file"])
+def test_evaluate_out_that_cannot_be_written_is_refused_before_evaluating(where, tmp_path, monkeypatch, capsys):
+    import re
+
+    import mixerzoo.evaluation.models as models
+
+    monkeypatch.setattr(models, "load_eval_model", lambda *a, **k: pytest.fail("evaluation started"))
+    (tmp_path / "report.md").write_text("mine")
+    out = tmp_path / "report.md" if where == "file" else tmp_path / "report.md" / "eval"
+    assert main(["evaluate", "--ckpt", "C", "--out", str(out), "--tasks", "cost"]) == 2
+    err = capsys.readouterr().err
+    match = (r"is a file; give a folder \(evaluate writes report\.md, results\.json and figures into it\)"
+             if where == "file" else r"cannot be written \(.*report\.md is a file\); give a folder you can write to")
+    assert re.search(r"(?m)\Amixerzoo: error: --out '" + re.escape(str(out)) + "' " + match + r"\n\Z", err), err
+    assert (tmp_path / "report.md").read_text() == "mine"
+
+
+def test_generate_refuses_prompt_words_outside_a_synthetic_vocabulary(tmp_path, capsys):
+    """A recall model's tokenizer knows the numbers 0..V-1; any other word would silently be read as token 0."""
+    folder = str(_tiny_export(tmp_path / "exp"))
+    assert main(["generate", folder, "--prompt", "3 key 17 val key", "--max_new_tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("mixerzoo: error: --prompt: 'key', 'val' are not in the tokenizer's vocabulary of 64 tokens "
+                        "and would be read as the unknown token '0'; use only its tokens (this one's are the numbers "
+                        "0 to 63, space-separated)\n"), err[-2000:]
+    assert main(["generate", folder, "--prompt", "3 0 17", "--max_new_tokens", "1"]) == 0  # "0" itself is a token

@@ -590,3 +590,44 @@ def test_every_bundled_mixer_round_trips_through_export_and_save_pretrained(name
     assert again.embed.weight.dtype == dtype and (again.head.weight is again.embed.weight) == tie
     with torch.no_grad():
         assert torch.equal(again(ids)[0], want)
+
+
+def test_export_again_keeps_the_users_files_and_refuses_over_their_edits(tmp_path):
+    """Exporting over an earlier export: a file the user added (NOTES.md, a folder) is carried over; a file the
+    export writes that the user edited since (README.md) stops the export, named, with nothing changed."""
+    from test_hostile_input import _tiny_export
+
+    out = _tiny_export(tmp_path / "exp")
+    assert set(json.loads((out / "config.json").read_text())["mixerzoo_files"]) == EXPORT_FILES - {"config.json"}
+    (out / "NOTES.md").write_text("my notes")
+    (out / "eval").mkdir()
+    (out / "eval" / "a.json").write_text("{}")
+    _tiny_export(out)
+    assert (out / "NOTES.md").read_text() == "my notes" and (out / "eval" / "a.json").read_text() == "{}"
+    assert {p.name for p in out.iterdir()} == EXPORT_FILES | {"NOTES.md", "eval"}
+    (out / "README.md").write_text((out / "README.md").read_text() + "\nMy own section.\n")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(FileExistsError, match=r"exp: README\.md changed since the export wrote them; exporting again "
+                                              r"would replace the changes: move them out of"):
+        _tiny_export(out)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not list(tmp_path.glob(".exp.*"))
+
+
+def test_remote_code_shows_the_real_import_error_when_mixerzoo_is_shadowed(tmp_path):
+    """A folder named mixerzoo in the working directory hides the installed package: the shim says what failed
+    and where mixerzoo was found, not "install mixerzoo"."""
+    import subprocess
+
+    from mixerzoo.hub.remote_code import remote_code
+
+    (tmp_path / "configuration_mixerzoo.py").write_text(remote_code(mixerzoo.__version__)["configuration_mixerzoo.py"])
+    (tmp_path / "mixerzoo").mkdir()  # e.g. an old copy of the package's source
+    (tmp_path / "mixerzoo" / "__init__.py").write_text("")
+    script = "import runpy\ntry:\n    runpy.run_path('configuration_mixerzoo.py')\nexcept ImportError as e:\n" \
+             "    print('IMPORT-ERROR:', e)\n"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("IMPORT-ERROR:")]
+    assert line, out.stdout + out.stderr
+    assert str(tmp_path / "mixerzoo") in line[0] and "from 'mixerzoo'" in line[0], line[0]  # the real error
+    assert "shadows the installed package" in line[0] and "pip install" not in line[0], line[0]

@@ -591,3 +591,29 @@ def test_their_ovq_layer_equals_first_key_seeding_and_differs_from_nearest():
             assert diff.max() <= 1e-4
         else:
             assert diff[:L].max() <= 1e-4 and diff[L:2 * L].max() > 0.1
+
+
+@pytest.mark.parametrize("class_path", ["model.kvm_triton_mixer.SequenceMixer", "model.kvm_mixer_triton.TritonMixer"])
+def test_their_triton_kvm_class_imports_as_their_eager_kvm(class_path):
+    """kvm_triton.yaml names a Triton subclass of their eager KVM mixer (the same parameters): imported as kvm;
+    a class of theirs with no equal here is refused by the class-path field, not by a token_mixer it is not."""
+    from mixerzoo.hub.kvm_paper import lm_config_from_kvm_paper
+    from mixerzoo.hub.pretrained import UnsupportedArchitectureError
+
+    theirs = _their_config("kvm_fixed")
+    eager = lm_config_from_kvm_paper(theirs)
+    assert lm_config_from_kvm_paper({**theirs, "token_mixer_class_path": class_path}) == eager
+    with pytest.raises(UnsupportedArchitectureError, match=r"\AKVM paper model: token_mixer_class_path="
+                                                           r"'model\.rwkv7_mixer\.SequenceMixer' is not supported"):
+        lm_config_from_kvm_paper({**theirs, "token_mixer_class_path": "model.rwkv7_mixer.SequenceMixer"})
+
+
+def test_a_pt_without_config_is_told_config_is_needed(tmp_path, capsys):
+    from mixerzoo.cli import main
+
+    (tmp_path / "model_step000010.pt").write_bytes(b"\x80\x02}q\x00.")
+    assert main(["import", str(tmp_path / "model_step000010.pt"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("is a training checkpoint: a KVM paper authors' .pt imports with their training config, "
+                        f"`mixerzoo import {tmp_path / 'model_step000010.pt'} OUT_DIR --config their.yaml`\n"), err
+    assert not (tmp_path / "out").exists()

@@ -1,4 +1,5 @@
-"""Progress bars of the long-running commands: drawn with an ETA on a terminal, silent with --quiet or in logs."""
+"""Progress bars of the long-running commands: drawn with an ETA on a terminal, silent with --quiet, a plain line
+with an estimate now and then in logs."""
 
 import io
 
@@ -35,4 +36,27 @@ def test_stages_advance_by_name(capsys):
     with stages("import", ["read", "write"], quiet=True) as step:
         step()
         step()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_long_job_off_a_terminal_prints_a_line_with_an_estimate_now_and_then(monkeypatch, capsys):
+    """In a log (``evaluate --tasks mqar`` at 32k piped to a file): no bar, but every LOG_INTERVAL_S a plain line
+    on stderr with done/total, elapsed and the time left; nothing on the results' stream, nothing when quiet."""
+    import mixerzoo.progress as progress_module
+
+    out = io.StringIO()
+    monkeypatch.setattr(progress_module, "LOG_INTERVAL_S", 0.0)
+    with progress_bar(Console(file=out, force_terminal=False)) as progress:
+        task = progress.add_task("mqar kvm", total=4096)
+        for _ in range(4):
+            progress.advance(task, 1024)
+    lines = capsys.readouterr().err.splitlines()
+    assert out.getvalue() == "" and len(lines) == 4, lines
+    assert lines[-1].startswith("mqar kvm: 4,096/4,096, 0:00:00 elapsed, eta ") and "eta" in lines[1], lines
+    with progress_bar(Console(file=out, force_terminal=False), quiet=True) as progress:
+        progress.advance(progress.add_task("x", total=2), 2)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(progress_module, "LOG_INTERVAL_S", 3600.0)  # a short job prints its results only
+    with progress_bar(Console(file=out, force_terminal=False)) as progress:
+        progress.advance(progress.add_task("x", total=2), 2)
     assert capsys.readouterr().err == ""

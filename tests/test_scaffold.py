@@ -244,3 +244,30 @@ def test_generated_plugin_installs_passes_its_tests_and_trains(tmp_path):
     finally:
         r = _run(pip + ["uninstall", "-y", names.dist])
         assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_tutorial_answers_what_plugin_authors_had_to_read_source_for():
+    """The tutorial states what the code does for: QKVProjection.stream's return values, which parameters weight
+    decay takes, the bf16 checks casting buffers, `mixerzoo plugins NAME`, layer.py importing naive.py only for the forced naive form
+    (as tests/test_architecture.py enforces), and trust_remote_code for AutoTokenizer."""
+    import torch
+
+    from mixerzoo.mixers.qkv import QKVProjection
+    from mixerzoo.training.optim import param_groups
+
+    text = " ".join((REPO / "docs" / "plugin-tutorial.md").read_text().split())
+    qkv = QKVProjection(16, 2)
+    out = qkv.stream(torch.randn(1, 3, 16), None)
+    assert len(out) == 5 and out[3].tolist() == [0, 1, 2]  # positions fourth
+    assert "returns `q, k, v`, the absolute `positions (T,)` fourth and the new carry fifth" in text
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    decayed, not_decayed = param_groups(model, 0.1)
+    assert all(p.ndim >= 2 for p in decayed["params"]) and all(p.ndim < 2 for p in not_decayed["params"])
+    assert "parameters with `ndim < 2` (biases, norm weights" in text and "never decay" in text
+    assert "every floating parameter **and buffer** is cast to bf16" in text
+    assert "`mixerzoo plugins lin_attn` shows one mixer" in text
+    import test_architecture
+
+    assert "layer" not in test_architecture.FORBIDDEN  # layer.py may offer naive as a forced form
+    assert "| `layer.py` |" in text and "`naive` only as the forced `backend: naive` form" in text
+    assert "`trust_remote_code=True` to both `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer" in text

@@ -1,13 +1,15 @@
 """A training run's folder: the model summary's FLOPs, the loss curve of a finished run, a resumed run that
 continues in its own folder (no new version_N, no "dirpath has changed" warning, its earlier metrics and config
-kept), the folder of a run that failed before its first step removed (a folder with anything else kept), and the
-logger extras of pyproject.toml."""
+kept), the folder of a run that failed before its first step removed (a folder with anything else kept), a run
+folder locked while a fit writes it, an interrupted fit saving and printing its resume command, and the logger
+extras of pyproject.toml."""
 
 import csv
 import tomllib
 import warnings
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -172,3 +174,94 @@ def test_logger_extras_are_in_pyproject():
         assert any(req.startswith(package) for req in extras[extra]), (extra, extras.get(extra))
         assert package in _PIP_NAMES.values()
     assert set(LOGGER_EXTRAS) == {"tensorboard", "wandb"}
+
+
+def test_a_run_folder_is_locked_while_a_fit_writes_it(in_tmp, monkeypatch, capsys):
+    """A second fit resuming the run another fit is writing stops before it writes anything, naming the holder;
+    a lock left by a process that is gone is taken over."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from mixerzoo.training.runs import LOCK_NAME
+
+    monkeypatch.delenv("MIXERZOO_TRACEBACK", raising=False)
+    (in_tmp / "r.yaml").write_text(RECIPE)
+    assert _fit()[0] == 0
+    run = in_tmp / "runs" / "mixerzoo" / "version_0"
+    assert not (run / LOCK_NAME).exists()  # released at the end of the fit
+    lock = run / LOCK_NAME
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "2026-01-01 00:00:00"}))
+    before = {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit) as exc:
+        _fit("--ckpt_path", "last", "--trainer.max_steps", "4")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("mixerzoo: error:") == 1, err[-2000:]
+    assert f"is being written by another fit (pid {os.getpid()} on {socket.gethostname()}" in err, err[-2000:]
+    assert {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing written
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    lock.write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname(), "started": "2026-01-01 00:00:00"}))
+    assert _fit("--ckpt_path", "last", "--trainer.max_steps", "4")[0] == 0  # stale: taken over
+    assert not lock.exists()
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+
+
+class SendSignal(L.Callback):
+    """Sends this process a signal after the given optimizer step (a user's Ctrl-C, a scheduler's SIGTERM)."""
+
+    def __init__(self, signal_name: str = "SIGTERM", after_step: int = 3) -> None:
+        self.signal_name, self.after_step = signal_name, after_step
+
+    def on_train_batch_end(self, trainer, *rest) -> None:
+        import os
+        import signal
+
+        if trainer.global_step == self.after_step:
+            os.kill(os.getpid(), getattr(signal, self.signal_name))
+
+
+@pytest.mark.parametrize("signal_name, status, said", [("SIGTERM", 143, "SIGTERM"), ("SIGINT", 130, "Ctrl-C")])
+def test_an_interrupted_fit_saves_and_says_how_to_resume(signal_name, status, said, in_tmp, monkeypatch, capsys):
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    (in_tmp / "r.yaml").write_text(RECIPE)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            _fit("--trainer.max_steps", "8", "--trainer.callbacks+=test_training_runs.SendSignal",
+                 "--trainer.callbacks.signal_name", signal_name)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    assert exc.value.code == status
+    err = capsys.readouterr().err
+    last = Path("runs/mixerzoo/version_0/checkpoints/last.ckpt")
+    assert (f"mixerzoo: fit stopped by {said} at step 3; the last checkpoint is {last}; resume with: mixerzoo fit "
+            f"--config r.yaml --trainer.max_steps 8") in err, err[-2000:]
+    assert err.rstrip().endswith("--ckpt_path last"), err[-2000:]
+    assert torch.load(in_tmp / last, weights_only=False)["global_step"] == 3  # saved on the signal, not at step 2
+
+
+def test_ckpt_path_last_resumes_a_run_of_this_recipe(in_tmp, capsys):
+    """A newer run of another recipe under the same root is passed over (with a note naming it and why), and
+    nothing is written into it."""
+    (in_tmp / "r.yaml").write_text(RECIPE)
+    (in_tmp / "other.yaml").write_text(RECIPE.replace("d_model: 32", "d_model: 16"))
+    assert _fit()[0] == 0
+    assert main(["fit", "--config", "other.yaml"]) == 0
+    other = in_tmp / "runs" / "mixerzoo" / "version_1"
+    before = sorted(p.name for p in other.iterdir())
+    capsys.readouterr()
+    assert _fit("--ckpt_path", "last", "--trainer.max_steps", "4")[0] == 0
+    err = capsys.readouterr().err
+    skipped = Path("runs/mixerzoo/version_1/checkpoints/last.ckpt")
+    assert (f"mixerzoo: --ckpt_path last: passing over {skipped}, a run of another recipe (model.d_model: 16 there, "
+            f"32 here); give its path to --ckpt_path to resume it") in err, err[-2000:]
+    assert sorted(p.name for p in other.iterdir()) == before  # no config.resumed1.yaml in the other run
+    mine = in_tmp / "runs" / "mixerzoo" / "version_0"
+    assert (mine / "config.resumed1.yaml").is_file()
+    assert torch.load(mine / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4

@@ -14,9 +14,7 @@ import shlex
 import sys
 from typing import IO
 
-import torch
-
-from . import user_errors
+from . import CommandParser, resolve_device, user_errors
 
 __all__ = ["main", "build_parser"]
 
@@ -25,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ..evaluation.runner import TASK_GROUPS, TASKS, EvalSettings
 
     d = EvalSettings()  # the defaults
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="mixerzoo evaluate", allow_abbrev=False,
         description="Evaluate checkpoints of any mixer pattern: per-position loss on long documents, recall sweeps "
                     "(MQAR, ICR, needle in a haystack) and measured cost at each context length; writes report.md, "
@@ -106,17 +104,41 @@ def _yaml_mapping(text: str, field: str) -> dict:
     return value
 
 
+def _check_out(out: str) -> None:
+    """Refuse ``--out`` before any evaluation runs when the report could not be written there: a file, or a
+    folder below a file or in a place that cannot be written. Creates nothing.
+
+    Raises:
+        ConfigError: names the path and the fix.
+    """
+    import os
+
+    from ..errors import ConfigError
+
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out {out!r} is a file; give a folder (evaluate writes report.md, results.json and "
+                          f"figures into it)")
+    parent = os.path.abspath(out)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out!r} cannot be written ({parent} is "
+                          f"{'a file' if not os.path.isdir(parent) else 'not writable'}); give a folder you can "
+                          f"write to")
+
+
 def main(argv: list[str], out: IO[str] | None = None) -> int:
     """Run ``mixerzoo evaluate``; returns the exit status (2 for user errors, printed as one line)."""
-    args = build_parser().parse_args(argv)
     status = [0]
     with user_errors(status):
+        args = build_parser().parse_args(argv)
         from rich.console import Console
 
         from ..evaluation.models import load_eval_model
         from ..evaluation.runner import EvalSettings, parse_tasks, run_evaluation, write_outputs
         from ..model.config import ConfigError
 
+        _check_out(args.out)
         if args.names is not None and len(args.names) != len(args.ckpt):
             raise ConfigError(f"--names has {len(args.names)} label(s) for {len(args.ckpt)} checkpoint(s); give one "
                               f"per --ckpt or none")
@@ -142,7 +164,7 @@ def main(argv: list[str], out: IO[str] | None = None) -> int:
             mqar_format=args.mqar_format, icr_vocab=args.icr_vocab,
             icr_key_len=args.icr_key_len, icr_value_len=args.icr_value_len)
         settings.check()
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = resolve_device(args.device)
         models, used = [], set()
         for i, (path, tok, mix) in enumerate(zip(args.ckpt, toks, mixers)):
             name = args.names[i] if args.names else None

@@ -10,13 +10,13 @@ import argparse
 import os
 import sys
 
-from . import add_option, user_errors
+from . import CommandParser, add_option, user_errors
 
 __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="mixerzoo export", allow_abbrev=False,
         description="Export a Lightning checkpoint to a Hugging Face Hub folder (config.json, model.safetensors, "
                     "tokenizer.json, generation_config.json, README.md model card, transformers shims), optionally "
@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Run ``mixerzoo export``; returns the exit status (2 for user errors)."""
-    args = build_parser().parse_args(argv)
     status = [0]
     with user_errors(status):
+        args = build_parser().parse_args(argv)
         from ..hub import export_checkpoint, push_to_hub
         from ..model.config import ConfigError
 

@@ -15,7 +15,7 @@ from typing import IO
 
 import torch
 
-from . import add_option, user_errors
+from . import CommandParser, add_option, resolve_device, user_errors
 
 __all__ = ["main", "build_parser", "load_for_generation", "stream_text", "layer_summary"]
 
@@ -100,7 +100,7 @@ def stream_text(model, tokenizer, prompt_ids: list[int], out: IO[str], max_new_t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="mixerzoo generate", allow_abbrev=False,
         description="Generate text from a checkpoint, an exported folder or a Hub repository id, streaming tokens "
                     "to stdout (each step reuses the mixers' states) and reporting tokens/s on stderr.")
@@ -154,6 +154,25 @@ def chat_prompt(template: str | None, prompt: str, bos_token: str | None = None)
                                        add_generation_prompt=True)
 
 
+def unknown_words(tokenizer, text: str, encoding) -> list[str]:
+    """The words of ``text`` that ``tokenizer`` (a ``tokenizers.Tokenizer``) maps to its unknown token, in order,
+    once each: a synthetic task's tokenizer (numbers ``0 .. V-1``) reads any other word as ``0``. [] for a
+    tokenizer without an unknown token (byte-level BPE reads every text)."""
+    unk = getattr(getattr(tokenizer, "model", None), "unk_token", None)
+    unk_id = tokenizer.token_to_id(unk) if unk else None
+    if unk_id is None:
+        return []
+    words = [text[a:b] for i, (a, b) in zip(encoding.ids, encoding.offsets) if i == unk_id and text[a:b] != unk]
+    return list(dict.fromkeys(words))
+
+
+def _vocabulary_hint(tokenizer) -> str:
+    vocab = tokenizer.get_vocab()
+    if vocab and all(t.isdigit() for t in vocab):
+        return f" (this one's are the numbers 0 to {len(vocab) - 1}, space-separated)"
+    return ""
+
+
 def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     """Run ``mixerzoo generate``; returns the exit status (2 for user errors)."""
     out, err = out or sys.stdout, err or sys.stderr
@@ -169,7 +188,7 @@ def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None
             raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
         if args.top_p is not None and not 0 < args.top_p <= 1:
             raise ConfigError(f"--top_p must be in (0, 1], got {args.top_p}")
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = resolve_device(args.device)
         t0 = time.perf_counter()
         from ..hub.source import load_model
 
@@ -181,7 +200,15 @@ def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None
         prompt = args.prompt
         if args.chat:
             prompt = chat_prompt(loaded.chat_template, prompt, loaded.trained.tokenizer_settings.get("bos_token"))
-        prompt_ids = tok.encode(prompt).ids if prompt else []
+        encoding = tok.encode(prompt) if prompt else None
+        prompt_ids = encoding.ids if encoding is not None else []
+        unknown = unknown_words(tok, prompt, encoding) if encoding is not None else []
+        if unknown:
+            unk = tok.model.unk_token
+            raise ConfigError(f"--prompt: {', '.join(repr(w) for w in unknown[:5])} "
+                              f"{'is' if len(unknown) == 1 else 'are'} not in the tokenizer's vocabulary of "
+                              f"{tok.get_vocab_size()} tokens and would be read as the unknown token {unk!r}; "
+                              f"use only its tokens{_vocabulary_hint(tok)}")
         if not prompt_ids:
             if eos_id is None:
                 raise ConfigError("--prompt is empty and the tokenizer has no end-of-text token to start from; give "
@@ -192,8 +219,11 @@ def main(argv: list[str], out: IO[str] | None = None, err: IO[str] | None = None
         warn_if_beyond_context(loaded.trained, len(prompt_ids) + args.max_new_tokens, "prompt + --max_new_tokens")
         if prompt and not args.no_echo:
             out.write(tok.decode(prompt_ids, skip_special_tokens=False))
-        new, t = stream_text(model, tok, prompt_ids, out, args.max_new_tokens, args.temperature, args.top_k,
-                             args.top_p, eos_id, args.seed)
+        from ..model.lm import mixer_errors_named
+
+        with mixer_errors_named(model):
+            new, t = stream_text(model, tok, prompt_ids, out, args.max_new_tokens, args.temperature, args.top_k,
+                                 args.top_p, eos_id, args.seed)
         out.write("\n")
         out.flush()
         state = getattr(model, "_last_state_bytes", None)

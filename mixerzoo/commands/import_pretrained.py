@@ -12,13 +12,13 @@ import sys
 import time
 import warnings
 
-from . import add_option, user_errors
+from . import CommandParser, add_option, user_errors
 
 __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="mixerzoo import", allow_abbrev=False,
         description="Import a pretrained transformers causal LM (llama, mistral, qwen2, qwen3), or a KVM paper "
                     "authors' GPTAlpha-2 model (their folder, Hub id, or a training checkpoint .pt with --config), "
@@ -41,9 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Run ``mixerzoo import``; returns the exit status (2 for user errors, one line each)."""
-    args = build_parser().parse_args(argv)
     status = [0]
     with user_errors(status):
+        args = build_parser().parse_args(argv)
         from ..hub.kvm_paper import import_kvm_paper, is_kvm_paper_hub_id, is_kvm_paper_source
         from ..hub.pretrained import import_pretrained
 

@@ -232,8 +232,8 @@ class MixerzooForCausalLM(PreTrainedModel, GenerationMixin):
                 GPU if any) or ``{"": device}``; the model is not split across devices.
         """
         from ..hub.checkpoint import load_weights
-        from ..hub.load import (GENERATION_CONFIG_NAME, _dtype, check_plugins, load_folder_weights, resolve_folder,
-                                saved_dtype)
+        from ..hub.load import GENERATION_CONFIG_NAME, _dtype, load_folder_weights, resolve_folder, saved_dtype
+        from ..hub.plugins import check_plugins
 
         folder = resolve_folder(pretrained_model_name_or_path, revision=revision, cache_dir=cache_dir, token=token,
                                 local_files_only=local_files_only)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from .checkpoint import TrainedModel, read_checkpoint
 from .export import HubPushError, export_checkpoint, export_trained, push_to_hub
-from .load import HubDownloadError, MissingPluginError, from_pretrained, load_tokenizer, read_export, resolve_folder
+from .load import HubDownloadError, from_pretrained, load_tokenizer, read_export, resolve_folder
+from .plugins import MissingPluginError
 from .pretrained import UnsupportedArchitectureError, import_pretrained
 from .source import LoadedModel, load_model
 

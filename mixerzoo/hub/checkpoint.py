@@ -290,7 +290,7 @@ def read_checkpoint(path: str | os.PathLike, tokenizer: str | None = None) -> Tr
         raise ConfigError(f"{path!r} is not a mixerzoo LMModule checkpoint (its hyper-parameters lack vocab_size, "
                           f"d_model or layer_types)")
     config = LMConfig(**drop_unused_mixers({k: _plain(v) for k, v in hparams.items() if k in fields}))
-    from .load import check_plugins
+    from .plugins import check_plugins
 
     recorded = ckpt.get("mixerzoo_plugins")  # absent from checkpoints written before it was recorded
     check_plugins(config, {"plugins": recorded}, where=f"{path}: ",

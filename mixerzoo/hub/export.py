@@ -30,7 +30,8 @@ from ..errors import ConfigError, UserError
 from .card import model_card
 from .checkpoint import TrainedModel, read_checkpoint, tokenizer_json
 from .remote_code import ARCHITECTURE, AUTO_MAP, remote_code
-from .load import CONFIG_NAME, GENERATION_CONFIG_NAME, TOKENIZER_NAME, WEIGHTS_NAME, _dtype, plugin_metadata
+from .load import CONFIG_NAME, GENERATION_CONFIG_NAME, TOKENIZER_NAME, WEIGHTS_NAME, _dtype
+from .plugins import plugin_metadata
 
 __all__ = ["export_checkpoint", "export_trained", "write_folder_atomic", "push_to_hub", "HubPushError",
            "safetensors_weights"]
@@ -105,14 +106,63 @@ def _is_export(folder: Path) -> bool:
         return False
 
 
+FILES_KEY = "mixerzoo_files"  # config.json: {file: sha256} of what the export wrote, to tell user edits apart
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _edited_files(out: Path, written: set[str]) -> list[str]:
+    """The files of the earlier export in ``out`` that this export writes again but the user changed since (their
+    hash differs from the one the earlier export recorded); [] for an export without a record."""
+    try:
+        recorded = json.loads((out / CONFIG_NAME).read_text()).get(FILES_KEY) or {}
+    except (OSError, ValueError, AttributeError):
+        return []
+    return sorted(n for n, digest in recorded.items()
+                  if n in written and (out / n).is_file() and _sha256(out / n) != digest)
+
+
 def write_folder_atomic(out_dir: str | os.PathLike, write) -> Path:
     """Create ``out_dir`` by calling ``write(tmp_folder)`` (:func:`mixerzoo.atomic.atomic_folder`); a previous
-    export there is replaced only once ``write`` returned, anything else is never overwritten.
+    export there is replaced only once ``write`` returned, anything else is never overwritten. Over an earlier
+    export, files and folders the export does not write (a NOTES.md, a ``.git``) are kept, and a file it writes
+    that the user edited since (told from the hashes config.json records under ``mixerzoo_files``) is refused.
 
     Raises:
-        FileExistsError: ``out_dir`` exists, is not empty and is not a mixerzoo export (never overwritten).
+        FileExistsError: ``out_dir`` exists, is not empty and is not a mixerzoo export (never overwritten), or
+            holds edits of files the export writes (named; nothing is written).
     """
-    return atomic_folder(out_dir, write, may_replace=_is_export, what="mixerzoo export")
+    import shutil
+
+    out = Path(os.fspath(out_dir))
+
+    def write_keeping(folder: Path) -> None:
+        write(folder)
+        written = {p.name for p in folder.iterdir()}
+        cfg = json.loads((folder / CONFIG_NAME).read_text())
+        cfg[FILES_KEY] = {n: _sha256(folder / n) for n in sorted(written - {CONFIG_NAME})}
+        (folder / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
+        if not out.is_dir():
+            return
+        edited = _edited_files(out, written)
+        if edited:
+            raise FileExistsError(f"{out}: {', '.join(edited)} changed since the export wrote them; exporting again "
+                                  f"would replace the changes: move them out of {out} (or export to another "
+                                  f"folder)")
+        for old in out.iterdir():  # what the user added: carried into the new export
+            if old.name not in written:
+                (shutil.copytree(old, folder / old.name, symlinks=True) if old.is_dir() and not old.is_symlink()
+                 else shutil.copy2(old, folder / old.name, follow_symlinks=False))
+
+    return atomic_folder(out_dir, write_keeping, may_replace=_is_export, what="mixerzoo export")
 
 
 def check_export_target(out_dir: str | os.PathLike) -> Path:

@@ -37,7 +37,10 @@ Token mixers: ``gptalpha`` -> ``attention``, ``gptalpha_bswa`` -> ``bswa`` (``ch
 -> ``kvm`` (mixerzoo_kvm.KVMAttention; their eager ``model/kvm_mixer.py``), ``ovq`` -> ``ovq``
 (mixerzoo_ovq.OVQAttention; their ``model/ovq_mixer.py``: ``chunk_len: ovq_chunk_size``, ``max_size:
 ovq_max_centroids``, ``schedule: saturating``, ``renormalize: ovq_normalize_centroids``, ``first_chunk: first_key``,
-``positional: nope``, no q/k LayerNorm, ``attn.beta`` -> ``mixer.beta``):
+``positional: nope``, no q/k LayerNorm, ``attn.beta`` -> ``mixer.beta``; not mapped exactly: their OVQ scales q and
+k to unit length as ``x / (||x|| + 1e-5)``, mixerzoo's as ``F.normalize`` (``x / max(||x||, eps)``), a relative
+difference of ``1e-5 / ||x||`` per vector: visible in float32 (a residual of 4e-6 in float64 at unit-scale norms,
+growing as norms shrink), far below bfloat16's resolution):
 
 =======================================  ======================================================================
 theirs                                   mixerzoo ``kvm`` option
@@ -195,16 +198,16 @@ def _read_yaml_configs(paths) -> dict:
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from .load import read_safetensors
 
     index = folder / "model.safetensors.index.json"
     if (folder / "model.safetensors").is_file():
-        return load_file(str(folder / "model.safetensors"))
+        return read_safetensors(folder / "model.safetensors")
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         out: dict[str, torch.Tensor] = {}
         for f in files:
-            out.update(load_file(str(folder / f)))
+            out.update(read_safetensors(folder / f))
         return out
     if (folder / "pytorch_model.bin").is_file():
         return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -285,10 +288,15 @@ def _token_mixer(cfg: dict, alt: bool) -> str:
     class_path = cfg.get(f"{field}_class_path")
     if class_path is None:
         return str(cfg[field])
-    m = re.fullmatch(r"model\.(\w+)_mixer\.SequenceMixer", str(class_path))
-    if m is None:
-        raise _refuse(f"{field}_class_path", class_path, "only their own token mixers are known")
-    return m.group(1)
+    m = re.fullmatch(r"model\.(\w+)\.\w+", str(class_path))
+    # their modules are model/<name>_mixer.py; a Triton variant (kvm_triton.yaml) subclasses the eager mixer
+    # with the same parameters, so it imports as that mixer
+    name = re.sub(r"_(?:mixer|triton)(?=_|$)", "", m.group(1)) if m else None
+    if name not in TOKEN_MIXERS:
+        why = (f"their {name!r} mixer: no mixer here equals it yet" if m else
+               "only their own token mixers (model.<name>_mixer) and their Triton variants are known")
+        raise _refuse(f"{field}_class_path", class_path, why)
+    return name
 
 
 def _layer_options(cfg: dict, token_mixer: str, alt: bool) -> dict:

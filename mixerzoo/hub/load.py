@@ -10,22 +10,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import registry
 from ..model import LanguageModel, LMConfig
 from ..model.config import drop_unused_mixers
 from ..errors import ConfigError, UserError
-from ..registry import UnknownNameError
 from .checkpoint import load_weights
+from .plugins import check_plugins
 
-__all__ = ["from_pretrained", "resolve_folder", "read_config", "check_plugins", "load_tokenizer",
-           "MissingPluginError", "HubDownloadError", "CONFIG_NAME", "WEIGHTS_NAME", "TOKENIZER_NAME",
-           "GENERATION_CONFIG_NAME", "DOWNLOAD_PATTERNS"]
+__all__ = ["from_pretrained", "resolve_folder", "read_config", "load_tokenizer", "HubDownloadError", "CONFIG_NAME",
+           "WEIGHTS_NAME", "TOKENIZER_NAME", "GENERATION_CONFIG_NAME", "DOWNLOAD_PATTERNS"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -33,11 +30,6 @@ TOKENIZER_NAME = "tokenizer.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 # What a download fetches: configs, safetensors weights, the card and the transformers shims; never pickles.
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.md", "*.py", "*.txt"]
-
-
-class MissingPluginError(UnknownNameError):
-    """The model uses a mixer (or positional encoding / schedule) that is not installed; names the
-    distribution (and version) that provided it at export time."""
 
 
 class HubDownloadError(UserError, OSError):
@@ -103,63 +95,6 @@ def read_config(folder: str | os.PathLike) -> tuple[LMConfig, dict]:
     return LMConfig(**drop_unused_mixers(cfg["lm_config"])), dict(cfg.get("mixerzoo") or {})
 
 
-def _named_components(config: LMConfig) -> list[tuple[str, str]]:
-    """``(kind, name)`` of every registered component the config uses: mixers, and the positional encodings and
-    schedules named in their options (``positional: rope`` or ``{name: rope, ...}``, likewise ``schedule``)."""
-    out = []
-    for spec in config.layer_specs():
-        out.append(("mixer", spec.mixer))
-        for key, kind in (("positional", "positional"), ("schedule", "schedule")):
-            value = spec.options.get(key)
-            name = value.get("name") if isinstance(value, dict) else value
-            if isinstance(name, str):
-                out.append((kind, name))
-    return list(dict.fromkeys(out))
-
-
-def plugin_metadata(config: LMConfig) -> dict:
-    """``{kind: {name: {"distribution", "version"}}}`` for every component the config uses, from the registry
-    (what an export records, so that a loader can name what to install)."""
-    meta: dict[str, dict] = {}
-    for kind, name in _named_components(config):
-        entry = registry.entries(kind).get(name)
-        if entry is None:  # building the model would already have failed; keep the record honest
-            continue
-        meta.setdefault(kind, {})[name] = {"distribution": entry.distribution, "version": entry.version,
-                                           "import_path": entry.value}
-    return meta
-
-
-def check_plugins(config: LMConfig, meta: dict, where: str = "", when: str = "at export") -> None:
-    """Raise :class:`MissingPluginError` for a component the model needs that is not installed, naming the
-    distribution (and version) that provided it at export; warn when an installed version differs.
-
-    Args:
-        config: the model's config. meta: the ``mixerzoo`` block of config.json (``plugins`` inside), or
-            ``{"plugins": checkpoint["mixerzoo_plugins"]}``. when: when that record was written, for the message.
-    """
-    plugins = meta.get("plugins") or {}
-    for kind, name in _named_components(config):
-        recorded = (plugins.get(kind) or {}).get(name) or {}
-        dist, version = recorded.get("distribution"), recorded.get("version")
-        installed = registry.entries(kind)
-        if name not in installed:
-            installed = registry.entries(kind, refresh=True)
-        if name not in installed:
-            if dist and not dist.startswith("("):
-                how = f"install the distribution {dist!r} ({version} {when}), e.g. `pip install '{dist}=={version}'`"
-            else:
-                how = f"it was {dist or 'not recorded'} {when}; register or install the package that provides it"
-            raise MissingPluginError(f"{where}this model needs the {kind} {name!r}, which is not installed: {how} "
-                                     f"(installed {kind}s: {', '.join(sorted(installed)) or 'none'})")
-        entry = installed[name]
-        if dist and version and (entry.distribution, entry.version) != (dist, version) and not dist.startswith("("):
-            saved = "exported" if when == "at export" else "saved"
-            warnings.warn(f"{where}{kind} {name!r} was {saved} with {dist} {version}; installed is "
-                          f"{entry.distribution} {entry.version}. Outputs may differ if that plugin changed",
-                          UserWarning, stacklevel=3)
-
-
 def _dtype(value: Any) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         return value
@@ -178,14 +113,33 @@ def saved_dtype(folder: Path) -> str | None:
         return None
 
 
-def load_folder_weights(folder: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """The tensors of ``model.safetensors`` (a ``model.`` prefix, as ``transformers`` saves them, is removed)."""
+def read_safetensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file.
+
+    Raises:
+        ConfigError: the file is truncated or corrupt (safetensors' reason, and the fix: fetch or write it again).
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    try:
+        return load_file(os.fspath(path), device=str(device))
+    except (SafetensorError, OSError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(f"{os.fspath(path)} cannot be read as safetensors (truncated or corrupt: {reason}); "
+                          f"download, export or save it again") from None
+
+
+def load_folder_weights(folder: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of ``model.safetensors`` (a ``model.`` prefix, as ``transformers`` saves them, is removed).
+
+    Raises:
+        FileNotFoundError: no model.safetensors. ConfigError: a truncated or corrupt one.
+    """
     path = folder / WEIGHTS_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no {WEIGHTS_NAME}; re-export the checkpoint with `mixerzoo export`")
-    weights = load_file(str(path), device=str(device))
+    weights = read_safetensors(path, device)
     if weights and all(k.startswith("model.") for k in weights):
         weights = {k[len("model."):]: v for k, v in weights.items()}
     return weights

@@ -232,6 +232,9 @@ def read_hf_config(source: str | os.PathLike, *, gguf_file: str | None = None, r
     s = os.path.expanduser(os.fspath(source))
     p = Path(s)
     if p.is_file():
+        if p.suffix in (".pt", ".pth"):
+            raise ConfigError(f"{s!r} is a training checkpoint: a KVM paper authors' .pt imports with their training "
+                              f"config, `mixerzoo import {s} OUT_DIR --config their.yaml`")
         if p.suffix != ".gguf":
             raise ConfigError(f"{s!r} is a file but not a .gguf; give a transformers folder, a .gguf file or a Hub id")
         folder, gguf_file = str(p.parent), p.name
@@ -276,6 +279,7 @@ def read_transformers(source: str | os.PathLike, *, gguf_file: str | None = None
             :data:`SUPPORTED_ARCHITECTURES` (checked on the config before any weight is read). ConfigError: a file
             transformers cannot read (e.g. a GGUF quantization it does not de-quantize), with its reason.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..progress import show_progress
@@ -295,6 +299,9 @@ def read_transformers(source: str | os.PathLike, *, gguf_file: str | None = None
         tokenizer = AutoTokenizer.from_pretrained(folder, revision=revision, **kwargs)
     except struct.error as e:
         raise ConfigError(_truncated_gguf(s, gguf_file, e)) from e
+    except SafetensorError as e:  # a model.safetensors cut short (an interrupted download or copy)
+        raise ConfigError(f"transformers cannot read the weights of {s!r}: a safetensors file is truncated or "
+                          f"corrupt ({_first_line(e)}); download or save the model again") from None
     except (OSError, ValueError, KeyError, RuntimeError, NotImplementedError) as e:
         raise ConfigError(f"transformers cannot read {s!r}{f' ({gguf_file})' if gguf_file else ''}: "
                           f"{_first_line(e)}") from e

@@ -5,7 +5,9 @@ They only import :class:`~mixerzoo.hf.configuration.MixerzooConfig` and
 :class:`~mixerzoo.hf.modeling.MixerzooForCausalLM` from the installed mixerzoo, so the model code is the code
 mixerzoo tests. Where mixerzoo is not installed they fail with one line naming what to install and the versions
 the export was made with (transformers skips imports inside ``try`` when it checks a remote file's packages, so
-the message below is what the user sees). This module imports neither transformers nor :mod:`mixerzoo.hf`.
+the message below is what the user sees); where mixerzoo is found but something in it fails to import (a folder
+named ``mixerzoo`` shadowing the installed package, a missing dependency), with that error and where mixerzoo was
+found. This module imports neither transformers nor :mod:`mixerzoo.hf`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,12 @@ mixerzoo.plugins); this file only points transformers at it.
 try:
     from mixerzoo.hf.{module} import {names}  # noqa: F401
 except ImportError as error:
-    if not (error.name or "").startswith("mixerzoo"):
-        raise
+    if not (isinstance(error, ModuleNotFoundError) and error.name == "mixerzoo"):  # found: show what failed
+        import sys
+
+        found = getattr(sys.modules.get("mixerzoo"), "__path__", None)
+        raise ImportError(f"{{error}} (mixerzoo was imported from {{list(found) if found else '?'}}; a folder "
+                          f"named mixerzoo in the working directory shadows the installed package)") from error
     raise ImportError({message!r}) from None
 '''
 

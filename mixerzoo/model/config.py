@@ -122,10 +122,7 @@ class LMConfig:
         self.mixers = {k: dict(v or {}) for k, v in (self.mixers or {}).items()}
         for i, name in enumerate(self.layer_types):  # a layer without options first: the more basic mistake
             if name not in self.mixers:
-                raise ConfigError(
-                    f"model.layer_types[{i}]={name!r} has no options under model.mixers (which has "
-                    f"{sorted(self.mixers) or 'nothing'}); add `{name}: {{}}` to model.mixers to use the defaults of "
-                    f"mixer {name!r}, or `{name}: {{mixer: <registered name>, ...}}`")
+                raise ConfigError(_layer_without_options(i, name, self.mixers, self.layer_types))
         check_layer_names(self.mixers, self.layer_types)
 
     @property
@@ -144,10 +141,8 @@ class LMConfig:
         for i in range(self.n_layers):
             name = self.layer_types[i % len(self.layer_types)]
             if name not in self.mixers:
-                raise ConfigError(
-                    f"model.layer_types[{i % len(self.layer_types)}]={name!r} has no options under model.mixers "
-                    f"(which has {sorted(self.mixers) or 'nothing'}); add `{name}: {{}}` to model.mixers to use "
-                    f"the defaults of mixer {name!r}, or `{name}: {{mixer: <registered name>, ...}}`")
+                raise ConfigError(_layer_without_options(i % len(self.layer_types), name, self.mixers,
+                                                         self.layer_types))
             options = dict(self.mixers[name])
             mixer = options.pop("mixer", name)
             specs.append(LayerSpec(name=name, mixer=mixer, options=options))
@@ -155,6 +150,19 @@ class LMConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _layer_without_options(i: int, name: str, mixers: dict, layer_types) -> str:
+    """The message for ``layer_types[i]`` naming no entry of ``mixers``: a misspelt entry (close to one that no
+    layer uses yet) is pointed at as the typo; otherwise how to add the entry."""
+    # an entry no layer uses is the likely target; one that is used only when the names are very close
+    close = closest(name, [k for k in mixers if k not in layer_types]) or closest(name, mixers, cutoff=0.85)
+    if close is not None:
+        return (f"model.layer_types[{i}]={name!r} is not a layer of model.mixers (which has {sorted(mixers)}); did "
+                f"you mean {close!r}? Fix the spelling in model.layer_types")
+    return (f"model.layer_types[{i}]={name!r} has no options under model.mixers (which has "
+            f"{sorted(mixers) or 'nothing'}); add `{name}: {{}}` to model.mixers to use the defaults of mixer "
+            f"{name!r}, or `{name}: {{mixer: <registered name>, ...}}`")
 
 
 def did_you_mean(name: str, choices) -> str:
@@ -254,6 +262,11 @@ def build_mixer(spec: LayerSpec, layer_idx: int, config: LMConfig):
     declared = getattr(factory, "positional_encodings", None)
     if pos is not None and declared == ():
         raise ConfigError(f"{where}.positional: mixer {spec.mixer!r} takes no positional encoding; remove it")
+    wrong = _mistyped_option(factory, spec.options)
+    if wrong is not None:
+        key, expected = wrong
+        raise ConfigError(f"{where}.{key}: expected {expected}, got {spec.options[key]!r} (an option of mixer "
+                          f"{spec.mixer!r})")
     try:
         return factory(d_model=config.d_model, **kwargs)
     except TypeError as e:  # usually an option of the wrong type: show what was given against what is declared
@@ -261,6 +274,31 @@ def build_mixer(spec: LayerSpec, layer_idx: int, config: LMConfig):
                           f"{_option_types(factory, spec.options)}") from e
     except ValueError as e:
         raise ConfigError(f"{where} (mixer {spec.mixer!r}): {e}") from e
+
+
+def _mistyped_option(factory, options: dict) -> tuple[str, str] | None:
+    """``(option, declared type)`` for the first option declared a number or a flag (``int``, ``float``,
+    ``bool``, optionally ``| None``) whose value is no number at all (``window: abc``), which would otherwise
+    surface as a comparison error from inside the mixer; None when there is none. Other annotations are left to
+    the mixer."""
+    import types
+    import typing
+
+    try:
+        hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
+    except Exception:  # noqa: BLE001 - annotations that do not resolve: the mixer checks its options itself
+        return None
+    for key, value in options.items():
+        ann = hints.get(key)
+        union = typing.get_origin(ann) in (typing.Union, types.UnionType)
+        allowed = set(typing.get_args(ann)) if union else {ann}
+        optional = type(None) in allowed
+        allowed.discard(type(None))
+        if not allowed or not allowed <= {int, float, bool} or (value is None and optional):
+            continue
+        if not isinstance(value, (int, float)):  # bool is an int
+            return key, " or ".join(sorted(a.__name__ for a in allowed)) + (" or null" if optional else "")
+    return None
 
 
 def _option_types(factory, options: dict) -> str:

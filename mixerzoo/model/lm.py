@@ -13,6 +13,7 @@ special init (gate biases, decay rates).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -26,7 +27,8 @@ from .config import ConfigError, LMConfig, build_mixer
 from .loss import linear_cross_entropy
 from .norms import build_norm
 
-__all__ = ["Block", "LanguageModel", "MixerOutputError", "check_mixer_outputs", "layers_without_cu_seqlens"]
+__all__ = ["Block", "LanguageModel", "MixerOutputError", "check_mixer_outputs", "mixer_errors_named",
+           "layers_without_cu_seqlens"]
 
 
 class MixerOutputError(ConfigError):
@@ -41,6 +43,11 @@ def _mixer_origin(name: str) -> str:
 
     entry = registry.entries("mixer").get(name)
     return f"mixer {name!r}" + ("" if entry is None else f" (distribution {entry.distribution} {entry.version})")
+
+
+def _layer_label(i: int, block: "Block") -> str:
+    """``"layer 0 (swa: mixer 'x' (distribution d 1.0))"``: how a message names a layer and where its mixer is from."""
+    return f"layer {i} ({block.layer_name}: {_mixer_origin(block.mixer_name)})"
 
 
 def _output_problem(x: torch.Tensor, output: Any) -> str | None:
@@ -87,12 +94,52 @@ def check_mixer_outputs(model: "LanguageModel") -> list:
                     "a mixer's forward(x, state) must return (y, state) with y of x's shape (batch, time, d_model) "
                     "and dtype: ")
                 raise MixerOutputError(
-                    f"layer {i} ({block.layer_name}: {_mixer_origin(block.mixer_name)}) {problem}; {rule}"
+                    f"{_layer_label(i, block)} {problem}; {rule}"
                     f"fix that mixer (mixerzoo.testing.run_conformance finds such bugs)")
             handles[i].remove()
 
         handles.append(block.mixer.register_forward_hook(hook))
     return handles
+
+
+@contextlib.contextmanager
+def mixer_errors_named(model: "LanguageModel"):
+    """Within the block, an exception raised inside a layer's mixer (a plugin's bug, e.g. one only its one-token
+    decode path has) becomes a :class:`MixerOutputError` naming the layer, the mixer and its distribution, whether
+    it was given a state (decode) or not (a whole sequence), and the exception itself; user errors pass unchanged.
+    Forward pre-hooks record which mixer is running (no effect on the computation)."""
+    from ..errors import UserError
+
+    running: list[tuple[int, bool]] = []
+
+    def enter(i: int, args: tuple, kwargs: dict) -> None:
+        state = args[1] if len(args) > 1 else kwargs.get("state")
+        running.append((i, state is not None))
+
+    def leave(*_) -> None:
+        running.pop()
+
+    handles = []
+    for i, block in enumerate(model.blocks):
+        handles.append(block.mixer.register_forward_pre_hook(
+            lambda m, args, kwargs, i=i: enter(i, args, kwargs), with_kwargs=True))
+        handles.append(block.mixer.register_forward_hook(leave))
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised, named, below; not one raised inside a mixer: unchanged
+        if not running:
+            raise
+        i, decoding = running[-1]
+        what = "decoding one step with its state" if decoding else "reading a sequence without a state"
+        reason = " ".join(str(e).split())[:300]
+        raise MixerOutputError(
+            f"{_layer_label(i, model.blocks[i])} raised {type(e).__name__}: {reason} while {what}; fix that "
+            f"mixer (mixerzoo.testing.run_conformance's decode check finds such bugs)") from e
+    finally:
+        for h in handles:
+            h.remove()
 
 
 class Block(nn.Module):

@@ -19,10 +19,10 @@ import inspect
 import io
 import re
 import sys
-import types
-import typing
 import warnings
-from typing import Any, Callable
+from typing import Callable
+
+from .docstrings import MIXER_EXTRA, cell_text, format_type, lightning_default, parse_args_section, value_text
 
 __all__ = ["TRAINER_FIELDS", "sections", "render", "main"]
 
@@ -49,109 +49,6 @@ TOP_LEVEL = {
 }
 
 THROUGHPUT = {"window": "Steps averaged for `train/tokens_per_s` (all processes) and `train/peak_mem_mb`."}
-
-# options of the core mixers without an Args entry in their class docstring
-MIXER_EXTRA = {
-    "window": "Tokens a query sees: itself and the previous `window - 1` (the cache keeps `window - 1`).",
-    "chunk_len": "Block length: a query sees its own block causally plus the previous `n_bswa_chunks - 1` "
-                 "blocks.",
-    "n_bswa_chunks": "Blocks visible to a query, its own included.",
-    "layer_idx": "Set by the LM (index of the layer); not a recipe option.",
-    "sink_len": "The first `sink_len` tokens of the sequence stay visible to every query and in the cache "
-                "(attention sinks, StreamingLLM; TOVA's `window+4` baseline is 4).",
-}
-
-
-# -- docstrings and types -------------------------------------------------------------------------------------
-def _clean(text: str, limit: int = 240) -> str:
-    """One table cell: RST roles and literals as Markdown code, no ``Default:`` sentences (the default column
-    has it), cut after the sentence that crosses ``limit`` characters."""
-    text = re.sub(r":(?:class|func|meth|attr|data|mod|paramref):`~?([\w.]+)`",
-                  lambda m: f"`{m.group(1).split('.')[-1]}`", text)
-    text = re.sub(r"``([^`]+)``", r"`\1`", text)
-    text = re.sub(r"\s+", " ", text).strip()
-    text = re.sub(r"\s*Default: `[^`]*`\.?", "", text).strip()
-    sentences, out = re.split(r"(?<=[.;])\s+(?=[A-Z`(])", text), ""
-    for sentence in sentences:
-        out = f"{out} {sentence}".strip()
-        if len(out) >= limit:
-            break
-    return out.replace("|", "\\|")
-
-
-def parse_args_section(doc: str | None) -> dict[str, str]:
-    """``{name: first paragraph}`` from a Google-style ``Args:`` section; ``a, b: text`` gives both names."""
-    if not doc:
-        return {}
-    lines = inspect.cleandoc(doc).splitlines()
-    try:
-        start = next(i for i, line in enumerate(lines) if line.strip() == "Args:")
-    except StopIteration:
-        return {}
-    out: dict[str, str] = {}
-    indent, current, buf, para_done = None, [], [], False
-    for line in lines[start + 1:]:
-        if not line.strip():
-            para_done = bool(buf)
-            continue
-        depth = len(line) - len(line.lstrip())
-        if indent is None:
-            indent = depth
-        if depth < indent:
-            break
-        m = re.match(r"([\w*]+(?:, *[\w*]+)*):(?:\s|$)(.*)", line.strip()) if depth == indent else None
-        if m:
-            for name in current:
-                out.setdefault(name, _clean(" ".join(buf)))
-            current, buf, para_done = [n.strip() for n in m.group(1).split(",")], [m.group(2)], False
-        elif not para_done and not line.strip().startswith((".. ", "Example", "Default:")):
-            buf.append(line.strip())
-        else:
-            para_done = True
-    for name in current:
-        out.setdefault(name, _clean(" ".join(buf)))
-    return out
-
-
-def lightning_default(doc_text: str) -> str | None:
-    m = re.search(r"Default: ``([^`]+)``", doc_text or "")
-    return m.group(1) if m else None
-
-
-def format_type(t: Any) -> str:
-    """A compact readable type: ``int | None``, ``list[str]``, ``Logger | bool | None``."""
-    if t is inspect.Parameter.empty:
-        return ""
-    if isinstance(t, str):
-        return t.replace("typing.", "").replace("|", "\\|")
-    if t is type(None):
-        return "None"
-    origin, args = typing.get_origin(t), typing.get_args(t)
-    if origin in (typing.Union, types.UnionType):
-        parts = list(dict.fromkeys(format_type(a) for a in args))
-        return " \\| ".join(p for p in parts if p != "None") + (" \\| None" if "None" in parts else "")
-    if origin is typing.Literal:
-        return " \\| ".join(repr(a) for a in args)
-    if origin is not None:
-        name = getattr(origin, "__name__", str(origin))
-        return f"{name}[{', '.join(format_type(a) for a in args)}]"
-    return getattr(t, "__name__", str(t))
-
-
-def _value(v: Any) -> str:
-    if v is inspect.Parameter.empty:
-        return "(required)"
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    if isinstance(v, dict) and "class_path" in v:
-        return v["class_path"].split(".")[-1] + "(" + ", ".join(
-            f"{k}={_value(x)}" for k, x in (v.get("init_args") or {}).items() if x not in (None, "")) + ")"
-    return str(v).replace("|", "\\|")
-
 
 def _params(fn: Callable) -> dict[str, inspect.Parameter]:
     return {n: p for n, p in inspect.signature(fn).parameters.items() if n != "self" and p.kind not in
@@ -199,7 +96,7 @@ def sections() -> dict[str, str]:
                        f"fields) or LMModule (its own); add one and regenerate docs/recipes.md")
     cfg = print_config_defaults()
     out: dict[str, str] = {}
-    out["model"] = _table([(f"model.{n}", format_type(p.annotation), _value(cfg["model"].get(n, p.default)),
+    out["model"] = _table([(f"model.{n}", format_type(p.annotation), value_text(cfg["model"].get(n, p.default)),
                             model_fields[n]) for n, p in params.items()])
 
     docs = parse_args_section(Attention.__doc__)
@@ -214,33 +111,34 @@ def sections() -> dict[str, str]:
                 continue
             seen.add(n)
             used_by = "attention, swa, bswa" if n in _params(Attention.__init__) else name
-            rows.append((n, format_type(p.annotation), _value(p.default),
-                         f"({used_by}) " + (docs.get(n) or _clean(MIXER_EXTRA[n]))))
+            rows.append((n, format_type(p.annotation), value_text(p.default),
+                         f"({used_by}) " + (docs.get(n) or cell_text(MIXER_EXTRA[n]))))
     out["mixers"] = _table(rows)
 
     for key, cls in (("data-recall", RecallDataModule), ("data-text", TextDataModule)):
         docs = parse_args_section(cls.__init__.__doc__) or parse_args_section(cls.__doc__)
-        out[key] = _table([(f"data.init_args.{n}", format_type(p.annotation), _value(p.default), docs.get(n, ""))
+        out[key] = _table([(f"data.init_args.{n}", format_type(p.annotation), value_text(p.default), docs.get(n, ""))
                            for n, p in _params(cls.__init__).items()])
 
     tparams, tdocs = _params(Trainer.__init__), parse_args_section(Trainer.__init__.__doc__)
     raw_doc = inspect.cleandoc(Trainer.__init__.__doc__ or "")
     rows = []
     for n in TRAINER_FIELDS:
-        value = _value(cfg["trainer"].get(n, tparams[n].default))
+        value = value_text(cfg["trainer"].get(n, tparams[n].default))
         block = re.search(rf"\n    {n}:(.*?)(?=\n    \w+:|\Z)", raw_doc, re.S)
         lightning_dflt = lightning_default(block.group(1) if block else "")
         if value == "null" and lightning_dflt and lightning_dflt not in ("None", "``None``"):
-            value = f"null (= {_clean('``' + lightning_dflt + '``')})"
+            value = f"null (= {cell_text('``' + lightning_dflt + '``')})"
         rows.append((f"trainer.{n}", format_type(tparams[n].annotation), value, tdocs.get(n, "")))
     out["trainer"] = _table(rows)
 
     cdocs = parse_args_section(ModelCheckpoint.__doc__)
-    out["checkpoint"] = _table([(f"checkpoint.{n}", format_type(p.annotation), _value(cfg["checkpoint"].get(n, p.default)),
+    out["checkpoint"] = _table([(f"checkpoint.{n}", format_type(p.annotation),
+                                 value_text(cfg["checkpoint"].get(n, p.default)),
                                  cdocs.get(n, "")) for n, p in _params(ModelCheckpoint.__init__).items()])
-    out["throughput"] = _table([(f"throughput.{n}", "int", _value(cfg["throughput"][n]), THROUGHPUT[n])
+    out["throughput"] = _table([(f"throughput.{n}", "int", value_text(cfg["throughput"][n]), THROUGHPUT[n])
                                 for n in cfg["throughput"]])
-    out["top-level"] = _table([(n, t, _value(cfg.get(n)), m) for n, (t, m) in TOP_LEVEL.items()])
+    out["top-level"] = _table([(n, t, value_text(cfg.get(n)), m) for n, (t, m) in TOP_LEVEL.items()])
     return out
 
 

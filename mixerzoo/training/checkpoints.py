@@ -110,6 +110,14 @@ class LastCheckpoint(ModelCheckpoint):
         super().on_train_end(trainer, pl_module)
         self._refresh_last(trainer)
 
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # Ctrl-C or SIGTERM (Lightning's SIGTERMException, raised between steps) during a fit: save last.ckpt
+        # where the run stands, so `--ckpt_path last` loses nothing (mixerzoo.cli prints the resume command).
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, (KeyboardInterrupt, SIGTERMException)) and trainer.global_step > 0:
+            self._refresh_last(trainer)
+
     def _refresh_last(self, trainer) -> None:
         if (self.save_last and self._last_global_step_saved != trainer.global_step
                 and not self._should_skip_saving_checkpoint(trainer)):

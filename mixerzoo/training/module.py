@@ -219,9 +219,21 @@ class LMModule(L.LightningModule):
     def configure_model(self) -> None:
         """Build the LM once the vocabulary is known (from ``vocab_size`` or the datamodule's tokenizer), and under
         a model-parallel strategy (:class:`~mixerzoo.training.parallel.FSDP2Strategy`) shard it over the device
-        mesh the strategy made (:func:`~mixerzoo.training.parallel.parallelize`)."""
+        mesh the strategy made (:func:`~mixerzoo.training.parallel.parallelize`).
+
+        Raises:
+            ConfigError: the datamodule's tokenizer has more tokens than ``model.vocab_size``.
+        """
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        data_vocab, vocab = getattr(dm, "vocab_size", None), self.hparams.vocab_size
+        # A model built in __init__ (vocab_size given) meets the datamodule here, before its first batch: a
+        # token id past the embedding would be an IndexError deep inside the forward.
+        if vocab is not None and data_vocab is not None and data_vocab > vocab:
+            raise ConfigError(f"the tokenizer has {data_vocab} tokens but model.vocab_size={vocab}; raise "
+                              f"model.vocab_size to at least {data_vocab} (or leave it unset to take the "
+                              f"tokenizer's)")
         if self.model is None:
-            self._build_model()
+            self._build_model(dm, data_vocab)
         mesh = getattr(self, "_device_mesh", None)
         if mesh is not None and not getattr(self, "_sharded", False):
             from .parallel import parallelize
@@ -230,19 +242,15 @@ class LMModule(L.LightningModule):
             parallelize(self.model, mesh, **options)
             self._sharded = True
 
-    def _build_model(self) -> None:
-        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        data_vocab = getattr(dm, "vocab_size", None)
+    def _build_model(self, dm, data_vocab: int | None) -> None:
+        """The LM of these hyper-parameters (``data_vocab``: the datamodule ``dm``'s vocabulary, used where
+        ``vocab_size`` is unset), its ``init_from`` weights, freeze, teacher and checks."""
         vocab = self.hparams.vocab_size
         if vocab is None:
             if data_vocab is None:
                 raise ConfigError("model.vocab_size is not set and the datamodule has no vocab_size; set "
                                   "--model.vocab_size or use a mixerzoo datamodule")
             vocab = data_vocab
-        elif data_vocab is not None and data_vocab > vocab:
-            raise ConfigError(f"the tokenizer has {data_vocab} tokens but model.vocab_size={vocab}; raise "
-                              f"model.vocab_size to at least {data_vocab} (or leave it unset to take the "
-                              f"tokenizer's)")
         self.hparams.vocab_size = vocab
         # Lightning logs (and checks against the datamodule's) the *initial* hparams: record the resolved value.
         if getattr(self, "_hparams_initial", None) is not None:
@@ -456,7 +464,7 @@ class LMModule(L.LightningModule):
         the same random numbers and keeps counting bad steps as the interrupted one would have; and
         ``checkpoint["mixerzoo_plugins"]``, the distribution and version of every mixer, positional encoding and
         schedule the model uses (as an export records them), so that a loader lacking one names what to install."""
-        from ..hub.load import plugin_metadata
+        from ..hub.plugins import plugin_metadata
 
         checkpoint["rng_states"] = collect_rng_states()
         checkpoint["mixerzoo_bad_steps"] = self._bad_steps

@@ -1,24 +1,78 @@
 """A run's folder (``runs/mixerzoo/version_N/``: ``config.yaml``, ``hparams.yaml``, ``metrics.csv``,
-``checkpoints/``): finding the one a checkpoint belongs to, keeping its metrics when a run resumes there, removing
-the folder of a run that failed before its first step, and drawing its loss curve.
+``checkpoints/``): finding the one a checkpoint belongs to, keeping its metrics when a run resumes there, locking
+it while a fit writes to it, removing the folder of a run that failed before its first step, saying how to resume
+an interrupted run, and drawing its loss curve (:class:`RunFolder` is what ``mixerzoo fit`` does with them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import json
 import math
 import os
 import re
+import shlex
+import socket
+import sys
+import time
 import warnings
 
 import lightning as L
 
-__all__ = ["run_folder_of", "KeepEarlierMetrics", "open_csv_experiment", "remove_failed_run_folder",
-           "write_loss_curve", "SETUP_FILES", "LOSS_CURVE"]
+from ..errors import UserError
+
+__all__ = ["run_folder_of", "recipe_difference", "KeepEarlierMetrics", "open_csv_experiment",
+           "remove_failed_run_folder", "write_loss_curve", "RunFolder", "RunLock", "RunLockedError",
+           "interrupt_signal", "resume_command", "SETUP_FILES", "LOSS_CURVE", "LOCK_NAME"]
 
 # What Lightning and LightningCLI write into a run folder before the first training step.
 SETUP_FILES = ("config.yaml", "hparams.yaml", "metrics.csv")
 LOSS_CURVE = "loss_curve.png"
+LOCK_NAME = "fit.lock"  # in a run folder while a fit writes to it: {"pid", "host", "started"}
+
+
+def _run_dir_of(ckpt_path: str) -> str | None:
+    """The run folder ``ckpt_path`` lies in: the nearest folder above it (up to three) holding ``config.yaml``."""
+    folder = os.path.dirname(os.path.normpath(ckpt_path))
+    for _ in range(3):  # the checkpoint's folder, its parent, or the one above (checkpoints/sub/)
+        if folder and os.path.isfile(os.path.join(folder, "config.yaml")):
+            return folder
+        if not folder or folder == os.path.dirname(folder):
+            return None
+        folder = os.path.dirname(folder)
+    return None
+
+
+def recipe_difference(ckpt_path: str, recipe: dict) -> str | None:
+    """How the run ``ckpt_path`` belongs to differs from ``recipe`` (``{"model": ..., "data": ...}``, as a
+    config.yaml holds them): the first differing field (``"model.d_model: 64 there, 32 here"``), or None when
+    they agree or the run's config cannot be read (a checkpoint outside a run folder is not passed over)."""
+    import yaml
+
+    folder = _run_dir_of(ckpt_path)
+    if folder is None:
+        return None
+    try:
+        with open(os.path.join(folder, "config.yaml"), encoding="utf-8") as f:
+            saved = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+
+    def first_difference(a, b, key: str) -> str | None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b), key=str):
+                d = first_difference(a.get(k), b.get(k), f"{key}.{k}")
+                if d is not None:
+                    return d
+            return None
+        return None if a == b else f"{key}: {a!r} there, {b!r} here"
+
+    for section in ("model", "data"):
+        d = first_difference(saved.get(section), recipe.get(section), section)
+        if d is not None:
+            return d
+    return None
 
 
 def run_folder_of(ckpt_path: str) -> tuple[str, str, int | str] | None:
@@ -27,17 +81,12 @@ def run_folder_of(ckpt_path: str) -> tuple[str, str, int | str] | None:
     holding the ``config.yaml`` LightningCLI writes (``runs/mixerzoo/version_3/checkpoints/last.ckpt`` ->
     ``("runs", "mixerzoo", 3)``; a folder not named ``version_<N>`` gives its name as a string version). The paths
     keep the form given (relative stays relative), as Lightning compares checkpoint folders as strings."""
-    folder = os.path.dirname(os.path.normpath(ckpt_path))
-    for _ in range(3):  # the checkpoint's folder, its parent, or the one above (checkpoints/sub/)
-        if folder and os.path.isfile(os.path.join(folder, "config.yaml")):
-            parent = os.path.dirname(folder)
-            base = os.path.basename(folder)
-            m = re.fullmatch(r"version_(\d+)", base)
-            return os.path.dirname(parent) or ".", os.path.basename(parent), int(m.group(1)) if m else base
-        if not folder or folder == os.path.dirname(folder):
-            return None
-        folder = os.path.dirname(folder)
-    return None
+    folder = _run_dir_of(ckpt_path)
+    if folder is None:
+        return None
+    parent, base = os.path.dirname(folder), os.path.basename(folder)
+    m = re.fullmatch(r"version_(\d+)", base)
+    return os.path.dirname(parent) or ".", os.path.basename(parent), int(m.group(1)) if m else base
 
 
 def _read_rows(path: str) -> list[dict[str, float]]:
@@ -158,3 +207,177 @@ def write_loss_curve(log_dir: str) -> tuple[str | None, str | None]:
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out, None
+
+
+class RunLockedError(UserError):
+    """Another fit is writing to the run folder this fit would write to."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+class RunLock:
+    """``LOCK_NAME`` in a run folder, created exclusively (``O_EXCL``) by the fit that writes the folder and
+    removed when it ends, so that a second fit resuming the same run (two ``--ckpt_path last`` at once) stops
+    before it writes a row or a checkpoint. A lock left by a process of this host that no longer runs (a killed
+    fit) is taken over; one held by a live process, or by another host (whose processes cannot be seen from here),
+    is refused with :class:`RunLockedError` naming the pid and host."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.path = os.path.join(folder, LOCK_NAME)
+        self.held = False
+
+    def acquire(self) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None or (holder.get("host") == me["host"] and isinstance(holder.get("pid"), int)
+                                      and not _pid_alive(holder["pid"])):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(self.path)  # stale: its fit is gone
+                    continue
+                raise RunLockedError(
+                    f"{self.folder} is being written by another fit (pid {holder.get('pid')} on "
+                    f"{holder.get('host')}, since {holder.get('started')}); wait for it to end, or give this fit "
+                    f"another run (--trainer.logger.init_args.version NEW); if no such fit runs, delete "
+                    f"{self.path}") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise RunLockedError(f"could not lock {self.folder}: {self.path} keeps reappearing; another fit is "
+                             f"starting there")
+
+    def _holder(self) -> dict | None:
+        try:
+            with open(self.path) as f:
+                holder = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return holder if isinstance(holder, dict) else None
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            holder = self._holder()
+            if holder is None or holder.get("pid") == os.getpid():
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that resumes the run ``argv`` (``fit --config X ...``) started: the same arguments with
+    ``--ckpt_path last``."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--ckpt_path":
+            skip = True
+            continue
+        if not a.startswith("--ckpt_path="):
+            out.append(a)
+    return "mixerzoo " + " ".join(shlex.quote(a) for a in [*out, "--ckpt_path", "last"])
+
+
+class RunFolder:
+    """What ``mixerzoo fit`` does with its run folder around Lightning's ``Trainer.fit``.
+
+    :meth:`open` (before the fit, on the main process): lock the folder (:class:`RunLock`); for a run that
+    continues in an existing folder keep its ``metrics.csv`` (Lightning's CSV writer would delete it) and write
+    this run's config beside the earlier one (``config.resumed1.yaml``). :meth:`finish`: draw the loss curve,
+    unlock. :meth:`failed` (the fit raised): unlock; remove the folder when this fit created it and failed
+    before its first step; after Ctrl-C or SIGTERM, print where the last checkpoint is and the resume command.
+    """
+
+    def __init__(self, argv: list[str] | None = None) -> None:
+        self.argv = argv
+        self.log_dir: str | None = None
+        self.existed = True
+        self.trainer = None
+        self.lock: RunLock | None = None
+
+    def open(self, trainer, ckpt_path: str | None) -> None:
+        from lightning.pytorch.cli import SaveConfigCallback
+        from lightning.pytorch.loggers import CSVLogger
+
+        self.trainer = trainer
+        if trainer.logger is None or not trainer.is_global_zero:
+            return
+        log_dir = trainer.log_dir
+        self.log_dir, self.existed = log_dir, os.path.isdir(log_dir)
+        self.lock = RunLock(log_dir)
+        if not self.existed:
+            if isinstance(trainer.logger, CSVLogger):
+                trainer.logger.experiment  # noqa: B018 - creates the folder, which must be empty at that moment
+            self.lock.acquire()
+            return
+        self.lock.acquire()
+        if isinstance(trainer.logger, CSVLogger):
+            rows = open_csv_experiment(trainer.logger)
+            if ckpt_path:
+                trainer.callbacks.append(KeepEarlierMetrics(rows))
+        for cb in trainer.callbacks:
+            if isinstance(cb, SaveConfigCallback) and os.path.isfile(os.path.join(log_dir, cb.config_filename)):
+                stem, ext = os.path.splitext(cb.config_filename)
+                k = 1
+                while os.path.exists(os.path.join(log_dir, f"{stem}.resumed{k}{ext}")):
+                    k += 1
+                cb.config_filename = f"{stem}.resumed{k}{ext}"
+
+    def finish(self, trainer) -> None:
+        """After a fit that ended: the loss curve of the run from its ``metrics.csv``; the lock released."""
+        from lightning.pytorch.loggers import CSVLogger
+
+        if self.lock is not None:
+            self.lock.release()
+        if isinstance(trainer.logger, CSVLogger) and trainer.is_global_zero:
+            path, why = write_loss_curve(trainer.logger.log_dir)
+            print(f"mixerzoo: loss curve: {path}" if path else f"mixerzoo: {why}", file=sys.stderr)
+
+    def failed(self, error: BaseException) -> int | None:
+        """After a fit (or its setup) raised ``error``. Returns the exit status for an interrupted fit (130 for
+        Ctrl-C, 143 for SIGTERM) after printing how to resume it, else None (the caller re-raises)."""
+        if self.lock is not None:
+            self.lock.release()
+        trainer = self.trainer
+        if trainer is None:
+            return None
+        if self.log_dir is not None and not self.existed and trainer.global_step == 0:
+            remove_failed_run_folder(self.log_dir)
+        signal_name = interrupt_signal(error)
+        if signal_name is None or not trainer.is_global_zero:
+            return None
+        ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
+        saved = (f"the last checkpoint is {ckpt}" if ckpt and os.path.isfile(ckpt)
+                 else "no checkpoint was written (interrupted before the first)")
+        how = f"; resume with: {resume_command(self.argv)}" if self.argv and ckpt else ""
+        print(f"mixerzoo: fit stopped by {signal_name} at step {trainer.global_step}; {saved}{how}",
+              file=sys.stderr)
+        return 130 if signal_name == "Ctrl-C" else 143
+
+
+def interrupt_signal(error: BaseException) -> str | None:
+    """``"Ctrl-C"`` or ``"SIGTERM"`` when ``error`` is how Lightning ends a fit on that signal
+    (``KeyboardInterrupt``, which Lightning turns into ``SystemExit(1)``; ``SIGTERMException``), else None."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    if isinstance(error, SIGTERMException):
+        return "SIGTERM"
+    if isinstance(error, KeyboardInterrupt) or (isinstance(error, SystemExit)
+                                               and isinstance(error.__context__, KeyboardInterrupt)):
+        return "Ctrl-C"
+    return None
