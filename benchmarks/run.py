@@ -86,9 +86,6 @@ MIXERS = {  # name in the tables: (registry name, layer options)
     "kvm-sqrt": ("kvm", dict(KVM, schedule=SQRT)),
     "kvm-256/keep": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, checkpoint_chunks=0)),
     "kvm-sqrt/keep": ("kvm", dict(KVM, schedule=SQRT, checkpoint_chunks=0)),
-    # the form a GPU runs (the paper's appendix A), forced on the CPU, whose training steps take the CPU-lean backend
-    "kvm-256/chunk": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, backend="chunk")),
-    "kvm-sqrt/chunk": ("kvm", dict(KVM, schedule=SQRT, backend="chunk")),
     # the Triton kernels a GPU runs (backend auto on CUDA), forced: on a CPU through Triton's interpreter, for launch
     # counts (a kernel is one launch; the launch table also takes the core's kernels, RoPE's, for these), not time
     "kvm-256/triton": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, backend="triton")),
@@ -106,9 +103,8 @@ MIXERS = {  # name in the tables: (registry name, layer options)
 }
 NEXT_DECODE_STEPS = 256  # the launch table's decode steps from T: a whole chunk of every chunked mixer here
 TRAINABLE = [m for m in MIXERS if not m.startswith("tova")]  # TOVA is an inference-time policy
-# "/keep": checkpoint_chunks 0 (no recomputation); "/chunk", "/triton": a GPU's forms on the CPU (--mixers all has
-# them all)
-DEFAULT = [m for m in MIXERS if not m.endswith(("/keep", "/chunk", "/triton"))]
+# "/keep": checkpoint_chunks 0 (no recomputation); "/triton": a GPU's forms on the CPU (--mixers all has them all)
+DEFAULT = [m for m in MIXERS if not m.endswith(("/keep", "/triton"))]
 MEASURES = ["train", "decode", "launches"]
 
 
