@@ -13,8 +13,7 @@ from mixerzoo import registry
 from mixerzoo.model import LanguageModel, LMConfig
 from mixerzoo.model.config import ConfigError
 from mixerzoo.protocol import state_nbytes
-from mixerzoo_kvm import (KVMAttention, KVMState, kvm_chunk, kvm_step, memory_keys, route_overflow,
-                          state_budget)
+from mixerzoo_kvm import KVMAttention, KVMState, kvm_chunk, kvm_step, route_overflow, state_budget
 
 # --------------------------------------------------------------------------------------------------------
 # Hand-checked example: 1 head, head_dim 4, chunk_len 4, window of one chunk, NoPE, LN_s = identity.
@@ -150,13 +149,19 @@ def test_budget_never_shrinks_and_follows_schedule():
 
 @pytest.mark.parametrize("protect", [True, False])
 def test_sinks_never_merged_into_when_protected(protect):
+    """After 14 folds the two sink rows are still the rows the first fold made them (the state's creation at
+    position 8) when protected, and merges have changed them when not. (The reference is that first fold's state,
+    not memory keys recomputed from a 2-token call: projections of a shorter call round differently, by up to
+    8e-7 for some initialisations, beyond ``allclose``'s default tolerance.)"""
+    torch.manual_seed(0)
     layer = KVMAttention(8, n_heads=2, chunk_len=4, sink_len=2, protect_sinks=protect).eval()
     x = torch.randn(2, 64, 8, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        _, first = layer(x[:, :2])
+        _, created = layer(x[:, :9])
         _, state = layer(x)
-        sink_keys = memory_keys(first.win_k, layer.rotary_dim, layer.ln_s)
-    same = torch.allclose(state.s_k[:, :, :2], sink_keys) and torch.allclose(state.s_v[:, :, :2], first.win_v)
+    assert created.n_rows == 4 and state.n_rows == 4
+    same = (torch.allclose(state.s_k[:, :, :2], created.s_k[:, :, :2])
+            and torch.allclose(state.s_v[:, :, :2], created.s_v[:, :, :2]))
     assert same == protect
 
 
