@@ -90,9 +90,6 @@ MIXERS = {  # name in the tables: (registry name, layer options)
     "kvm-sqrt": ("kvm", dict(KVM, schedule=SQRT)),
     "kvm-256/keep": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, checkpoint_chunks=0)),
     "kvm-sqrt/keep": ("kvm", dict(KVM, schedule=SQRT, checkpoint_chunks=0)),
-    # the form a GPU runs (the paper's appendix A), forced on the CPU, whose training steps take the CPU-lean backend
-    "kvm-256/chunk": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, backend="chunk")),
-    "kvm-sqrt/chunk": ("kvm", dict(KVM, schedule=SQRT, backend="chunk")),
     # the Triton kernels a GPU runs (backend auto on CUDA), forced: on a CPU through Triton's interpreter, for launch
     # counts (a kernel is one launch; the launch table also takes the core's kernels, RoPE's, for these), not time
     "kvm-256/triton": ("kvm", dict(KVM, schedule={"name": "fixed", "size": 256}, backend="triton")),
@@ -114,9 +111,8 @@ MIXERS["bswa-256"] = ("bswa", dict(chunk_len=256, n_bswa_chunks=2, positional=HA
 MIXERS.update({f"{m}+docs": spec for m, spec in list(MIXERS.items())})
 NEXT_DECODE_STEPS = 256  # the launch table's decode steps from T: a whole chunk of every chunked mixer here
 TRAINABLE = [m for m in MIXERS if not m.startswith("tova")]  # TOVA is an inference-time policy
-# "/keep": checkpoint_chunks 0 (no recomputation); "/chunk", "/triton": a GPU's forms on the CPU (--mixers all has
-# them all)
-DEFAULT = [m for m in MIXERS if not m.endswith(("/keep", "/chunk", "/triton", "+docs")) and m != "bswa-256"]
+# "/keep": checkpoint_chunks 0 (no recomputation); "/triton": a GPU's forms on the CPU (--mixers all has them all)
+DEFAULT = [m for m in MIXERS if not m.endswith(("/keep", "/triton", "+docs")) and m != "bswa-256"]
 MEASURES = ["train", "decode", "launches"]
 
 

@@ -1,7 +1,7 @@
-"""KVM's dtypes: float64 forward and backward on every path (the CPU-lean form's custom autograd Functions
-included), states kept in fp32 for bf16 inputs and in float64 for float64 inputs, outputs in the input's dtype, and
-no op meeting two floating dtypes under CUDA autocast's rules or with bf16 weights (the conformance kit checks
-the last two for the configurations of test_kvm_equivalence; here the packed path's pieces are pinned down)."""
+"""KVM's dtypes: float64 forward and backward on every path (the chunk form's running snapshots, a custom autograd
+Function, included), states kept in fp32 for bf16 inputs and in float64 for float64 inputs, outputs in the input's
+dtype, and no op meeting two floating dtypes under CUDA autocast's rules or with bf16 weights (the conformance kit
+checks the last two for the configurations of test_kvm_equivalence; here configurations it leaves out)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from mixerzoo.testing.cuda_autocast import emulate_cuda_autocast
-from mixerzoo_kvm.backends.cpu_lean import incremental_rows, refold
 
 from test_kvm_equivalence import CONFIGS, D_MODEL, make, naive_forward
 
@@ -28,42 +27,30 @@ def _float64_gradients(layer, x, w, backend: str | None) -> tuple[torch.Tensor, 
 @pytest.mark.parametrize("checkpoint_chunks", [4, 0])
 @pytest.mark.parametrize("name", ["default", "power_law", "soft_routing", "value_mean", "gqa_token_shift",
                                   "pre_rope_gqa_grow"])
-def test_float64_backward_equals_naive(name, checkpoint_chunks, monkeypatch):
-    """In float64 both parallel forms' gradients (appendix A's, and the CPU-lean form's read, refold, incremental
-    rows and fold snapshots with their custom backwards) equal naive's to float64 rounding, every gradient
-    float64; with a state larger than the window the incremental rows and the refold from an anchor are taken."""
-    started, pre_folds = [], []
-    start = incremental_rows.IncrementalRows.start
-    monkeypatch.setattr(incremental_rows.IncrementalRows, "start",
-                        lambda self, shared, wants: started.append(wants is not None) or start(self, shared, wants))
-    apply = refold._Refold.apply
-    monkeypatch.setattr(refold._Refold, "apply", lambda *a: pre_folds.append(len(a[3])) or apply(*a))
+def test_float64_backward_equals_naive(name, checkpoint_chunks):
+    """In float64 the chunk form's gradients (its running snapshots' custom backward included) equal naive's to
+    float64 rounding, every gradient float64."""
     layer = make(**CONFIGS[name], checkpoint_chunks=checkpoint_chunks).double().train()
     x = torch.randn(2, 61, D_MODEL, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     w = torch.randn(2, 61, D_MODEL, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     gx_ref, ref = _float64_gradients(layer, x, w, None)
-    for backend in ("chunk", "cpu_lean"):
-        gx, fast = _float64_gradients(layer, x, w, backend)
-        assert ref.keys() == fast.keys() and ref
-        torch.testing.assert_close(gx, gx_ref, atol=1e-10, rtol=1e-9)
-        for n in ref:
-            assert fast[n].dtype == torch.float64, n
-            torch.testing.assert_close(fast[n], ref[n], atol=1e-10, rtol=1e-9, msg=f"{backend}: {n}")
-    if name in ("power_law", "gqa_token_shift", "pre_rope_gqa_grow"):
-        assert True in started  # the incremental rows' backward ran in float64
-        if checkpoint_chunks:
-            assert pre_folds and max(pre_folds) >= 1  # a state made again from an anchor
+    gx, fast = _float64_gradients(layer, x, w, "chunk")
+    assert ref.keys() == fast.keys() and ref
+    torch.testing.assert_close(gx, gx_ref, atol=1e-10, rtol=1e-9)
+    for n in ref:
+        assert fast[n].dtype == torch.float64, n
+        torch.testing.assert_close(fast[n], ref[n], atol=1e-10, rtol=1e-9, msg=n)
 
 
-@pytest.mark.parametrize(("backend", "checkpoint_chunks"), [("cpu_lean", 4), ("cpu_lean", 0), ("chunk", 4)])
+@pytest.mark.parametrize("checkpoint_chunks", [4, 0])
 @pytest.mark.parametrize("name", ["power_law", "pre_rope_gqa_grow", "value_mean"])
-def test_float64_gradients_match_finite_differences(name, backend, checkpoint_chunks):
+def test_float64_gradients_match_finite_differences(name, checkpoint_chunks):
     """Gradcheck-like, in float64: along random directions in the input, ``LN_s``'s weight and bias and both
-    temperatures, the packed path's backward (its custom autograd Functions, with recomputed groups or without)
-    gives the central finite difference of the loss, for both parallel forms. (The routing is piecewise constant; the perturbations are far
+    temperatures, the chunk form's backward (its custom autograd Function, with recomputed groups or without)
+    gives the central finite difference of the loss. (The routing is piecewise constant; the perturbations are far
     too small to change it; soft routing is left out, its weights are not differentiated by design. Each evaluation
     is a fresh forward: a checkpointed group's backward runs once.)"""
-    layer = make(**CONFIGS[name], checkpoint_chunks=checkpoint_chunks, backend=backend).double().train()
+    layer = make(**CONFIGS[name], checkpoint_chunks=checkpoint_chunks, backend="chunk").double().train()
     names = ["ln_s.weight", "ln_s.bias", "tau_state", "tau_bswa"]
     params = dict(layer.named_parameters())
     gen = torch.Generator().manual_seed(6)
@@ -107,16 +94,15 @@ def test_state_dtypes(name):
             assert s.win_k.dtype == dtype
 
 
-@pytest.mark.parametrize(("name", "checkpoint_chunks", "backend"),
-                         [("power_law", 0, "cpu_lean"), ("value_mean", 0, "cpu_lean"), ("soft_routing", 4, "cpu_lean"),
-                          ("power_law", 4, "chunk"), ("value_mean", 0, "chunk"), ("soft_routing", 4, "chunk")])
-def test_training_step_under_emulated_cuda_autocast(name, checkpoint_chunks, backend):
+@pytest.mark.parametrize(("name", "checkpoint_chunks"),
+                         [("power_law", 0), ("power_law", 4), ("value_mean", 0), ("soft_routing", 4)])
+def test_training_step_under_emulated_cuda_autocast(name, checkpoint_chunks):
     """A training step under CUDA autocast's dtype rules (emulated on the CPU; an op meeting two floating dtypes
-    where a CUDA kernel refuses them raises) and with bf16 weights, a state past the window: the packed path's
-    custom backwards included, in configurations the conformance runs of test_kvm_equivalence leave out (no
+    where a CUDA kernel refuses them raises) and with bf16 weights, a state past the window: the chunk form's
+    custom backward included, in configurations the conformance runs of test_kvm_equivalence leave out (no
     recomputation, soft routing). Finite gradients."""
     for weights in (torch.float32, torch.bfloat16):
-        layer = make(**CONFIGS[name], checkpoint_chunks=checkpoint_chunks, backend=backend).to(weights).train()
+        layer = make(**CONFIGS[name], checkpoint_chunks=checkpoint_chunks, backend="chunk").to(weights).train()
         x = torch.randn(2, 45, D_MODEL, generator=torch.Generator().manual_seed(8)).to(weights).requires_grad_(True)
         with emulate_cuda_autocast():
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=weights == torch.float32):

@@ -80,32 +80,27 @@ def test_naive_chunk_decode_agree(name):
     with torch.no_grad():
         y_ref, s_ref = naive_forward(layer, x)
         y_chunk, s_chunk = layer(x)
-        layer.backend = "cpu_lean"
-        y_lean, s_lean = layer(x)
-        layer.backend = "auto"
         y_dec, s_dec = decode_stepwise(layer, x)
         y_dec_prefill = decode(layer, x, prefill=10)
         y_split = torch.cat([y for y in _split_run(layer, x, (6, 13, 29))], dim=1)
     tol = dict(atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(y_chunk, y_ref, **tol)
-    torch.testing.assert_close(y_lean, y_ref, **tol)
     torch.testing.assert_close(y_dec, y_ref, **tol)
     torch.testing.assert_close(y_dec_prefill, y_ref, **tol)
     torch.testing.assert_close(y_split, y_ref, **tol)
     assert s_ref["s_k"].shape[2] == s_chunk.n_rows == s_dec.n_rows > 0
     for field in ("s_k", "s_v", "rho", "count"):
         a = s_ref[field]
-        for s in (s_chunk, s_lean, s_dec):
+        for s in (s_chunk, s_dec):
             b = getattr(s, field)
             assert (a is None) == (b is None), field
             if a is not None:
                 torch.testing.assert_close(b, a, **tol)
     for field in ("win_k", "win_v", "win_g"):
-        for s in (s_chunk, s_lean):
-            a, b = getattr(s_dec, field), getattr(s, field)
-            assert (a is None) == (b is None), field
-            if a is not None:
-                torch.testing.assert_close(b, a, **tol)
+        a, b = getattr(s_dec, field), getattr(s_chunk, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            torch.testing.assert_close(b, a, **tol)
 
 
 def _split_run(layer, x, cuts):
@@ -116,17 +111,13 @@ def _split_run(layer, x, cuts):
         start = end
 
 
-BACKENDS = ("chunk", "cpu_lean")
-
-
 def _naive_and_chunk_gradients(layer: KVMAttention, x: torch.Tensor, w: torch.Tensor) -> list[dict]:
-    """The parameters' gradients of ``(layer(x) * w).sum()`` computed by naive, then by the layer with each
-    parallel form (:data:`BACKENDS`)."""
+    """The parameters' gradients of ``(layer(x) * w).sum()`` computed by naive, then by the layer (the chunk form
+    on a CPU)."""
     grads = []
-    for backend in (None, *BACKENDS):
+    for form in ("naive", "chunk"):
         layer.zero_grad(set_to_none=True)
-        layer.backend = backend or "auto"
-        y, _ = layer(x) if backend else naive_forward(layer, x)
+        y, _ = layer(x) if form == "chunk" else naive_forward(layer, x)
         (y * w).sum().backward()
         grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
     return grads
@@ -135,29 +126,26 @@ def _naive_and_chunk_gradients(layer: KVMAttention, x: torch.Tensor, w: torch.Te
 @pytest.mark.parametrize("name", ["default", "power_law", "soft_routing", "gqa_token_shift", "value_mean",
                                   "pre_rope_gqa_grow", "gqa_query_temperatures"])
 def test_gradients_agree(name):
-    """Both parallel forms' gradients equal naive's."""
+    """The chunk form's gradients equal naive's."""
     layer = make(**CONFIGS[name]).train()
     x = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(4))
     w = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(5))
-    grads = _naive_and_chunk_gradients(layer, x, w)
-    for form, got in zip(BACKENDS, grads[1:]):
-        for n in grads[0]:
-            torch.testing.assert_close(got[n], grads[0][n], atol=5e-5, rtol=1e-4, msg=f"{form}: {n}")
+    ref, got = _naive_and_chunk_gradients(layer, x, w)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=5e-5, rtol=1e-4, msg=n)
 
 
 @pytest.mark.parametrize("checkpoint_chunks", [1, 4, 0])
 @pytest.mark.parametrize("name", ["power_law", "gqa_token_shift", "value_mean", "pre_rope_gqa_grow"])
 def test_gradients_agree_over_recomputed_groups(name, checkpoint_chunks):
     """A long call (37 chunks), a state larger than the window: the chunk form reads it in many groups, each
-    recomputed in backward from the state entering it (or none, with 0), and the gradients still equal naive's
-    (both parallel forms; the CPU-lean form makes pairs of groups' states again from an anchor)."""
+    recomputed in backward from the state entering it (or none, with 0), and the gradients still equal naive's."""
     layer = make(**CONFIGS[name], checkpoint_chunks=checkpoint_chunks).train()
     x = torch.randn(1, 150, D_MODEL, generator=torch.Generator().manual_seed(8))
     w = torch.randn(1, 150, D_MODEL, generator=torch.Generator().manual_seed(9))
-    grads = _naive_and_chunk_gradients(layer, x, w)
-    for form, got in zip(BACKENDS, grads[1:]):
-        for n in grads[0]:
-            torch.testing.assert_close(got[n], grads[0][n], atol=5e-5, rtol=1e-4, msg=f"{form}: {n}")
+    ref, got = _naive_and_chunk_gradients(layer, x, w)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=5e-5, rtol=1e-4, msg=n)
 
 
 @pytest.mark.parametrize("name", ["default", "power_law"])
@@ -182,7 +170,7 @@ def test_gradients_through_a_carried_state(name):
                                                ("power_law", "chunk"), ("pre_rope", "chunk"),
                                                ("gqa_query_temperatures", "auto")])
 def test_conformance(name, backend):
-    """The conformance kit; ``auto`` trains with the CPU-lean form on this CPU, ``chunk`` forces appendix A's."""
+    """The conformance kit, with ``backend: auto`` (the chunk form on a CPU) and ``chunk`` forced."""
     # winner-take-all routing is a discrete decision that bf16 may flip on a near tie: the routing goes through
     # mixerzoo.decisions.decision, so bf16 is compared with fp32 given the same routing (error model in
     # mixerzoo.testing's docstring)
@@ -367,8 +355,6 @@ def test_value_gate_rank_is_the_input_dependent_value_residual_gate():
                          rotary_dim=s.rotary_dim, n_protected=s.n_protected, schedule=s.schedule)
         want = gated.o_proj(o.transpose(1, 2).reshape(2, 45, -1))
         assert (want - plain(x, None, {"v_first": v_first})[0]).abs().max() > 1e-3  # the gate matters
-        for backend in ("chunk", "cpu_lean"):
-            gated.backend = backend
-            torch.testing.assert_close(gated(x, None, {"v_first": v_first})[0], want, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(gated(x, None, {"v_first": v_first})[0], want, atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="needs value_residual"):
         KVMAttention(D_MODEL, n_heads=2, value_gate_rank=3)

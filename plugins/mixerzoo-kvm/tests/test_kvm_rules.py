@@ -13,9 +13,7 @@ from mixerzoo import registry
 from mixerzoo.model import LanguageModel, LMConfig
 from mixerzoo.model.config import ConfigError
 from mixerzoo.protocol import state_nbytes
-from mixerzoo_kvm import (KVMAttention, KVMState, kvm_chunk, kvm_step, memory_keys, route_overflow,
-                          state_budget)
-from mixerzoo_kvm.backends.cpu_lean import kvm_packed
+from mixerzoo_kvm import KVMAttention, KVMState, kvm_chunk, kvm_step, route_overflow, state_budget
 
 # --------------------------------------------------------------------------------------------------------
 # Hand-checked example: 1 head, head_dim 4, chunk_len 4, window of one chunk, NoPE, LN_s = identity.
@@ -56,7 +54,7 @@ def hand_state() -> KVMState:
                     win_k=K_O[None, None], win_v=V_O[None, None], win_g=GATE[None, None], next_pos=8)
 
 
-@pytest.mark.parametrize("impl", [kvm_chunk, kvm_packed, kvm_step])
+@pytest.mark.parametrize("impl", [kvm_chunk, kvm_step])
 @pytest.mark.parametrize("protect", [True, False])
 def test_hand_checked_append_and_merge(impl, protect):
     layer = hand_layer(protect)
@@ -151,13 +149,19 @@ def test_budget_never_shrinks_and_follows_schedule():
 
 @pytest.mark.parametrize("protect", [True, False])
 def test_sinks_never_merged_into_when_protected(protect):
+    """After 14 folds the two sink rows are still the rows the first fold made them (the state's creation at
+    position 8) when protected, and merges have changed them when not. (The reference is that first fold's state,
+    not memory keys recomputed from a 2-token call: projections of a shorter call round differently, by up to
+    8e-7 for some initialisations, beyond ``allclose``'s default tolerance.)"""
+    torch.manual_seed(0)
     layer = KVMAttention(8, n_heads=2, chunk_len=4, sink_len=2, protect_sinks=protect).eval()
     x = torch.randn(2, 64, 8, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        _, first = layer(x[:, :2])
+        _, created = layer(x[:, :9])
         _, state = layer(x)
-        sink_keys = memory_keys(first.win_k, layer.rotary_dim, layer.ln_s)
-    same = torch.allclose(state.s_k[:, :, :2], sink_keys) and torch.allclose(state.s_v[:, :, :2], first.win_v)
+    assert created.n_rows == 4 and state.n_rows == 4
+    same = (torch.allclose(state.s_k[:, :, :2], created.s_k[:, :, :2])
+            and torch.allclose(state.s_v[:, :, :2], created.s_v[:, :, :2]))
     assert same == protect
 
 
@@ -185,10 +189,17 @@ def test_config_errors_name_the_field():
         KVMAttention(8, n_heads=1, chunk_len=0)
     with pytest.raises(ValueError, match="partial RoPE"):
         KVMAttention(8, n_heads=1, positional="rope")
+    with pytest.raises(ConfigError, match=r"kvm backend must be one of \['auto', 'chunk', 'triton'\].*'cpu_lean'"):
+        KVMAttention(8, n_heads=1, backend="cpu_lean")
     cfg = LMConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2, layer_types=["kvm"],
                    mixers={"kvm": {"chunk_len": 4, "sink_len": 9}})
     with pytest.raises(ConfigError, match=r"model\.mixers\.kvm.*sink_len"):
         LanguageModel(cfg)
+    cfg = LMConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2, layer_types=["kvm"],
+                   mixers={"kvm": {"chunk_len": 4, "backend": "cpu_lean"}})
+    with pytest.raises(ConfigError, match=r"model\.mixers\.kvm.*backend must be one of") as e:
+        LanguageModel(cfg)
+    assert "\n" not in str(e.value)
 
 
 def test_registered_and_in_the_lm():
@@ -229,7 +240,7 @@ MEAN_S_V = [[1.0, 1, 0, 0], [1, 3, 0, 0], [0, 0, 4, 1], [0, 0, 0, 4], [2, 2, 2, 
 MEAN_COUNT = [1, 3, 2, 1, 1]                                                             # tokens in each row
 
 
-@pytest.mark.parametrize("impl", [kvm_chunk, kvm_packed, kvm_step])
+@pytest.mark.parametrize("impl", [kvm_chunk, kvm_step])
 def test_mean_readout_is_the_mean_of_the_merged_values(impl):
     layer = KVMAttention(4, n_heads=1, head_dim=4, chunk_len=4, n_bswa_chunks=1, positional="nope", qk_norm=None,
                          schedule={"name": "fixed", "size": 5}, value_norm="mean", merge_gate=False)
@@ -253,7 +264,7 @@ def test_mean_readout_is_the_mean_of_the_merged_values(impl):
     torch.testing.assert_close(o[0, 0, 0], torch.tensor(want))
 
 
-@pytest.mark.parametrize("impl", [kvm_chunk, kvm_packed, kvm_step])
+@pytest.mark.parametrize("impl", [kvm_chunk, kvm_step])
 def test_appended_rows_are_the_least_redundant_tokens(impl):
     """Section 4, "Append": ``s_j = max_i k_bar_j . LN_s(s_k)_i`` over the current rows, and the ``n_append`` tokens
     with the smallest ``s_j`` become rows ``m, m+1, ...`` in chunk order, each with radius ``||v_j||`` (fixed at

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from mixerzoo import decisions  # noqa: E402
+from mixerzoo.errors import ConfigError  # noqa: E402
 from mixerzoo.evaluation.cost import count_launches  # noqa: E402
 from mixerzoo.testing import decode_stepwise  # noqa: E402
 from mixerzoo.testing.cuda_autocast import emulate_cuda_autocast  # noqa: E402
@@ -225,11 +226,12 @@ def test_training_launches_do_not_grow_with_folds():
 
 
 def test_backend_option():
-    with pytest.raises(ValueError, match="kvm backend must be one of"):
-        KVMAttention(D_MODEL, n_heads=2, chunk_len=4, backend="cuda")
+    for bad in ("cuda", "cpu_lean"):
+        with pytest.raises(ConfigError, match=r"kvm backend must be one of \['auto', 'chunk', 'triton'\]"):
+            KVMAttention(D_MODEL, n_heads=2, chunk_len=4, backend=bad)
     layer = make(backend="auto")
     x = torch.zeros(1, 8, D_MODEL)
-    assert layer.parallel_form(x) == "cpu_lean"  # training on a CPU; CUDA tensors take "triton"
+    assert layer.parallel_form(x) == "chunk"  # on a CPU, training or not; CUDA tensors take "triton"
     layer.backend = "triton"
     assert layer.parallel_form(x) == "triton"
 

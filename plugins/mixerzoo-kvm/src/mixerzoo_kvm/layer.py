@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixerzoo.errors import ConfigError
 from mixerzoo.kernels import use_triton
 from mixerzoo.mixers import QKVProjection
 from mixerzoo.protocol import Mixer
@@ -15,7 +16,6 @@ from mixerzoo.schedules import FixedSchedule, build_schedule
 
 from mixerzoo.ops import recomputed_in_backward, records_grad
 
-from .backends.cpu_lean import kvm_packed
 from .chunk import kvm_chunk
 from .ops import KVMParams, KVMSpec, merge_gate
 from .recurrent import kvm_step
@@ -25,21 +25,12 @@ __all__ = ["KVMAttention"]
 
 HALF_ROPE = {"name": "rope", "rotary_fraction": 0.5}
 MEMORY_KEYS = ("zero_rotary", "pre_rope")
-BACKENDS = ("auto", "chunk", "cpu_lean", "triton")
+BACKENDS = ("auto", "chunk", "triton")
 TEMPERATURES = ("kv", "query")
-# query chunks per recomputed group on the Triton path (checkpoint_chunks x this): few groups, few launches; each
-# group holds its snapshots (rows x D per chunk) only while it runs
-TRITON_GROUP_SCALE = 4
-# and a group spans a state growing up to this factor (power_law budgets): fewer groups, more padding rows read
-# (a 32k training step of a power-law state, d_model 256: 1.5 -> 1,675 launches and 1.65 GiB live peak, 2.0 ->
-# 1,460 launches and 1.80 GiB, counted on a CPU)
-TRITON_GROUP_GROWTH = 1.5
-# Training on the Triton path groups query chunks by the key rows a group reads per head (chunks x (state rows +
-# window), padding included) instead: a group's snapshots, keys, values and their gradients are what a training
-# step's peak holds, so this bounds it however large a power-law state grows; the bound is raised so that a call
-# needs at most about TRITON_MAX_GROUPS groups, which bounds the launches (d_model 256, 32k, counted on a CPU:
-# kvm-256 8 groups of <= 12,288 rows; kvm-sqrt 13 groups of <= 28,253 rows, 1,961 launches, live peak 478 MiB,
-# where 8 gave 9 groups of <= 38,848 rows, 1,397 launches, 546 MiB)
+# The Triton path's recomputed groups of query chunks in training (kvm_chunk's group_rows / max_groups): a group holds
+# at most TRITON_GROUP_ROWS key rows per head (chunks x (state rows + window)), which bounds a step's peak however
+# large a power-law state grows, raised where a call would need more than TRITON_MAX_GROUPS groups, which bounds
+# its launches. The measured trade-off (launches, peak MiB) is in docs/mechanisms/kvm.md, "Implementations".
 TRITON_GROUP_ROWS = 12288
 TRITON_MAX_GROUPS = 11
 
@@ -107,17 +98,17 @@ class KVMAttention(Mixer):
         backend: the parallel form for ``T > 1``: ``chunk`` (the paper's appendix A: every chunk's state snapshot,
             then one masked attention, :mod:`mixerzoo_kvm.chunk`, the routing a PyTorch loop over folds),
             ``triton`` (the same form with the routing of all folds in one Triton kernel,
-            :mod:`mixerzoo_kvm.backends.triton`, and longer recomputed groups; on a CPU it runs in Triton's
-            interpreter: for tests), ``cpu_lean`` (the same function arranged for a CPU,
-            :mod:`mixerzoo_kvm.backends.cpu_lean`), or ``auto`` (default): ``triton`` for CUDA tensors when Triton
-            is importable, else ``cpu_lean`` for training on a CPU and ``chunk`` otherwise. One token with a state
-            always takes the decode step (:mod:`mixerzoo_kvm.recurrent`); where ``triton`` is chosen, a fold in it
-            routes with the kernel (winner-take-all) and updates the state by scatter-adds, with no host sync.
+            :mod:`mixerzoo_kvm.backends.triton`, and query chunks grouped by the key rows they read; on a CPU it
+            runs in Triton's interpreter: for tests), or ``auto`` (default): ``triton`` for CUDA tensors when
+            Triton is importable, else ``chunk``. One token with a state always takes the decode step
+            (:mod:`mixerzoo_kvm.recurrent`); where ``triton`` is chosen, a fold in it routes with the kernel
+            (winner-take-all) and updates the state by scatter-adds, with no host sync.
 
     State: :class:`mixerzoo_kvm.KVMState` (``m`` compressed rows plus at most ``L`` window tokens).
 
     Raises:
-        ValueError: a bad option (the message names it), e.g. ``sink_len >= chunk_len``.
+        ValueError: a bad option (the message names it), e.g. ``sink_len >= chunk_len``;
+            :class:`mixerzoo.errors.ConfigError` (a ``ValueError``) for an unknown ``backend``.
     """
 
     positional_encodings = ("rope", "nope")
@@ -149,7 +140,8 @@ class KVMAttention(Mixer):
             raise ValueError(f"kvm checkpoint_chunks must be an integer >= 0 (0: no recomputation), "
                              f"got {checkpoint_chunks!r}")
         if backend not in BACKENDS:
-            raise ValueError(f"kvm backend must be one of {list(BACKENDS)}, got {backend!r}")
+            raise ConfigError(f"kvm backend must be one of {list(BACKENDS)} (auto: triton for CUDA tensors when Triton "
+                              f"is importable, else chunk), got {backend!r}")
         if temperatures not in TEMPERATURES:
             raise ValueError(f"kvm temperatures must be one of {list(TEMPERATURES)} ('kv': one per key/value head; "
                              f"'query': one per query head), got {temperatures!r}")
@@ -221,13 +213,8 @@ class KVMAttention(Mixer):
         step (:func:`mixerzoo_kvm.recurrent.kvm_step`) for one token, else the parallel form ``backend`` names."""
         B, T, _ = x.shape
         form = "step" if T == 1 else self.parallel_form(x)
-        chunked = form in ("chunk", "triton")
-        lean = form == "cpu_lean" and records_grad((x, *self.parameters())) and not self.qkv.token_shift \
-            and not (self.qkv.value_residual and shared is not None)
-        if lean:
-            q, k, v, shift = self._lean_projections(x, state)
-        elif chunked and records_grad((x, *self.parameters())) and not (self.qkv.value_residual and
-                                                                              shared is not None):
+        if form != "step" and records_grad((x, *self.parameters())) and not (self.qkv.value_residual and
+                                                                             shared is not None):
             # the projections, norms and RoPE recomputed in backward from x: the chunk form copies q, k, v into its
             # grid, so autograd need not also keep the projections for the norms' backward
             q, k, v, _, shift = recomputed_in_backward(lambda t: self.qkv.stream(t, state), x,
@@ -240,68 +227,32 @@ class KVMAttention(Mixer):
             g = None if g is None else g.repeat_interleave(self.repeat_kv, dim=1)
         if state is None:
             state = KVMState.empty(k, with_count=self.value_norm == "mean", with_gate=g is not None)
-        if form == "cpu_lean":  # the output projection (and, lean, the queries' norm and RoPE) inside its groups
-            y, new_state = kvm_packed(self.spec, self.params, q, k, v, g, state, out_proj=self.o_proj,
-                                      finish_q=self.qkv.finish_queries if lean else None)
-        else:
-            if form == "triton":
-                from .backends.triton import route_folds_triton  # imports triton
+        if form == "triton":
+            from .backends.triton import route_folds_triton  # imports triton
 
-                o, new_state = kvm_chunk(self.spec, self.params, q, k, v, g, state, route=route_folds_triton,
-                                         group_chunks=self._triton_group_chunks(T),
-                                         group_growth=TRITON_GROUP_GROWTH, group_rows=TRITON_GROUP_ROWS,
-                                         max_groups=TRITON_MAX_GROUPS)
-            elif form == "chunk":
-                o, new_state = kvm_chunk(self.spec, self.params, q, k, v, g, state)
-            else:  # a fold inside the decode step: one kernel where the parallel form would take Triton's
-                route = fold_block = None
-                if use_triton(self.backend, x.device):
-                    from .backends.triton import route_folds_triton as route
-                    from .backends.triton.decode import decode_fold, fuses
+            o, new_state = kvm_chunk(self.spec, self.params, q, k, v, g, state, route=route_folds_triton,
+                                     group_rows=TRITON_GROUP_ROWS, max_groups=TRITON_MAX_GROUPS)
+        elif form == "chunk":
+            o, new_state = kvm_chunk(self.spec, self.params, q, k, v, g, state)
+        else:  # a fold inside the decode step: one kernel where the parallel form would take Triton's
+            route = fold_block = None
+            if use_triton(self.backend, x.device):
+                from .backends.triton import route_folds_triton as route
+                from .backends.triton.decode import decode_fold, fuses
 
-                    if fuses(self.spec, self.params) and not records_grad((x, *self.parameters())):
-                        fold_block = decode_fold  # no backward: the differentiable fold when autograd records
-                o, new_state = kvm_step(self.spec, self.params, q, k, v, g, state, route=route, fold_block=fold_block)
-            y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+                if fuses(self.spec, self.params) and not records_grad((x, *self.parameters())):
+                    fold_block = decode_fold  # no backward: the differentiable fold when autograd records
+            o, new_state = kvm_step(self.spec, self.params, q, k, v, g, state, route=route, fold_block=fold_block)
+        y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         new_state.shift = shift
         return y, new_state
 
-    def _lean_projections(self, x: torch.Tensor, state: KVMState | None) -> tuple:
-        """q, k, v for CPU-lean training (no token shift, no value residual): ``q (B, H_q, T, D)`` as projected,
-        before its norm and RoPE, which the CPU-lean form applies inside each recomputed group of query chunks (so
-        autograd keeps the projection only), and the keys' projection, norm and RoPE recomputed in backward from
-        ``x`` (the form copies the keys into buffers of its own, so autograd need not also keep the projection
-        for the norm's backward). Same values as :meth:`mixerzoo.mixers.QKVProjection.stream`."""
-        qkv, (B, T, _) = self.qkv, x.shape
-        p0 = 0 if state is None else state.next_pos
-        positions = torch.arange(p0, p0 + T, device=x.device)
-
-        def keys(t: torch.Tensor) -> torch.Tensor:
-            k = qkv.k_proj(t).view(B, T, qkv.n_kv_heads, qkv.head_dim).transpose(1, 2)
-            return qkv.pos.apply(qkv.k_norm(k), positions)
-
-        q = qkv.q_proj(x).view(B, T, qkv.n_heads, qkv.head_dim).transpose(1, 2)
-        k = recomputed_in_backward(keys, x, also=(*qkv.k_proj.parameters(), *qkv.k_norm.parameters()))
-        v = qkv.v_proj(x).view(B, T, qkv.n_kv_heads, qkv.head_dim).transpose(1, 2)
-        return q, k, v, None
-
     def parallel_form(self, x: torch.Tensor) -> str:
-        """``chunk``, ``triton`` or ``cpu_lean``: the form ``backend`` picks for input ``x`` (``auto``: ``triton``
-        for CUDA tensors when Triton is importable, ``cpu_lean`` when training on a CPU, where it was measured
-        faster, ``chunk`` otherwise)."""
+        """``chunk`` or ``triton``: the form ``backend`` picks for input ``x`` (``auto``: ``triton`` for CUDA
+        tensors when Triton is importable, else ``chunk``)."""
         if self.backend != "auto":
             return self.backend
-        if use_triton(self.backend, x.device):
-            return "triton"
-        return "cpu_lean" if x.device.type == "cpu" and records_grad((x, *self.parameters())) else "chunk"
-
-    def _triton_group_chunks(self, T: int) -> int:
-        """Query chunks per recomputed group on the Triton path for a call of ``T`` tokens:
-        ``checkpoint_chunks x TRITON_GROUP_SCALE x max(1, n // 64)`` for ``n`` chunks, so a training step's
-        launches grow with the number of groups only (a few dozen per group, forward, recomputation and
-        backward)."""
-        n = -(-T // self.chunk_len)
-        return self.checkpoint_chunks * TRITON_GROUP_SCALE * max(1, n // 64)
+        return "triton" if use_triton(self.backend, x.device) else "chunk"
 
     def extra_repr(self) -> str:
         return (f"chunk_len={self.chunk_len}, n_bswa_chunks={self.n_bswa_chunks}, sink_len={self.sink_len}, "

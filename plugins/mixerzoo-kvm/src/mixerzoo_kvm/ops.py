@@ -75,8 +75,8 @@ class KVMParams(NamedTuple):
 
 def matmul_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` in :func:`accum_dtype` of both, outside any autocast region: the state's sums (merges, soft
-    routing's weighted sums) and the routing scores are made alike by every path, the packed path's exact
-    row additions and a decoding step's matmuls alike (an autocast region would run a matmul in bf16)."""
+    routing's weighted sums) and the routing scores are made alike by every path, the parallel form's and a
+    decoding step's matmuls alike (an autocast region would run a matmul in bf16)."""
     dtype = accum_dtype(a, b)
     with torch.autocast(a.device.type, enabled=False):
         return a.to(dtype) @ b.to(dtype)
@@ -361,8 +361,8 @@ def keep_from(next_pos: int, chunk_len: int, n_bswa_chunks: int) -> int:
 def chunk_groups(rows: list[int], max_chunks: int, growth: float = 1.25) -> list[tuple[int, int]]:
     """Consecutive query chunks in groups of at most ``max_chunks`` whose state sizes stay within ``growth`` x
     the group's first (a state only grows), so padding each snapshot to the group's largest wastes little; the
-    chunk form and the CPU-lean backend both read and recompute (in backward) a group at a time, so a growing
-    state (``power_law`` schedule) is not cut into smaller groups, which would keep more states."""
+    chunk form reads and recomputes (in backward) a group at a time, so a growing state (``power_law`` schedule)
+    is not cut into smaller groups, which would keep more states."""
     groups, start = [], 0
     for i in range(1, len(rows)):
         if rows[i] > growth * rows[start] or i - start >= max_chunks:
