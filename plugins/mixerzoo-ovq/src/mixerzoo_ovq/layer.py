@@ -7,13 +7,14 @@ counts ``c (n)``. The sequence is cut into chunks of ``chunk_len`` tokens at abs
 chunk is complete its keys and values are merged into the dictionaries (eq. 17-19), whose size follows a
 state-budget schedule (the plateau ``N t / (t + N)`` by default) up to ``max_size = N`` rows.
 
-Forms: :mod:`~mixerzoo_ovq.chunk` for a call of several tokens (training, prefill, continuation),
-:mod:`~mixerzoo_ovq.recurrent` for one token with a state (decode); both read eq. 15 with the CPU backend
-(:mod:`~mixerzoo_ovq.backends.cpu`) on CPU and ``scaled_dot_product_attention`` elsewhere. On CUDA tensors
-(``backend: auto``) both take the Triton backend (:mod:`~mixerzoo_ovq.backends.triton`: every chunk's choices in one
-kernel, all reads in one batched attention; a decode step's read in one kernel and its chunk's merge in one more)
-where the options keep the dictionary linear in the keys. The reference they are tested against is
-:mod:`~mixerzoo_ovq.naive`.
+Forms (:data:`FORMS`, picked by one :meth:`mixerzoo.forms.Forms.pick` call): :mod:`~mixerzoo_ovq.chunk` for a call
+of several tokens (training, prefill, continuation), :mod:`~mixerzoo_ovq.recurrent` for one token with a state
+(decode), reading eq. 15 with the CPU backend (:mod:`~mixerzoo_ovq.backends.cpu`, form ``cpu``) or
+``scaled_dot_product_attention`` (form ``chunk``); on CUDA tensors the Triton backend (form ``triton``,
+:mod:`~mixerzoo_ovq.backends.triton`: every chunk's choices in one kernel, all reads in one batched attention; a
+decode step's read in one kernel and its chunk's merge in one more) where the options keep the dictionary linear
+in the keys. Packed documents (``cu_seqlens``) in every form: :mod:`~mixerzoo_ovq.documents`. The reference they are
+tested against is :mod:`~mixerzoo_ovq.naive` (form ``naive``).
 """
 
 from __future__ import annotations
@@ -129,9 +130,10 @@ class OVQAttention(Mixer):
             value list and bias per chunk (the paper's "memory independent of N" training, sec. 3.4, by
             recomputation; the recomputation reuses the first run's reads and choices). 0 keeps everything.
             Results are identical. The Triton backend recomputes segments of at least ``TRITON_SEGMENT_CHUNKS``.
-        backend: ``auto`` (default): the Triton backend for CUDA tensors (when the options allow it: ``centroid_lr``
-            null, no ``renormalize``), the chunk loop otherwise; ``chunk``: always the chunk loop; ``triton``: the
-            Triton backend everywhere (Triton's interpreter on a CPU: tests at small sizes).
+        backend: ``auto`` (default) or a form of :data:`FORMS` to force (:func:`register_ovq_forms`): ``triton``
+            (CUDA under ``auto``; Triton's interpreter on a CPU when forced: tests at small sizes; needs
+            ``centroid_lr`` null, no ``renormalize``, ``first_chunk`` nearest), ``cpu`` (the chunk loop on the CPU
+            flash kernels), ``chunk`` (the chunk loop, any device), ``naive`` (the reference).
 
     State: :class:`OVQState`; grows with the schedule and plateaus at ``max_size`` rows (+ < L buffered tokens).
 
