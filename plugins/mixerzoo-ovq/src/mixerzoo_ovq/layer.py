@@ -55,6 +55,11 @@ TRITON_SEGMENT_CHUNKS = 32
 _READS = {"cpu": cpu.chunk_attention, "chunk": ops.chunk_attention, "triton": ops.chunk_attention}
 
 
+# whether Triton is installed, read once at import: a cached function called while picking a form would be traced
+# through by torch.compile (with a warning) on every compilation
+_TRITON = triton_available()
+
+
 def _triton_refusal(call: Call) -> str | None:
     """Why the Triton form cannot serve ``call`` (:meth:`OVQAttention.call_options`), or None."""
     if not call.options.get("linear", True):
@@ -81,7 +86,7 @@ def register_ovq_forms(mechanism: str) -> Forms:
       call from an empty state, packed documents one by one.
     """
     return register_forms(mechanism, [
-        Form("triton", cu_seqlens=True, available=triton_available, accepts=_triton_refusal, priority=30),
+        Form("triton", cu_seqlens=True, available=_TRITON.__bool__, accepts=_triton_refusal, priority=30),
         Form("cpu", devices={"cpu"}, cu_seqlens=True, available=cpu.available, priority=20),
         Form("chunk", cu_seqlens=True, priority=10),
         Form("naive", cu_seqlens=True, state=False, accepts=_naive_refusal, auto=False),
