@@ -20,6 +20,8 @@ Paper: "Online Vector Quantized Attention", arXiv 2602.03922 (v2), sec. 2.2, 3.2
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -151,19 +153,18 @@ def _packed_plan(spec: ops.Spec, group: list[Piece], buffered: int, n0: int) -> 
     integers and CPU tensors only."""
     L, C = spec.chunk_len, len(group)
     base = group[0].start
-    r = torch.tensor([p.pos % L for p in group])                         # positions before the slot's first token
-    n = torch.tensor([p.length for p in group])
-    t0 = torch.tensor([p.start - base for p in group])
-    doc = torch.tensor([p.reset for p in group]).long().cumsum(0) - int(group[0].reset)
-    j = torch.arange(L)
-    filled = j[None, :] < (r + n)[:, None]
-    kidx = torch.where(filled, (buffered + t0 - r)[:, None] + j, 0)
-    qidx = torch.where(filled & (j[None, :] >= r[:, None]), (t0 - r)[:, None] + j, 0)
-    oidx = torch.cat([s * L + r[s] + torch.arange(int(n[s])) for s in range(C)])
-    whole = [s for s in range(C) if int(r[s] + n[s]) == L]
+    r = [p.pos % L for p in group]                                       # positions before the slot's first token
+    n = [p.length for p in group]
+    t0 = [p.start - base for p in group]
+    doc = [d - int(group[0].reset) for d in itertools.accumulate(int(p.reset) for p in group)]
+    # Python integers, one tensor each at the end: torch operations on host tensors would each be a dispatch
+    kidx = [buffered + t0[s] - r[s] + j if j < r[s] + n[s] else 0 for s in range(C) for j in range(L)]
+    qidx = [t0[s] - r[s] + j if r[s] <= j < r[s] + n[s] else 0 for s in range(C) for j in range(L)]
+    oidx = [s * L + r[s] + j for s in range(C) for j in range(n[s])]
+    whole = [s for s in range(C) if r[s] + n[s] == L]
     sizes, n_new, resets, rows, last = {0: n0}, [], [], n0, 0
     for s in whole:
-        d = int(doc[s])
+        d = doc[s]
         resets.append(int(d != last))
         last = d
         sizes.setdefault(d, 0)
@@ -171,14 +172,12 @@ def _packed_plan(spec: ops.Spec, group: list[Piece], buffered: int, n0: int) -> 
             n_new.append(ops.new_centroid_count(spec.schedule, group[s].pos // L, L, sizes[d]))
             sizes[d] += n_new[-1]
         rows = max(rows, sizes[d])
-    same = doc[:, None] == doc[None, :]
-    M = torch.zeros(C + 1, C + 1)
-    M[:C, 0], M[C, 0] = (doc == 0).float(), float(int(doc[-1]) == 0)
-    M[:C, 1:] = (same & torch.ones(C, C, dtype=torch.bool).tril(-1)).float()
-    M[C, 1:] = (doc == doc[-1]).float()
-    return dict(kidx=kidx.flatten(), qidx=qidx.flatten(), oidx=oidx, whole=whole, n_new=n_new, resets=resets,
-                rows=rows, last_rows=sizes.get(int(doc[-1]), 0), merge=M, tail=int(r[-1] + n[-1]) % L,
-                tail_at=int(buffered + t0[-1] - r[-1]), chunks=[group[s].pos // L for s in whole])
+    M = [[float(doc[s] == 0)] + [float(c < s and doc[c] == doc[s]) for c in range(C)] for s in range(C)]
+    M.append([float(doc[-1] == 0)] + [float(doc[c] == doc[-1]) for c in range(C)])
+    return dict(kidx=torch.tensor(kidx), qidx=torch.tensor(qidx), oidx=torch.tensor(oidx), whole=whole,
+                n_new=n_new, resets=resets, rows=rows, last_rows=sizes.get(doc[-1], 0), merge=torch.tensor(M),
+                merged=torch.tensor([float(s in whole) for s in range(C)]), tail=(r[-1] + n[-1]) % L,
+                tail_at=buffered + t0[-1] - r[-1], chunks=[group[s].pos // L for s in whole])
 
 
 def _packed_group(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dk: torch.Tensor,
@@ -221,9 +220,7 @@ def _packed_group(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                     assign = assign.index_copy(2, w, decision("ovq.assign", picked))
         if memo is not None:
             memo["assign"] = assign
-    merged = torch.zeros(C, L, dtype=acc)
-    merged[plan["whole"]] = 1
-    merged = merged.to(dev).expand(B, Hkv, C, L)
+    merged = plan["merged"].to(device=dev, dtype=acc).view(1, 1, C, 1).expand(B, Hkv, C, L)
     M = plan["merge"].to(device=dev, dtype=acc)
     cells = torch.cat([F.pad(counts, (0, N - n0))[:, :, None],
                        counts.new_zeros(B, Hkv, C, N).scatter_add_(-1, assign, merged)], dim=2)
