@@ -112,3 +112,21 @@ def test_pieces_restart_chunks_at_document_starts():
     counted from its own start (4, 4, 2 tokens: its positions 0-4, 4-8, 8-10)."""
     got = [(p.start, p.length, p.pos, p.reset) for p in pieces([0, 5, 21], 3, 12, 4)]
     assert got == [(0, 1, 3, False), (1, 1, 4, False), (2, 4, 0, True), (6, 4, 4, False), (10, 2, 8, False)]
+
+
+@pytest.mark.parametrize("name", ["default", "vq"])
+def test_triton_groups_of_slots_carry_the_document(name, monkeypatch):
+    """The Triton form's groups of chunk slots cut inside documents (two chunks' worth a group): the dictionary and
+    the unfinished chunk carried from group to group equal the documents run alone."""
+    from mixerzoo_ovq.backends.triton import chunk as triton_chunk
+
+    monkeypatch.setattr(triton_chunk, "GROUP_CHUNKS", 2)
+    m = make(name, backend="triton", checkpoint_chunks=0)
+    cu = offsets(LENGTHS)
+    x = torch.randn(1, int(cu[-1]), D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
+                    requires_grad=True)
+    y, state = m(x, cu_seqlens=cu)
+    (g,) = torch.autograd.grad(y.square().sum(), x)
+    y_ref, state_ref = run_separately(m, x, cu)
+    (g_ref,) = torch.autograd.grad(y_ref.square().sum(), x)
+    assert rel(y, y_ref) < 1e-8 and rel(g, g_ref) < 1e-8 and rel(state.buf_k, state_ref.buf_k) < 1e-8

@@ -252,9 +252,12 @@ def _packed_group(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def _packed(spec: ops.Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, memo: dict | None, carry: tuple,
             pieces: list[Piece], empty: tuple) -> tuple:
-    """Packed documents' pieces in groups of at most ``GROUP_CHUNKS`` chunk slots (:func:`_packed_group`), the
+    """Packed documents' pieces in groups of chunk slots (:func:`_packed_group`), the
     state carried from group to group; a group that starts a document starts from ``empty``."""
-    groups = [pieces[g:g + GROUP_CHUNKS] for g in range(0, len(pieces), GROUP_CHUNKS)]
+    # GROUP_CHUNKS chunks' worth of slots, one more per document start (a document's partial last chunk): a
+    # recomputed segment of GROUP_CHUNKS chunks stays one group however many documents it holds
+    size = GROUP_CHUNKS + sum(p.reset for p in pieces)
+    groups = [pieces[g:g + size] for g in range(0, len(pieces), size)]
     sizes = [sum(p.length for p in g) for g in groups]
     dk, dv, counts, _, buf_k, buf_v = carry
     outs = []
