@@ -43,8 +43,8 @@ SCRIPT = textwrap.dedent('''
     out["ovq decide L=128 D=128"] = compile_(
         decide._decide_kernel,
         {"k_ptr": p, "dk_ptr": p, "cnt_ptr": p, "nnew_ptr": "*i32", "scores_ptr": p, "assign_ptr": "*i32",
-         "n0": "i32", "C": "i32", "N_TOT": "i32"},
-        {"L": 128, "D": 128, "BL": 128, "BD": 128, "BN": decide.BLOCK_N, "HAS_SCORES": False}, 8)
+         "reset_ptr": "*i32", "n0": "i32", "C": "i32", "N_TOT": "i32"},
+        {"L": 128, "D": 128, "BL": 128, "BD": 128, "BN": decide.BLOCK_N, "HAS_SCORES": False, "HAS_RESETS": True}, 8)
     for name, fn, ptrs in (("fwd", scan._scan_fwd, ["W", "A", "DEC", "STEP", "MS", "MG", "U", "M0", "MEND"]),
                            ("bwd", scan._scan_bwd, ["W", "A", "DEC", "STEP", "M0", "MG", "DU", "DM0", "DMEND", "DW",
                                                     "DA", "DDEC", "DSTEP", "DMS", "DMG"])):

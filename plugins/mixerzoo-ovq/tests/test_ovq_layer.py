@@ -52,15 +52,13 @@ def naive_layer(m: OVQAttention, x: torch.Tensor):
     return m.o_proj(o.transpose(1, 2).reshape(B, T, -1)), dictionary, k, v
 
 
-@pytest.mark.parametrize("read", ["backend", "sdpa"])
+@pytest.mark.parametrize("form", ["cpu", "chunk"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_layer_equals_naive(name, read, monkeypatch):
+def test_layer_equals_naive(name, form):
     """The layer (chunk loop, merges, state) against the paper's loop over chunks written plainly (appendix 8.3), for
-    every ablation, GQA and the backbone options, ending mid-chunk; ``sdpa``: with the portable read that runs
-    off the CPU (CUDA) instead of the CPU flash backend."""
-    if read == "sdpa":
-        monkeypatch.setattr(OVQAttention, "read_for", staticmethod(lambda device: ops.chunk_attention))
-    m = make(name)
+    every ablation, GQA and the backbone options, ending mid-chunk; ``cpu``: the chunk loop reading on the CPU flash
+    backend, ``chunk``: with the portable read that runs off the CPU (CUDA)."""
+    m = make(name, backend=form)
     x = torch.randn(2, 37, D_MODEL, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         y, state = m(x)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mixerzoo.evaluation.cost import count_launches
+from mixerzoo.forms import Call
 from mixerzoo.kernels import triton_available
 from mixerzoo.testing import run_conformance
 from mixerzoo_ovq import OVQAttention, VQAttention, naive
@@ -227,9 +228,14 @@ def test_backend_option():
     for extra in (dict(centroid_lr=0.25), dict(renormalize=True)):
         with pytest.raises(ValueError, match="backend 'triton' needs"):
             OVQAttention(D_MODEL, backend="triton", **extra)
-    assert not make("default", backend="auto")._batched(torch.device("cpu"))
-    assert make("default", backend="auto")._batched(torch.device("cuda")) == triton_available()
-    assert not make("constant_lr", backend="auto")._batched(torch.device("cuda"))  # the chunk loop's ablation
+    def form(name, device):
+        m = make(name, backend="auto")
+        return m.FORMS.pick(Call("cuda" if device == "cuda" else "cpu", torch.float32, True, 64,
+                                 options=m.call_options()), "auto").name
+
+    assert form("default", "cpu") == "cpu"
+    assert (form("default", "cuda") == "triton") == triton_available()
+    assert form("constant_lr", "cuda") == "chunk"  # the chunk loop's ablation
 
 
 def test_triton_compiles_whole():

@@ -7,13 +7,14 @@ counts ``c (n)``. The sequence is cut into chunks of ``chunk_len`` tokens at abs
 chunk is complete its keys and values are merged into the dictionaries (eq. 17-19), whose size follows a
 state-budget schedule (the plateau ``N t / (t + N)`` by default) up to ``max_size = N`` rows.
 
-Forms: :mod:`~mixerzoo_ovq.chunk` for a call of several tokens (training, prefill, continuation),
-:mod:`~mixerzoo_ovq.recurrent` for one token with a state (decode); both read eq. 15 with the CPU backend
-(:mod:`~mixerzoo_ovq.backends.cpu`) on CPU and ``scaled_dot_product_attention`` elsewhere. On CUDA tensors
-(``backend: auto``) both take the Triton backend (:mod:`~mixerzoo_ovq.backends.triton`: every chunk's choices in one
-kernel, all reads in one batched attention; a decode step's read in one kernel and its chunk's merge in one more)
-where the options keep the dictionary linear in the keys. The reference they are tested against is
-:mod:`~mixerzoo_ovq.naive`.
+Forms (:data:`FORMS`, picked by one :meth:`mixerzoo.forms.Forms.pick` call): :mod:`~mixerzoo_ovq.chunk` for a call
+of several tokens (training, prefill, continuation), :mod:`~mixerzoo_ovq.recurrent` for one token with a state
+(decode), reading eq. 15 with the CPU backend (:mod:`~mixerzoo_ovq.backends.cpu`, form ``cpu``) or
+``scaled_dot_product_attention`` (form ``chunk``); on CUDA tensors the Triton backend (form ``triton``,
+:mod:`~mixerzoo_ovq.backends.triton`: every chunk's choices in one kernel, all reads in one batched attention; a
+decode step's read in one kernel and its chunk's merge in one more) where the options keep the dictionary linear
+in the keys. Packed documents (``cu_seqlens``) in every form: :mod:`~mixerzoo_ovq.documents`. The reference they are
+tested against is :mod:`~mixerzoo_ovq.naive` (form ``naive``).
 """
 
 from __future__ import annotations
@@ -26,19 +27,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixerzoo.forms import Call, Form, Forms, register_forms
+from mixerzoo.kernels import triton_available, use_triton
 from mixerzoo.mixers.qkv import QKVProjection
-from mixerzoo.kernels import use_triton
 from mixerzoo.ops import optional_carry, run_segments
-from mixerzoo.protocol import Mixer
+from mixerzoo.protocol import Mixer, packed_offsets, run_separately
 from mixerzoo.schedules import build_schedule
 
-from . import ops
+from . import naive, ops
 from .backends import cpu
 from .chunk import chunk_forward
+from .documents import document_starts, pieces, restart_token_shift
 from .recurrent import recurrent_step
 from .state import OVQState, state_log_counts
 
-__all__ = ["OVQState", "OVQAttention"]
+__all__ = ["OVQState", "OVQAttention", "FORMS", "register_ovq_forms"]
 
 N_CARRY = 6  # what the chunk loop carries: dk, dv, counts, log_counts, buf_k, buf_v (OVQAttention._carry)
 # chunks per recomputed segment on the Triton backend at least: its launches are per segment (about 210 for a
@@ -47,7 +50,50 @@ N_CARRY = 6  # what the chunk loop carries: dk, dv, counts, log_counts, buf_k, b
 # 2 kv heads in float32: 71 MB). 32: a 32k training step (d_model 256, 2 x 128) in 1,770 launches and 444 MiB of live
 # tensors; 64 took 916 launches and 852 MiB (full attention: 83 launches, 386 MiB), 16 would take about 3,400 launches
 TRITON_SEGMENT_CHUNKS = 32
-BACKENDS = ("auto", "chunk", "triton")
+# eq. 15's read of each form of the chunk loop (ops.Spec.read); the Triton form reads its own way, its partial chunks
+# through the portable read
+_READS = {"cpu": cpu.chunk_attention, "chunk": ops.chunk_attention, "triton": ops.chunk_attention}
+
+
+# whether Triton is installed, read once at import: a cached function called while picking a form would be traced
+# through by torch.compile (with a warning) on every compilation
+_TRITON = triton_available()
+
+
+def _triton_refusal(call: Call) -> str | None:
+    """Why the Triton form cannot serve ``call`` (:meth:`OVQAttention.call_options`), or None."""
+    if not call.options.get("linear", True):
+        return ("it needs centroid_lr null, renormalize false and first_chunk 'nearest' (the dictionary linear in "
+                "the keys, the seeding its kernel decides)")
+    if call.options.get("backend") != "triton" and not use_triton("auto", torch.device(call.device)):
+        return f"it runs on cuda tensors, not {call.device} (on a CPU only when forced: Triton's interpreter)"
+    return None
+
+
+def _naive_refusal(call: Call) -> str | None:
+    """Why the reference form cannot serve ``call``, or None."""
+    return "it does not take the value residual's shared values" if call.options.get("shared_values") else None
+
+
+def register_ovq_forms(mechanism: str) -> Forms:
+    """Register the forms of OVQ-attention (``ovq``) or of VQ-attention (``vq``), which share them:
+
+    - ``triton``: every chunk's choices in one kernel, the reads batched (:mod:`~mixerzoo_ovq.backends.triton`);
+      CUDA under ``auto``, anywhere when forced (Triton's interpreter on a CPU); the dictionary linear in the keys.
+    - ``cpu``: the chunk loop reading eq. 15 on the CPU flash kernels (:mod:`~mixerzoo_ovq.backends.cpu`).
+    - ``chunk``: the chunk loop reading eq. 15 with ``scaled_dot_product_attention`` (any device, any dtype).
+    - ``naive``: the paper's loop written plainly (:mod:`~mixerzoo_ovq.naive`), forced only (tests): starts every
+      call from an empty state, packed documents one by one.
+    """
+    return register_forms(mechanism, [
+        Form("triton", cu_seqlens=True, available=_TRITON.__bool__, accepts=_triton_refusal, priority=30),
+        Form("cpu", devices={"cpu"}, cu_seqlens=True, available=cpu.available, priority=20),
+        Form("chunk", cu_seqlens=True, priority=10),
+        Form("naive", cu_seqlens=True, state=False, accepts=_naive_refusal, auto=False),
+    ])
+
+
+FORMS = register_ovq_forms("ovq")
 
 
 class OVQAttention(Mixer):
@@ -89,9 +135,10 @@ class OVQAttention(Mixer):
             value list and bias per chunk (the paper's "memory independent of N" training, sec. 3.4, by
             recomputation; the recomputation reuses the first run's reads and choices). 0 keeps everything.
             Results are identical. The Triton backend recomputes segments of at least ``TRITON_SEGMENT_CHUNKS``.
-        backend: ``auto`` (default): the Triton backend for CUDA tensors (when the options allow it: ``centroid_lr``
-            null, no ``renormalize``), the chunk loop otherwise; ``chunk``: always the chunk loop; ``triton``: the
-            Triton backend everywhere (Triton's interpreter on a CPU: tests at small sizes).
+        backend: ``auto`` (default) or a form of :data:`FORMS` to force (:func:`register_ovq_forms`): ``triton``
+            (CUDA under ``auto``; Triton's interpreter on a CPU when forced: tests at small sizes; needs
+            ``centroid_lr`` null, no ``renormalize``, ``first_chunk`` nearest), ``cpu`` (the chunk loop on the CPU
+            flash kernels), ``chunk`` (the chunk loop, any device), ``naive`` (the reference).
 
     State: :class:`OVQState`; grows with the schedule and plateaus at ``max_size`` rows (+ < L buffered tokens).
 
@@ -103,6 +150,7 @@ class OVQAttention(Mixer):
     uses_schedule = True
     mixer_name = "ovq"  # in error messages
     uses_shared = True
+    FORMS = FORMS  # the forms a forward picks among (backend)
 
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, head_dim: int | None = None,
                  chunk_len: int = 128, max_size: int = 2048, schedule: Any = "saturating",
@@ -138,8 +186,7 @@ class OVQAttention(Mixer):
                              f"got {checkpoint_chunks!r}")
         self.renormalize, self.seed, self.layer_idx, self.first_chunk = renormalize, seed, layer_idx, first_chunk
         self.checkpoint_chunks = checkpoint_chunks
-        if backend not in BACKENDS:
-            raise ValueError(f"{self.mixer_name} backend must be one of {BACKENDS}, got {backend!r}")
+        self.FORMS.check_backend(backend)
         if backend == "triton":
             ops.check_linear(ops.Spec(chunk_len, centroid_lr=centroid_lr, renormalize=renormalize,
                                       first_chunk=first_chunk), self.mixer_name)
@@ -210,25 +257,40 @@ class OVQAttention(Mixer):
         return OVQState(dk=z[0], dv=z[1], counts=torch.zeros(batch, Hkv, 0, device=device, dtype=acc), buf_k=z[2],
                         buf_v=z[3], next_pos=0)
 
-    @staticmethod
-    def read_for(device: torch.device):
-        """Eq. 15's read for ``device``: the CPU flash backend on CPU, ``scaled_dot_product_attention`` elsewhere."""
-        return cpu.chunk_attention if device.type == "cpu" and cpu.available() else ops.chunk_attention
-
-    def spec(self, device: torch.device) -> ops.Spec:
-        """The options the chunk loop and the decode step read (:class:`mixerzoo_ovq.ops.Spec`) on ``device``."""
+    def spec(self, form: str = "chunk") -> ops.Spec:
+        """The options the chunk loop and the decode step read (:class:`mixerzoo_ovq.ops.Spec`), with eq. 15's read
+        of ``form``: the CPU flash kernels for ``cpu``, ``scaled_dot_product_attention`` otherwise."""
         return ops.Spec(self.chunk_len, self.schedule, self.new_centroids, self.centroid_lr, self.renormalize,
-                        self.seed, self.layer_idx, first_chunk=self.first_chunk, read=self.read_for(device))
+                        self.seed, self.layer_idx, first_chunk=self.first_chunk, read=_READS.get(form))
 
-    def forward(self, x: torch.Tensor, state: OVQState | None = None, shared: dict | None = None
-                ) -> tuple[torch.Tensor, OVQState]:
-        """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given: one token with a state takes
-        the decode step (:func:`~mixerzoo_ovq.recurrent.recurrent_step`), anything else the chunked form
-        (:func:`~mixerzoo_ovq.chunk.chunk_forward`); each the Triton backend's where :meth:`_batched`.
+    def call_options(self, shared: dict | None = None) -> dict:
+        """What the forms may refuse a call for (:data:`FORMS`): whether the dictionary is linear in the keys
+        (:func:`mixerzoo_ovq.ops.linear_in_keys`), the ``backend`` option, whether the value residual shares values
+        across layers in this forward."""
+        return {"linear": ops.linear_in_keys(self.spec()), "backend": self.backend,
+                "shared_values": bool(self.qkv.value_residual and shared is not None)}
+
+    def forward(self, x: torch.Tensor, state: OVQState | None = None, shared: dict | None = None,
+                cu_seqlens: Any = None) -> tuple[torch.Tensor, OVQState]:
+        """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given, in the form :data:`FORMS`
+        picks (``backend``): one token with a state takes the form's decode step, anything else its chunked
+        computation (:func:`~mixerzoo_ovq.chunk.chunk_forward`, or the Triton backend's).
+
+        Args:
+            cu_seqlens: packed documents (:mod:`mixerzoo.protocol`): ``(N+1,)`` offsets into ``x (1, T,
+                d_model)``; each document runs from an empty dictionary, its chunks and schedule counted from its
+                own first token. The state returned is the last document's.
 
         Raises:
-            ValueError: a state whose buffered tokens do not match ``chunk_len``.
+            ValueError: a state whose buffered tokens do not match ``chunk_len``; ``state`` with ``cu_seqlens``, or
+                bad offsets (:func:`mixerzoo.protocol.packed_offsets`).
+            mixerzoo.errors.ConfigError: the forced ``backend`` cannot run the call (one line: the form, the reason).
         """
+        offsets = None if cu_seqlens is None else packed_offsets(cu_seqlens, x, state)
+        form = self.FORMS.pick(Call.of(x, self, cu_seqlens=offsets, state=state, options=self.call_options(shared)),
+                               self.backend).name
+        if form == "naive":
+            return self._reference_call(x, shared, offsets)
         B, T, _ = x.shape
         L = self.chunk_len
         acc = ops.accumulation_dtype(x.dtype)
@@ -237,64 +299,99 @@ class OVQAttention(Mixer):
         if st.buf_k.shape[2] != p0 % L:
             raise ValueError(f"{self.mixer_name} state holds {st.buf_k.shape[2]} buffered tokens at position {p0}, "
                              f"expected {p0 % L}: was chunk_len changed mid-sequence?")
-        spec, carry = self.spec(x.device), self._carry(st, acc)
+        spec, carry = self.spec(form), self._carry(st, acc)
         if T == 1 and state is not None:
             q, k, v, _, shift = self.qkv.stream(x, st, shared)
             q, k = self.normalize_qk(q, k)
-            if self._batched(x.device):
+            if form == "triton":
                 from .backends import triton as triton_backend  # imports triton: only where the backend runs
 
                 o, *carry = triton_backend.recurrent_step(spec, q, k, v, p0, *carry)
             else:
                 o, *carry = recurrent_step(spec, q, k, v, p0, *carry)
             return self._output(o), self._state(carry, p0 + T, shift)
+        # packed documents: the chunk computation restarts each one from this empty carry
+        docs = None if offsets is None else (offsets, carry)
         # training: segments of checkpoint_chunks chunks recomputed in backward, so autograd keeps one dictionary
         # per segment instead of one [dictionary ; chunk] key list, value list and bias per chunk (paper
         # sec. 3.4)
         # memo: what backward's recomputation of a segment takes from its first run instead of computing again:
         # each chunk's discrete dictionary choices (ops.update_dictionary) and read (the CPU backend's)
-        batched = self._batched(x.device)
+        batched = form == "triton"
         span = L * (max(self.checkpoint_chunks, TRITON_SEGMENT_CHUNKS) if batched and self.checkpoint_chunks
                     else self.checkpoint_chunks)
+        next_pos = p0 + T if offsets is None else T - offsets[-2]
         if self.qkv.value_residual and shared is not None:
             # the first layer's values are shared with the later layers for the whole call: project it here
             q, k, v, _, shift = self.qkv.stream(x, st, shared)
-            o, carry = run_segments(self._segment, (q, k, v), p0, carry, span=span, extra=(spec,), memo=True)
-            return self._output(o), self._state(carry, p0 + T, shift)
+            if docs is not None and self.qkv.token_shift:
+                q, k, v = restart_token_shift(self.qkv, x, q, k, v, offsets[:-1], shared)
+            o, carry = run_segments(self._segment, (q, k, v), p0, carry, span=span, extra=(spec, form, docs),
+                                    memo=True)
+            return self._output(o), self._state(carry, next_pos, shift)
         # each segment runs the whole layer from its slice of x (projections, token shift carried, reads and
         # merges, output projection): autograd keeps x, the dictionary entering each segment and the output, not
         # the projections, and backward's q/k/v gradients exist one segment at a time
         shift = optional_carry(st.shift, self.qkv.token_shift)
-        y, carry = run_segments(self._layer_segment, (x,), p0, (*carry, *shift), span=span, extra=(spec,), dim=1,
-                                memo=True)
+        y, carry = run_segments(self._layer_segment, (x,), p0, (*carry, *shift), span=span,
+                                extra=(spec, form, docs), dim=1, memo=True)
         carry, shift = carry[:N_CARRY], tuple(carry[N_CARRY:]) or None
-        return y, self._state(carry, p0 + T, shift)
+        return y, self._state(carry, next_pos, shift)
 
-    def _layer_segment(self, x: torch.Tensor, spec: ops.Spec, memo: dict | None, pos: int, *carry) -> tuple:
+    def _layer_segment(self, x: torch.Tensor, spec: ops.Spec, form: str, docs: tuple | None, memo: dict | None,
+                       pos: int, *carry) -> tuple:
         """The layer on ``x (B, T, d_model)`` at absolute position ``pos``: the projections (continuing the token
         shift carried after the ``N_CARRY`` dictionary tensors of :meth:`_carry`, none without ``token_shift``), then
-        :meth:`_segment`, then the output projection. Returns ``(y, *carry after)``."""
+        :meth:`_segment`, then the output projection. ``docs``: packed documents' ``(offsets, empty carry)`` or None.
+        Returns ``(y, *carry after)``."""
         positions = torch.arange(pos, pos + x.shape[1], device=x.device)
         q, k, v, shift = self.qkv(x, positions, tuple(carry[N_CARRY:]) or None)
-        o, *dictionary = self._segment(q, k, v, spec, memo, pos, *carry[:N_CARRY])
+        if docs is not None and self.qkv.token_shift:
+            q, k, v = restart_token_shift(self.qkv, x, q, k, v, document_starts(docs[0], pos, x.shape[1]))
+        o, *dictionary = self._segment(q, k, v, spec, form, docs, memo, pos, *carry[:N_CARRY])
         return (self._output(o), *dictionary, *(shift or ()))
 
-    def _segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ops.Spec, memo: dict | None,
-                 pos: int, *carry) -> tuple:
-        """:func:`~mixerzoo_ovq.chunk.chunk_forward` on the projections ``q (B, H, T, D)``, ``k, v (B, H_kv, T,
-        D)`` before :meth:`normalize_qk`, which runs here: in training it is recomputed with the segment, so
-        autograd keeps the projections only, not also their normalised copies (two ``(B, H, T, D)`` tensors a
-        layer). Returns ``(o (B, H, T, D), *carry after)``."""
+    def _segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ops.Spec, form: str,
+                 docs: tuple | None, memo: dict | None, pos: int, *carry) -> tuple:
+        """:func:`~mixerzoo_ovq.chunk.chunk_forward` (or the Triton backend's, ``form``) on the projections ``q (B, H,
+        T, D)``, ``k, v (B, H_kv, T, D)`` before :meth:`normalize_qk`, which runs here: in training it is recomputed
+        with the segment, so autograd keeps the projections only, not also their normalised copies (two ``(B, H, T,
+        D)`` tensors a layer). ``docs``: see :meth:`_layer_segment`. Returns ``(o (B, H, T, D), *carry after)``."""
         q, k = self.normalize_qk(q, k)
-        if self._batched(q.device):
+        packed = {} if docs is None else dict(pieces=pieces(docs[0], pos, q.shape[2], self.chunk_len),
+                                              empty=docs[1])
+        if form == "triton":
             from .backends import triton as triton_backend  # imports triton: only where the backend runs
 
-            return triton_backend.chunk_forward(spec, q, k, v, memo, pos, *carry)
-        return chunk_forward(spec, q, k, v, memo, pos, *carry)
+            return triton_backend.chunk_forward(spec, q, k, v, memo, pos, *carry, **packed)
+        return chunk_forward(spec, q, k, v, memo, pos, *carry, **packed)
 
-    def _batched(self, device: torch.device) -> bool:
-        """Whether a call on ``device`` takes the Triton backend (``backend`` option), several tokens or one."""
-        return use_triton(self.backend, device) and ops.linear_in_keys(self.spec(device))
+    # -- the reference form -----------------------------------------------------------------------------------
+    def _reference_call(self, x: torch.Tensor, shared: dict | None, offsets: list[int] | None
+                        ) -> tuple[torch.Tensor, OVQState]:
+        """The ``naive`` form: the paper's loop written plainly (:mod:`mixerzoo_ovq.naive`) on the layer's
+        projections, from an empty state; packed documents one by one
+        (:func:`mixerzoo.protocol.run_separately`)."""
+        if offsets is not None:
+            return run_separately(lambda xs, _: self._reference_call(xs, None, None), x, offsets)
+        B, T, _ = x.shape
+        q, k, v, _, shift = self.qkv.stream(x, None, shared)
+        o, carry = self._reference(q, k, v)
+        return self._output(o), self._state(carry, T, shift)
+
+    def _reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """:func:`mixerzoo_ovq.naive.ovq_attention` on the projections (before :meth:`normalize_qk`) of a sequence
+        from its start: ``o (B, H, T, D)`` and the carry after it (:meth:`_carry`'s tensors)."""
+        q, k = self.normalize_qk(q, k)
+        B, Hkv, T, _ = k.shape
+        L, acc = self.chunk_len, ops.accumulation_dtype(q.dtype)
+        scores = ((lambda c: ops.random_scores(c, B, Hkv, L, self.seed, self.layer_idx, k.device))
+                  if self.new_centroids == "random" else None)
+        o, (dk, dv, counts) = naive.ovq_attention(q, k, v, L, self.schedule, self.centroid_lr, self.renormalize,
+                                                  scores, self.first_chunk)
+        done = T // L * L
+        counts = counts.to(acc)
+        return o, (dk.to(acc), dv.to(acc), counts, counts.log(), k[:, :, done:], v[:, :, done:])
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         """The heads' reads ``o (B, H, T, D)`` concatenated and projected: ``(B, T, d_model)``."""

@@ -165,7 +165,9 @@ def ovq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_len: 
         ``o (B, H, T, D)`` and the final ``(D_k, D_v, counts)``; a trailing partial chunk is attended, not merged.
     """
     B, Hkv, T, D = k.shape
-    dk, dv, counts = k.new_zeros(B, Hkv, 0, D), v.new_zeros(B, Hkv, 0, D), torch.zeros(B, Hkv, 0, device=k.device)
+    # counts in float32 at least, float64 for float64 inputs (their logs are the read's prior)
+    counts = torch.zeros(B, Hkv, 0, device=k.device, dtype=torch.promote_types(torch.float32, k.dtype))
+    dk, dv = k.new_zeros(B, Hkv, 0, D), v.new_zeros(B, Hkv, 0, D)
     outs = []
     for c, start in enumerate(range(0, T, chunk_len)):
         kc, vc = k[:, :, start:start + chunk_len], v[:, :, start:start + chunk_len]

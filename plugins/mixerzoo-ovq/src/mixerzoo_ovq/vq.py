@@ -30,8 +30,8 @@ from torch import nn
 from mixerzoo.decisions import decision
 from mixerzoo.ops import max_last
 
-from . import ops
-from .layer import OVQAttention
+from . import naive, ops
+from .layer import _READS, OVQAttention, register_ovq_forms
 from .state import VQState, state_log_counts
 
 __all__ = ["VQState", "VQAttention", "quantize_keys"]
@@ -74,6 +74,7 @@ class VQAttention(OVQAttention):
 
     uses_schedule = False
     mixer_name = "vq"
+    FORMS = register_ovq_forms("vq")
 
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, head_dim: int | None = None,
                  chunk_len: int = 128, codebook_size: int = 2048, beta_init: float = 1.0, positional: Any = "nope",
@@ -129,10 +130,25 @@ class VQAttention(OVQAttention):
         return VQState(dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, log_counts=log_counts, next_pos=next_pos,
                        shift=shift)
 
-    def spec(self, device: torch.device) -> ops.Spec:
+    def spec(self, form: str = "chunk") -> ops.Spec:
         """OVQ's options with ``static_codebook``: a finished chunk adds its values to their codewords' means and the
         codebook stays (:func:`mixerzoo_ovq.ops.merge`)."""
-        return ops.Spec(self.chunk_len, static_codebook=True, read=self.read_for(device))
+        return ops.Spec(self.chunk_len, static_codebook=True, read=_READS.get(form))
+
+    def _reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """Eq. 3's quadratic form (:func:`mixerzoo_ovq.naive.vq_attention`, a key seen through its codeword by later
+        chunks) and eq. 5-6's value means of the whole chunks (:func:`mixerzoo_ovq.naive.vq_merge`), from a
+        sequence's start: ``o (B, H, T, D)`` and the carry after it (:meth:`_carry`'s tensors)."""
+        q, k = OVQAttention.normalize_qk(self, q, k)
+        k_hat, index = quantize_keys(k, self.codes())
+        B, Hkv, T, D = k.shape
+        L, acc = self.chunk_len, ops.accumulation_dtype(q.dtype)
+        codes = self.codes().to(k.dtype)[None].expand(B, -1, -1, -1)
+        o = naive.vq_attention(q, k_hat, v, L, codes.gather(2, index[..., None].expand(B, Hkv, T, D)))
+        done = T // L * L
+        empty = self.empty_state(B, k.device, acc)
+        dv, counts = naive.vq_merge(empty.dv, empty.counts, index[..., :done], v[:, :, :done])
+        return o, (codes.to(acc), dv, counts, counts.log(), k_hat[:, :, done:], v[:, :, done:])
 
     def extra_repr(self) -> str:
         return f"chunk_len={self.chunk_len}, codebook_size={self.codebook.shape[1]}"

@@ -43,7 +43,7 @@ def decision_ranges(eval_mode: str, multi_state: int, chunk_len: int, p0: int, T
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cache: EvictionCache,
             policy: "EvictionPolicy", eval_mode: str = "decode", chunk_len: int = 64, rotate=None,
-            static_window: bool = False) -> tuple[torch.Tensor, EvictionCache]:
+            static_window: bool = False, offsets: list[int] | None = None) -> tuple[torch.Tensor, EvictionCache]:
     """Attention under an eviction policy over ``T`` new tokens, continuing ``cache``.
 
     Args:
@@ -53,14 +53,25 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.
         eval_mode: ``decode`` (exact) or ``chunked`` (approximation); chunk_len: tokens per decision in ``chunked``.
         rotate: the layer's RoPE ``apply`` for positional compression (section 7.2), or None.
         static_window: the window policies' closed form (appendix D) for the whole call (``decode`` mode).
+        offsets: packed documents (batch 1; :func:`mixerzoo.protocol.packed_offsets`): each document's decisions
+            as if it ran alone (``positions`` restart at its start): its first range starts from ``cache``, which
+            must then be empty, and no entry of one document reaches the next.
 
     Returns:
         ``o (B, H, T, D)`` and the new cache (``next_pos`` and ``shift`` for the caller to set).
     """
     if static_window:
         return attend_window_static(q, k, v, positions, cache, policy)
-    outs = []
-    for a, b in decision_ranges(eval_mode, policy.multi_state, chunk_len, cache.next_pos, q.shape[2], cache.size):
+    if offsets is None:
+        ranges = [(a, b, False) for a, b in decision_ranges(eval_mode, policy.multi_state, chunk_len,
+                                                             cache.next_pos, q.shape[2], cache.size)]
+    else:  # every document from the empty cache: its ranges as if alone, shifted to its start
+        ranges = [(s + a, s + b, i == 0) for s, e in zip(offsets, offsets[1:])
+                  for i, (a, b) in enumerate(decision_ranges(eval_mode, policy.multi_state, chunk_len, 0, e - s, 0))]
+    outs, empty = [], cache
+    for a, b, reset in ranges:
+        if reset:
+            cache = empty
         o, cache = attend_and_evict(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], positions[a:b], cache, policy,
                                     rotate=rotate)
         outs.append(o)

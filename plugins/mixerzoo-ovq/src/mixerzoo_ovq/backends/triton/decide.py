@@ -70,13 +70,14 @@ def chunk_choices(kc, d_base, n, n_new, sc_ptr, L: tl.constexpr, D: tl.constexpr
 
 
 @jit
-def _decide_kernel(k_ptr, dk_ptr, cnt_ptr, nnew_ptr, scores_ptr, assign_ptr, n0, C, N_TOT,
+def _decide_kernel(k_ptr, dk_ptr, cnt_ptr, nnew_ptr, scores_ptr, assign_ptr, reset_ptr, n0, C, N_TOT,
                    L: tl.constexpr, D: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                   HAS_SCORES: tl.constexpr):
+                   HAS_SCORES: tl.constexpr, HAS_RESETS: tl.constexpr):
     """One (batch row, kv head) per program. ``k (BH, C L, D)`` float32 unit-norm keys; ``dk (BH, N_TOT, D)`` /
     ``cnt (BH, N_TOT)`` float32 scratch holding the entering dictionary in rows ``< n0``; ``nnew (C,)`` int32 new
     centroids per chunk (eq. 18); ``scores (BH, C L)`` the random ablation's selection scores; ``assign (BH, C L)``
-    int32 out: each key's row of the dictionary after its chunk."""
+    int32 out: each key's row of the dictionary after its chunk; ``reset (C,)`` int32, read with ``HAS_RESETS``:
+    nonzero where a chunk starts a packed document (the dictionary empties before it)."""
     pid = tl.program_id(0)
     k_base = k_ptr + pid.to(tl.int64) * C * L * D
     d_base = dk_ptr + pid.to(tl.int64) * N_TOT * D
@@ -89,6 +90,15 @@ def _decide_kernel(k_ptr, dk_ptr, cnt_ptr, nnew_ptr, scores_ptr, assign_ptr, n0,
     dvalid = di < D
     n = n0
     for c in range(C):
+        if HAS_RESETS:
+            reset = tl.load(reset_ptr + c) != 0
+            n = tl.where(reset, 0, n)
+            if reset:  # a document starts: its dictionary is empty (the scratch rows cleared)
+                for nb in range(0, N_TOT, BN):
+                    rows = nb + ni
+                    tl.store(d_base + rows[:, None] * D + di[None, :], tl.zeros([BN, BD], tl.float32),
+                             mask=(rows < N_TOT)[:, None] & dvalid[None, :])
+                    tl.store(c_base + rows, tl.zeros([BN], tl.float32), mask=rows < N_TOT)
         kc = tl.load(k_base + (c * L + li)[:, None] * D + di[None, :], mask=lvalid[:, None] & dvalid[None, :],
                      other=0.0)
         n_new = tl.load(nnew_ptr + c)
@@ -115,7 +125,7 @@ def _decide_kernel(k_ptr, dk_ptr, cnt_ptr, nnew_ptr, scores_ptr, assign_ptr, n0,
 
 @torch.library.custom_op("mixerzoo_ovq::decide", mutates_args=())
 def decide(k: torch.Tensor, dk: torch.Tensor, counts: torch.Tensor, n_new: torch.Tensor,
-           scores: torch.Tensor | None, n_total: int) -> torch.Tensor:
+           scores: torch.Tensor | None, n_total: int, resets: torch.Tensor | None = None) -> torch.Tensor:
     """Every chunk's choices (see the module docstring) in one launch.
 
     Args:
@@ -123,7 +133,9 @@ def decide(k: torch.Tensor, dk: torch.Tensor, counts: torch.Tensor, n_new: torch
         dk: ``(B, H_kv, n0, D)`` the key dictionary entering the first chunk; counts: ``(B, H_kv, n0)``.
         n_new: ``(C,)`` int32, the centroids each chunk adds (eq. 18, :func:`mixerzoo_ovq.ops.new_centroid_count`).
         scores: ``(B, H_kv, C, L)`` selection scores of the random ablation, or None (spread, the paper's).
-        n_total: ``n0 + n_new.sum()``, the rows after the last chunk.
+        n_total: the most rows after any chunk (``n0 + n_new.sum()`` without resets).
+        resets: ``(C,)`` int32, nonzero where a chunk starts a packed document: the dictionary empties before it (its
+            chunks then number rows from 0), or None.
 
     Returns:
         ``(B, H_kv, C, L)`` int64: each key's row in the dictionary after its chunk (``n + j`` for the ``j``-th new
@@ -140,14 +152,14 @@ def decide(k: torch.Tensor, dk: torch.Tensor, counts: torch.Tensor, n_new: torch
     kf = k.reshape(BH, C * L, D).to(torch.float32).contiguous()
     sc = scores.reshape(BH, C * L).to(torch.float32).contiguous() if scores is not None else kf
     if C:
-        _decide_kernel[(BH,)](kf, dict_scratch, cnt_scratch, n_new.to(torch.int32).contiguous(), sc, assign, n0, C,
-                              n_total, L=L, D=D, BL=block(L),
-                              BD=block(D), BN=BLOCK_N, HAS_SCORES=scores is not None,
-                              num_warps=8)
+        rs = resets.to(torch.int32).contiguous() if resets is not None else assign
+        _decide_kernel[(BH,)](kf, dict_scratch, cnt_scratch, n_new.to(torch.int32).contiguous(), sc, assign, rs, n0,
+                              C, n_total, L=L, D=D, BL=block(L), BD=block(D), BN=BLOCK_N,
+                              HAS_SCORES=scores is not None, HAS_RESETS=resets is not None, num_warps=8)
     return assign.view(B, Hkv, C, L).long()
 
 
 @decide.register_fake
-def _(k, dk, counts, n_new, scores, n_total):
+def _(k, dk, counts, n_new, scores, n_total, resets=None):
     B, Hkv, C, L, _ = k.shape
     return k.new_empty(B, Hkv, C, L, dtype=torch.long)
