@@ -38,7 +38,7 @@ def test_every_bundled_mixer_has_a_count_that_grows_as_it_should():
         assert callable(getattr(mixer, "flops", None)), f"{name} has no flops(seq_len)"
         small, large = mixer.flops(1024), mixer.flops(65536)
         assert 0 < small <= large, name
-        if name != "attention":
+        if name not in ("attention", "tova"):  # TOVA trains as full attention (its policy acts at inference)
             assert large < 64 * small, name  # sub-linear in T: a window or a bounded state
 
 

@@ -11,7 +11,8 @@ from torch import nn
 from mixerzoo.errors import ConfigError
 from mixerzoo.kernels import use_triton
 from mixerzoo.mixers import QKVProjection
-from mixerzoo.protocol import Mixer
+from mixerzoo.flops import attention_flops
+from mixerzoo.protocol import Mixer, packed_offsets
 from mixerzoo.schedules import FixedSchedule, build_schedule
 
 from mixerzoo.ops import recomputed_in_backward, records_grad
@@ -207,45 +208,77 @@ class KVMAttention(Mixer):
         absorbed a merge, so every parameter (the merge gate and ``LN_s`` included) is trained."""
         return (self.n_bswa_chunks + 1) * self.chunk_len + 1
 
-    def forward(self, x: torch.Tensor, state: KVMState | None = None, shared: dict | None = None
-                ) -> tuple[torch.Tensor, KVMState]:
+    def forward(self, x: torch.Tensor, state: KVMState | None = None, shared: dict | None = None,
+                cu_seqlens: Any = None) -> tuple[torch.Tensor, KVMState]:
         """``x (B, T, d_model) -> y (B, T, d_model)``, continuing ``state`` if given (any ``T >= 1``): the decode
-        step (:func:`mixerzoo_kvm.recurrent.kvm_step`) for one token, else the parallel form ``backend`` names."""
+        step (:func:`mixerzoo_kvm.recurrent.kvm_step`) for one token, else the parallel form ``backend`` names.
+
+        With ``cu_seqlens`` ``(N+1,)`` (:mod:`mixerzoo.protocol`), ``x (1, T, d_model)`` holds N documents, each
+        mixed as if alone from an empty state (positions, token shift, chunks, sinks and the state budget restart);
+        the last one's state is returned. The projections run once over the packed sequence; the chunk form runs
+        once per document (a loop over the documents: folding documents into one chunk grid is future work).
+
+        Raises:
+            ValueError: ``state`` with ``cu_seqlens``, or offsets that break the protocol's rules.
+        """
+        offsets = None if cu_seqlens is None else packed_offsets(cu_seqlens, x, state)
         B, T, _ = x.shape
         form = "step" if T == 1 else self.parallel_form(x)
         if form != "step" and records_grad((x, *self.parameters())) and not (self.qkv.value_residual and
                                                                              shared is not None):
             # the projections, norms and RoPE recomputed in backward from x: the chunk form copies q, k, v into its
             # grid, so autograd need not also keep the projections for the norms' backward
-            q, k, v, _, shift = recomputed_in_backward(lambda t: self.qkv.stream(t, state), x,
+            q, k, v, _, shift = recomputed_in_backward(lambda t: self.qkv.stream(t, state, offsets=offsets), x,
                                                        also=tuple(self.qkv.parameters()))
         else:
-            q, k, v, _, shift = self.qkv.stream(x, state, shared)
+            q, k, v, _, shift = self.qkv.stream(x, state, shared, offsets=offsets)
         g = merge_gate(x, self.gate_proj)
         if self.repeat_kv > 1:  # temperatures per query head: key/value head h // G serves query head h
             k, v = k.repeat_interleave(self.repeat_kv, dim=1), v.repeat_interleave(self.repeat_kv, dim=1)
             g = None if g is None else g.repeat_interleave(self.repeat_kv, dim=1)
+        if offsets is None:
+            o, new_state = self._mix(form, x, q, k, v, g, state)
+        else:
+            outs = []
+            for a, b in zip(offsets, offsets[1:]):
+                o, new_state = self._mix("step" if b - a == 1 else form, x, q[:, :, a:b], k[:, :, a:b],
+                                         v[:, :, a:b], None if g is None else g[:, :, a:b], None)
+                outs.append(o)
+            o = torch.cat(outs, dim=2)
+        y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        new_state.shift = shift
+        return y, new_state
+
+    def _mix(self, form: str, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             g: torch.Tensor | None, state: KVMState | None) -> tuple[torch.Tensor, KVMState]:
+        """The mechanism on projected ``q (B, H, T, D)``, ``k, v``, gates ``g (B, H, T)`` from ``state`` (None: empty)
+        in ``form`` (``triton``, ``chunk`` or ``step``): the output ``(B, H, T, D)`` and the new state."""
         if state is None:
             state = KVMState.empty(k, with_count=self.value_norm == "mean", with_gate=g is not None)
         if form == "triton":
             from .backends.triton import route_folds_triton  # imports triton
 
-            o, new_state = kvm_chunk(self.spec, self.params, q, k, v, g, state, route=route_folds_triton,
-                                     group_rows=TRITON_GROUP_ROWS, max_groups=TRITON_MAX_GROUPS)
-        elif form == "chunk":
-            o, new_state = kvm_chunk(self.spec, self.params, q, k, v, g, state)
-        else:  # a fold inside the decode step: one kernel where the parallel form would take Triton's
-            route = fold_block = None
-            if use_triton(self.backend, x.device):
-                from .backends.triton import route_folds_triton as route
-                from .backends.triton.decode import decode_fold, fuses
+            return kvm_chunk(self.spec, self.params, q, k, v, g, state, route=route_folds_triton,
+                             group_rows=TRITON_GROUP_ROWS, max_groups=TRITON_MAX_GROUPS)
+        if form == "chunk":
+            return kvm_chunk(self.spec, self.params, q, k, v, g, state)
+        # a fold inside the decode step: one kernel where the parallel form would take Triton's
+        route = fold_block = None
+        if use_triton(self.backend, x.device):
+            from .backends.triton import route_folds_triton as route
+            from .backends.triton.decode import decode_fold, fuses
 
-                if fuses(self.spec, self.params) and not records_grad((x, *self.parameters())):
-                    fold_block = decode_fold  # no backward: the differentiable fold when autograd records
-            o, new_state = kvm_step(self.spec, self.params, q, k, v, g, state, route=route, fold_block=fold_block)
-        y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-        new_state.shift = shift
-        return y, new_state
+            if fuses(self.spec, self.params) and not records_grad((x, *self.parameters())):
+                fold_block = decode_fold  # no backward: the differentiable fold when autograd records
+        return kvm_step(self.spec, self.params, q, k, v, g, state, route=route, fold_block=fold_block)
+
+    def flops(self, seq_len: int) -> float:
+        """Training FLOPs per token of the reads beyond the projections: softmax attention over the state rows the
+        schedule allows at ``seq_len`` and the block sliding window (:func:`mixerzoo.flops.attention_flops`); the
+        folds' routing is not counted."""
+        window = min(seq_len, self.n_bswa_chunks * self.chunk_len)
+        rows = min(seq_len, int(self.schedule(seq_len)))
+        return attention_flops(self.qkv.n_heads, self.qkv.head_dim, rows + window)
 
     def parallel_form(self, x: torch.Tensor) -> str:
         """``chunk`` or ``triton``: the form ``backend`` picks for input ``x`` (``auto``: ``triton`` for CUDA

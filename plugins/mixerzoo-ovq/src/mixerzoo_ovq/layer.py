@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixerzoo.flops import attention_flops
 from mixerzoo.forms import Call, Form, Forms, register_forms
 from mixerzoo.kernels import triton_available, use_triton
 from mixerzoo.mixers.qkv import QKVProjection
@@ -411,6 +412,18 @@ class OVQAttention(Mixer):
         dk, dv, counts, log_counts, buf_k, buf_v = carry
         return OVQState(dk=dk, dv=dv, counts=counts, buf_k=buf_k, buf_v=buf_v, log_counts=log_counts,
                         next_pos=next_pos, shift=shift)
+
+    def dictionary_rows(self, seq_len: int) -> int:
+        """Dictionary rows a query reads late in a ``seq_len``-token sequence: the schedule's size there, at most
+        ``max_size``."""
+        return min(self.max_size, int(self.schedule(seq_len)) if self.schedule is not None else self.max_size,
+                   seq_len)
+
+    def flops(self, seq_len: int) -> float:
+        """Training FLOPs per token of eq. 15's read beyond the projections: softmax attention over the dictionary
+        and the chunk so far (:func:`mixerzoo.flops.attention_flops`); the dictionary updates are not counted."""
+        return attention_flops(self.qkv.n_heads, self.qkv.head_dim,
+                               self.dictionary_rows(seq_len) + min(self.chunk_len, seq_len))
 
     def extra_repr(self) -> str:
         opts = f"chunk_len={self.chunk_len}, max_size={self.max_size}, schedule={self.schedule!r}"

@@ -150,5 +150,9 @@ class VQAttention(OVQAttention):
         dv, counts = naive.vq_merge(empty.dv, empty.counts, index[..., :done], v[:, :, :done])
         return o, (codes.to(acc), dv, counts, counts.log(), k_hat[:, :, done:], v[:, :, done:])
 
+    def dictionary_rows(self, seq_len: int) -> int:
+        """The codebook's rows: every query reads all of them."""
+        return self.codebook.shape[1]
+
     def extra_repr(self) -> str:
         return f"chunk_len={self.chunk_len}, codebook_size={self.codebook.shape[1]}"
