@@ -429,11 +429,12 @@ LIGHTNING_PRIVATE = {"_instantiate_trainer": ("self", "config", "callbacks"), "_
 
 
 def _check_strategy(trainer) -> None:
-    """Refuse a trainer setting Lightning would refuse with a traceback: FSDP without a GPU.
+    """Refuse a trainer setting Lightning would refuse with a traceback: Lightning's FSDP (FSDP1) without a GPU.
+    FSDP2 (``fsdp2``, :class:`mixerzoo.training.parallel.FSDP2Strategy`) runs on CPU processes too (gloo).
 
     Raises:
-        ConfigError: ``strategy`` is FSDP (by name or class) and the accelerator is the CPU (or ``auto`` on a
-            machine without CUDA).
+        ConfigError: ``strategy`` is Lightning's FSDP (by name or class) and the accelerator is the CPU (or ``auto``
+            on a machine without CUDA); the message names ``fsdp2`` and ``ddp``.
     """
     import torch
 
@@ -441,12 +442,14 @@ def _check_strategy(trainer) -> None:
 
     strategy, accelerator = trainer.get("strategy"), trainer.get("accelerator")
     name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", None) or type(strategy).__name__
-    if not (isinstance(name, str) and (name.startswith("fsdp") or name.endswith("FSDPStrategy"))):
+    fsdp1 = isinstance(name, str) and ((name.startswith("fsdp") and not name.startswith("fsdp2"))
+                                       or name.endswith(".FSDPStrategy") or name == "FSDPStrategy")
+    if not fsdp1:
         return
     if accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available()):
         raise ConfigError(f"--trainer.strategy {strategy if isinstance(strategy, str) else name} needs GPUs "
-                          f"(FSDP shards the model over CUDA devices) and the accelerator is the CPU; on CPU use "
-                          f"--trainer.strategy ddp")
+                          f"(Lightning's FSDP shards the model over CUDA devices) and the accelerator is the CPU; on "
+                          f"CPU use --trainer.strategy fsdp2 (FSDP2, which runs on CPU processes) or ddp")
 
 
 def _default_callbacks(config: dict, callbacks: list) -> list:

@@ -108,8 +108,9 @@ CASES = {
                                      r"raise model\.vocab_size to at least 64 \(or leave it unset to take the "
                                      r"tokenizer's\)\n\Z"),
     "fsdp_on_cpu": (FIT + ["--trainer.strategy", "fsdp", "--trainer.accelerator", "cpu"],
-                    r"(?m)^mixerzoo: error: --trainer\.strategy fsdp needs GPUs \(FSDP shards the model over CUDA "
-                    r"devices\) and the accelerator is the CPU; on CPU use --trainer\.strategy ddp\n\Z"),
+                    r"(?m)^mixerzoo: error: --trainer\.strategy fsdp needs GPUs \(Lightning's FSDP shards the model "
+                    r"over CUDA devices\) and the accelerator is the CPU; on CPU use --trainer\.strategy fsdp2 "
+                    r"\(FSDP2, which runs on CPU processes\) or ddp\n\Z"),
     "fit_without_config": (["fit"], r"(?m)\Amixerzoo: error: mixerzoo fit needs a recipe: --config RECIPE\.yaml "
                                     r"\(e\.g\. recipes/quickstart\.yaml\), or at least --data CLASS"),
     "root_dir_not_writable": (FIT + ["--trainer.default_root_dir", "ok.yaml/runs"],
