@@ -63,7 +63,9 @@ def source_kind(source: str | os.PathLike) -> str:
     p = Path(os.path.expanduser(os.fspath(source)))
     if is_transformers_source(p):
         return "transformers"
-    if p.is_file() or os.fspath(source).endswith(".ckpt") or (p / ".metadata").is_file():  # a file or DCP folder
+    from .sharded import is_sharded_checkpoint
+
+    if p.is_file() or os.fspath(source).endswith(".ckpt") or is_sharded_checkpoint(p):  # a file or DCP folder
         return "checkpoint"
     return "export"
 
